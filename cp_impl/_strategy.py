@@ -1,0 +1,127 @@
+"""Shared body of the ``prepare_cp_inputs`` hooks and their ``shard_batch`` strategies.
+
+Private to :mod:`cp_impl`.  The two model modules differ only in which keys
+they shard (inkling2 keeps ``input_ids`` global; mistral_large4 shards them
+when ``shard_primary``) and in the packed path of mistral_large4 (which adds
+``document_ids`` and masks the label of each document's first token).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import MutableMapping
+from typing import Any, Mapping
+
+import torch
+
+from ._layout import (
+    IGNORE_INDEX,
+    PACKED_KEYS,
+    DerivedLayout,
+    check_num_chunks,
+    check_token_tensor,
+    batch_dims,
+    primary_key,
+)
+from .sharder import ContextParallelSharder, TokenKey, shard_batch_tokens
+
+__all__ = ["check_batch", "write_layout", "make_sharder", "mask_first_document_labels"]
+
+_LAYOUT_MARKER = "qkv_format"
+
+
+def check_batch(batch: Any, api: str) -> None:
+    """The batch must be a mutable mapping (``dict``) of named tensors."""
+    if not isinstance(batch, MutableMapping):
+        raise TypeError(f"{api}: batch: expected a dict of named tensors, got {type(batch).__name__}")
+
+
+def write_layout(batch: MutableMapping[str, Any], derived: DerivedLayout, *, document_ids: bool) -> None:
+    """Mutate ``batch`` in place (the last step of a hook, after all validation).
+
+    Writes ``padding_mask`` (bool, True = padding) and int64 ``position_ids``;
+    for packed rows removes ``seq_lens``, ``seq_lens_padded`` and the
+    ``qkv_format`` marker, and writes ``document_ids`` when asked.
+    """
+    batch["padding_mask"] = ~derived.layout.keep
+    batch["position_ids"] = derived.position_ids
+    if derived.kind == "packed":
+        for key in (*PACKED_KEYS, _LAYOUT_MARKER):
+            batch.pop(key, None)
+        if document_ids:
+            batch["document_ids"] = derived.layout.document_ids
+
+
+def mask_first_document_labels(labels: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    """New labels with ``-100`` at the first slot of every document (``labels`` untouched)."""
+    doc = document_ids.to(labels.device)
+    starts = doc >= 0
+    starts[:, 1:] &= doc[:, 1:] != doc[:, :-1]
+    return labels.masked_fill(starts, IGNORE_INDEX)
+
+
+def _shard_prepared(
+    cp_mesh: Any,
+    tp_mesh: Any,
+    batch: Mapping[str, Any],
+    *,
+    loss_mask: torch.Tensor | None = None,
+    padding_token_id: int = 0,
+    api: str,
+    num_chunks: int,
+    allow_embeds: bool,
+    shard_primary: bool,
+    packed: bool,
+) -> tuple[Any, dict[str, Any], Any]:
+    """``shard_batch`` strategy over a batch prepared by the matching hook."""
+    del tp_mesh  # the models shard nothing over TP here
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"{api}: batch: expected a dict of named tensors, got {type(batch).__name__}")
+    primary = primary_key(batch, api, allow_embeds=allow_embeds)
+    b, s = batch_dims(batch, primary, api)
+    stale = [k for k in PACKED_KEYS if batch.get(k) is not None]
+    required = ["padding_mask", "position_ids"] + (["document_ids"] if packed else [])
+    missing = [k for k in required if batch.get(k) is None]
+    if stale or missing:
+        raise ValueError(
+            f"{api}: the batch is not prepared (missing {missing}, still holding {stale}); pass the batch that "
+            f"prepare_cp_inputs(batch) normalised in place"
+        )
+    check_token_tensor(batch, "padding_mask", b, s, "bool", api)
+    check_token_tensor(batch, "position_ids", b, s, "int", api)
+    labels = check_token_tensor(batch, "labels", b, s, "int", api)
+    check_num_chunks(num_chunks, b, api, exact=packed)
+    plan = {
+        "labels": TokenKey(IGNORE_INDEX),
+        "position_ids": TokenKey(continue_count=True),
+        "padding_mask": TokenKey(True),
+    }
+    replace: dict[str, torch.Tensor] = {}
+    if shard_primary:
+        plan[primary] = TokenKey(padding_token_id if primary == "input_ids" else 0)
+    if packed:
+        document_ids = check_token_tensor(batch, "document_ids", b, s, "int", api)
+        plan["document_ids"] = TokenKey(-1)
+        if labels is not None:
+            replace["labels"] = mask_first_document_labels(labels, document_ids)
+    if loss_mask is not None:
+        if not isinstance(loss_mask, torch.Tensor) or tuple(loss_mask.shape) != (b, s):
+            raise ValueError(f"{api}: loss_mask: expected a tensor [batch, sequence] = {[b, s]}")
+        plan["loss_mask"] = TokenKey(False if loss_mask.dtype == torch.bool else 0)
+        replace["loss_mask"] = loss_mask
+    return shard_batch_tokens(
+        cp_mesh, batch, plan, seq_len=s, batch_size=b, num_chunks=num_chunks, drop=("attention_mask",), replace=replace
+    )
+
+
+def make_sharder(*, api: str, num_chunks: int, allow_embeds: bool, shard_primary: bool, packed: bool) -> ContextParallelSharder:
+    """An unbound sharder whose strategy shards batches prepared by ``api``."""
+    strategy = functools.partial(
+        _shard_prepared,
+        api=api,
+        num_chunks=num_chunks,
+        allow_embeds=allow_embeds,
+        shard_primary=shard_primary,
+        packed=packed,
+    )
+    return ContextParallelSharder(strategy)
