@@ -1,0 +1,89 @@
+"""Command line: ``python -m cp_harness <command>`` (also installed as ``cp-harness``).
+
+Commands:
+
+- ``verify``: the main job. Checks an implementation against the oracles on a
+  warm rank pool and prints a table; exit status 1 on any failure.
+- ``run-case CASE_JSON``: runs one case (as printed by a failing test) and prints its report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _world_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated positive integers, e.g. 1,2,3,4,8")
+    return sizes
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--impl", default=None, help="module exposing inkling2 and mistral_large4 (default: $CP_IMPL or cp_impl)")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="gloo on CPU, nccl with one GPU per rank")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cp_harness", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    verify = sub.add_parser("verify", help="verify an implementation and print the report")
+    _add_common(verify)
+    verify.add_argument("--world-sizes", type=_world_sizes, default=(1, 2, 3, 4, 8), help="CP sizes, e.g. 1,2,3,4,8")
+    verify.add_argument("--examples", type=int, default=25, help="generated examples per function/model row")
+    verify.add_argument("--seed", type=int, default=0, help="seed of the example generator")
+    verify.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="also write the report as JSON")
+
+    run_case = sub.add_parser("run-case", help="run one case description and print its report")
+    _add_common(run_case)
+    run_case.add_argument("case", help="the case as JSON (the 'case:' line of a failure)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from cp_harness.impl import selected_impl_name
+
+    impl = selected_impl_name(args.impl)
+    if args.command == "verify":
+        from cp_harness.verify import run_verify
+
+        if args.examples < 1:
+            print("--examples must be at least 1", file=sys.stderr)
+            return 2
+        return run_verify(impl=impl, world_sizes=args.world_sizes, examples=args.examples, backend=args.backend,
+                          seed=args.seed, json_path=args.json_path)
+    if args.command == "run-case":
+        from cp_harness.pool import PoolConfig
+        from cp_harness.runner import CaseRunner, failure_message
+        from cp_harness.errormap import write_error_maps
+
+        try:
+            case = json.loads(args.case)
+        except json.JSONDecodeError as exc:
+            print(f"case is not JSON ({exc}); paste the 'case:' line of the failure", file=sys.stderr)
+            return 2
+        runner = CaseRunner(PoolConfig(world_size=int(case["world_size"]), backend=args.backend, impl=impl))
+        try:
+            report = runner.run(case)
+        finally:
+            runner.close()
+        if report.ok:
+            print(f"case passed against {impl!r}:\n{report.format()}")
+            return 0
+        print(failure_message(case, report, impl, backend=args.backend))
+        for path in write_error_maps(report):
+            print(f"error map: {path}")
+        return 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Error budgets for arithmetic comparisons, one table for every consumer.
+
+Properties, golden files and the verify command all call ``budget_for``.
+Data movement has no budget: it is compared bit for bit.
+
+A budget is ``(ulp, floor_fraction)``: the largest allowed error in units in
+the last place of the compared dtype, and the floor of the per-element scale
+as a fraction of the tensor's largest magnitude (see ``cp_harness.compare``).
+
+- float64 tier: element-wise (floor 1/1024). The CP path sums in another
+  order than the oracle (attention over gathered keys, cross-rank gradient
+  reductions), so deep gradients show a few thousand ULP. Ceiling:
+  relative 1e-10 (about 450,000 ULP); the budgets are far inside it.
+- float32 tier: the ranks compute in float32, the oracle in float64 on the same
+  float32-rounded inputs. Gradients that are small sums of large, nearly
+  cancelling terms (softmax saturation, two-token documents) carry errors that
+  are large relative to themselves in any float32 implementation, a single
+  device included, so this tier is measured normwise (floor = the tensor's
+  largest magnitude).
+
+Each budget is the worst error measured over the generated examples (README,
+"Error budgets") times a margin of 4 to 8, rounded up to a power of two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    ulp: float
+    floor_fraction: float
+
+
+BUDGETS = {
+    ("shifted_cp_loss", "float64"): Budget(16.0, 1 / 1024),
+    ("shifted_cp_loss", "float32"): Budget(16.0, 1.0),
+    ("model", "float64"): Budget(8192.0, 1 / 1024),
+    ("model", "float32"): Budget(1024.0, 1.0),
+}
+
+RELATIVE_CEILING_FLOAT64 = 1e-10
+
+
+def budget_for(check: str, case: dict) -> Budget:
+    """Budget of ``check`` (``"shifted_cp_loss"`` or ``"model"``) at the case's dtype."""
+    key = (check, case.get("dtype", "float64"))
+    if key not in BUDGETS:
+        raise KeyError(f"no error budget for {key}; add one to cp_harness.budgets.BUDGETS")
+    return BUDGETS[key]

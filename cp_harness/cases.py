@@ -1,0 +1,215 @@
+"""Case descriptions and the deterministic batches they stand for.
+
+A case is a small JSON-able dict; every rank and the test process rebuild the
+same tensors from it (same seed, same generator calls, same order), so only the
+description travels. Keys:
+
+- ``check``: which check runs it (``cp_harness.checks`` registry).
+- ``world_size``: CP size ``N``; ``mesh``: ``"mesh"`` (default) or ``"none"``
+  (pass ``mesh=None``; only with ``world_size == 1``).
+- ``seed``: integer seed of every random tensor; ``dtype``: ``"float64"`` or ``"float32"``.
+- ``model``: ``"inkling2"`` or ``"mistral_large4"`` (vocabulary, image format).
+- ``batch``: the layout, one of
+  ``{"format": "thd", "seq_len": S, "docs": [[[real, padded], ...] per row]}``
+  (packed rows; ``-1000`` filler is added for rows with fewer documents) or
+  ``{"format": "bshd", "seq_len": S, "rows": [[left_padding, real_len], ...]}``
+  (right padding is what remains), plus optional ``eos_is_pad`` (real tokens
+  whose id equals the pad id), ``padding_seed`` (random ids/labels/features in
+  padding slots instead of the defaults, for metamorphic checks) and
+  ``images`` (inkling2: ``[[row, start, height, width], ...]``, one image per
+  span; mistral_large4: ``{"height": h, "width": w, "spans": [[row, start, length], ...]}``,
+  one image whose patches fill the spans in order).
+- check-specific keys (``width``, ``num_chunks``, ``shard_primary``, ...).
+
+``GENERATOR_VERSION`` changes whenever the same description would build
+different tensors; golden files record it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import zlib
+from typing import Any
+
+import torch
+
+GENERATOR_VERSION = 1
+PAD_ID = 0
+FILLER = -1000
+IGNORE_INDEX = -100
+VOCAB_SIZE = 40
+IMAGE_CHANNELS = 3
+PATCH_SIZE = 2
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def canonical(case: dict) -> str:
+    """The case as a canonical JSON string (sorted keys, no spaces): its identity."""
+    return json.dumps(case, sort_keys=True, separators=(",", ":"))
+
+
+def case_id(case: dict) -> str:
+    """Short stable identifier of a case (CRC32 of its canonical form)."""
+    return f"{case.get('check', 'case')}-n{case.get('world_size')}-{zlib.crc32(canonical(case).encode()):08x}"
+
+
+def with_changes(case: dict, **changes: Any) -> dict:
+    """A deep copy of ``case`` with top-level keys replaced."""
+    out = copy.deepcopy(case)
+    out.update(changes)
+    return out
+
+
+def generator(case: dict, stream: str) -> torch.Generator:
+    """A torch generator seeded by the case seed and a stream name (independent streams per tensor)."""
+    return torch.Generator().manual_seed((int(case["seed"]) * 1_000_003 + zlib.crc32(stream.encode())) % (2**63))
+
+
+def dtype_of(case: dict) -> torch.dtype:
+    name = case.get("dtype", "float64")
+    if name not in DTYPES:
+        raise ValueError(f"case dtype={name!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def padded_length(seq_len: int, cp_size: int) -> int:
+    """Sequence length after right-padding to a multiple of the CP size."""
+    return int(math.ceil(seq_len / cp_size) * cp_size)
+
+
+# ---------------------------------------------------------------------- layout, as the description states it
+def spec_layout(spec: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keep [B,S] bool, document_ids [B,S] int64)`` read straight off a batch description.
+
+    Used to decide where the builder writes padding values; the checks take
+    their expectations from ``oracle.layout`` instead.
+    """
+    S = int(spec["seq_len"])
+    if spec["format"] == "thd":
+        rows = spec["docs"]
+        keep = torch.zeros(len(rows), S, dtype=torch.bool)
+        docs = torch.full((len(rows), S), -1, dtype=torch.int64)
+        for b, row in enumerate(rows):
+            start = 0
+            for d, (real, padded) in enumerate(row):
+                keep[b, start:start + real] = True
+                docs[b, start:start + padded] = d
+                start += padded
+        return keep, docs
+    rows = spec["rows"]
+    keep = torch.zeros(len(rows), S, dtype=torch.bool)
+    for b, (left, real) in enumerate(rows):
+        keep[b, left:left + real] = True
+    docs = torch.where(keep, 0, -1)
+    return keep, docs
+
+
+def build_batch(case: dict) -> dict[str, Any]:
+    """The global batch of ``case`` as the data pipeline hands it to every rank.
+
+    Keys: ``input_ids [B,S]`` int64, ``labels [B,S]`` int64 (inkling2: aligned
+    targets; mistral_large4: unshifted labels), layout metadata
+    (``seq_lens``/``seq_lens_padded [B,documents]`` int64 or ``attention_mask
+    [B,S]`` int64), and with images ``image_mask [B,S]`` bool plus
+    ``pixel_values`` (inkling2: list of ``[C,h,w]``; mistral_large4: ``[C,H,W]``).
+    Labels in padding slots are real-looking ids, not ``-100``: padding must be
+    recognised from the layout, never from labels or token ids.
+    """
+    spec = case["batch"]
+    model = case.get("model", "inkling2")
+    dtype = dtype_of(case)
+    S = int(spec["seq_len"])
+    keep, _ = spec_layout(spec)
+    B = keep.shape[0]
+    g = generator(case, "tokens")
+    input_ids = torch.randint(1, VOCAB_SIZE, (B, S), generator=g)
+    labels = torch.randint(0, VOCAB_SIZE, (B, S), generator=g)
+    ignore = torch.rand(B, S, generator=g) < 0.15
+    labels = torch.where(ignore, IGNORE_INDEX, labels)
+    if spec.get("eos_is_pad"):
+        # Real tokens that carry the pad id: every fourth real token, plus each document's last token.
+        eos = (torch.rand(B, S, generator=g) < 0.25) & keep
+        input_ids = torch.where(eos, PAD_ID, input_ids)
+    if spec.get("padding_seed") is None:
+        input_ids = torch.where(keep, input_ids, PAD_ID)
+    else:
+        gp = torch.Generator().manual_seed(int(spec["padding_seed"]))
+        noise_ids = torch.randint(0, VOCAB_SIZE, (B, S), generator=gp)
+        noise_labels = torch.randint(0, VOCAB_SIZE, (B, S), generator=gp)
+        input_ids = torch.where(keep, input_ids, noise_ids)
+        labels = torch.where(keep, labels, noise_labels)
+    batch: dict[str, Any] = {"input_ids": input_ids, "labels": labels}
+    if spec["format"] == "thd":
+        width = max(1, max(len(row) for row in spec["docs"]))
+        seq_lens = torch.full((B, width), FILLER, dtype=torch.int64)
+        seq_lens_padded = torch.full((B, width), FILLER, dtype=torch.int64)
+        for b, row in enumerate(spec["docs"]):
+            for d, (real, padded) in enumerate(row):
+                seq_lens[b, d], seq_lens_padded[b, d] = real, padded
+        batch["seq_lens"], batch["seq_lens_padded"] = seq_lens, seq_lens_padded
+        if spec.get("qkv_format"):
+            batch["qkv_format"] = "thd"
+    else:
+        batch["attention_mask"] = keep.to(torch.int64)
+    images = spec.get("images")
+    if images:
+        gi = generator(case, "images")
+        image_mask = torch.zeros(B, S, dtype=torch.bool)
+        if model == "inkling2":
+            pixel_values = []
+            for row, start, h, w in images:
+                n = (h // PATCH_SIZE) * (w // PATCH_SIZE)
+                image_mask[row, start:start + n] = True
+                pixel_values.append(torch.randn(IMAGE_CHANNELS, h, w, generator=gi, dtype=torch.float64).to(dtype))
+        else:
+            for row, start, length in images["spans"]:
+                image_mask[row, start:start + length] = True
+            pixel_values = torch.randn(IMAGE_CHANNELS, images["height"], images["width"], generator=gi,
+                                       dtype=torch.float64).to(dtype)
+        batch["image_mask"] = image_mask
+        batch["pixel_values"] = pixel_values
+    return batch
+
+
+def clone_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of a batch (tensors cloned, lists copied) to detect in-place changes."""
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = value.clone()
+        elif isinstance(value, list):
+            out[key] = [v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for v in value]
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def batches_equal(a: dict[str, Any], b: dict[str, Any]) -> str | None:
+    """``None`` when two batches hold the same keys and bit-identical values, else what differs."""
+    if set(a) != set(b):
+        return f"keys differ: added {sorted(set(a) - set(b))}, removed {sorted(set(b) - set(a))}"
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or x.dtype != y.dtype \
+                    or x.shape != y.shape or not torch.equal(x, y):
+                return f"{key!r} changed"
+        elif isinstance(x, list):
+            if len(x) != len(y) or any(not torch.equal(u, v) for u, v in zip(x, y)):
+                return f"{key!r} changed"
+        elif x != y:
+            return f"{key!r} changed"
+    return None
+
+
+def random_tensor(case: dict, stream: str, shape: tuple[int, ...], *, dtype: torch.dtype | None = None,
+                  integer_valued: bool = False) -> torch.Tensor:
+    """A seeded tensor for data-movement checks; integer-valued floats keep gradient sums exact."""
+    g = generator(case, stream)
+    dtype = dtype or dtype_of(case)
+    if integer_valued:
+        return torch.randint(-8, 9, shape, generator=g).to(dtype)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)

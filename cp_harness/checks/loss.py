@@ -1,0 +1,92 @@
+"""``mistral_large4.shifted_cp_loss`` against the oracle's shifted cross-entropy.
+
+Every rank gets random soft-capped logits for its shard, the unshifted labels
+and the flattened keep mask of the case's layout (divisibility padding is not
+kept). The mean of the per-rank losses must equal the oracle's global mean,
+and the per-rank gradients, averaged over ranks as FSDP does, the gradient of
+that mean. Case keys: ``batch`` (layout), ``vocab`` (logit width).
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+import torch
+
+from cp_harness.budgets import budget_for
+from cp_harness.cases import IGNORE_INDEX, build_batch, dtype_of, padded_length, random_tensor
+from cp_harness.checks import CaseReport, register, stack_ranks
+from cp_harness.compare import TokenGrid, compare
+from oracle.layout import layout_from_batch
+from oracle.loss import mean_loss, shifted_cross_entropy
+
+SOFTCAP = 5.0
+
+
+def _inputs(case: dict):
+    """Global padded ``(logits [B,S_pad,V], labels [B,S_pad], keep [B,S_pad])`` and the unpadded length."""
+    n = int(case["world_size"])
+    batch = build_batch(case)
+    layout = layout_from_batch(batch)
+    B, S = batch["input_ids"].shape
+    S_pad = padded_length(S, n)
+    V = int(case.get("vocab", 11))
+    raw = random_tensor(case, "logits", (B, S_pad, V), dtype=dtype_of(case)) * 3
+    logits = SOFTCAP * torch.tanh(raw / SOFTCAP)
+    labels = torch.full((B, S_pad), IGNORE_INDEX, dtype=torch.int64)
+    labels[:, :S] = batch["labels"] % V
+    labels[:, :S] = torch.where(batch["labels"] == IGNORE_INDEX, IGNORE_INDEX, labels[:, :S])
+    keep = torch.zeros(B, S_pad, dtype=torch.bool)
+    keep[:, :S] = layout.keep
+    return logits, labels, keep, S
+
+
+def _rank(case: dict, ctx) -> tuple[dict, dict]:
+    n = int(case["world_size"])
+    logits, labels, keep, _ = _inputs(case)
+    L = logits.shape[1] // n
+    sl = slice(ctx.rank * L, (ctx.rank + 1) * L)
+    local_logits = logits[:, sl].clone().to(ctx.device).requires_grad_(True)
+    local_labels = labels[:, sl].clone().to(ctx.device)
+    valid = keep[:, sl].reshape(-1).clone().to(ctx.device)
+    loss = ctx.impl.mistral_large4.shifted_cp_loss(local_logits, local_labels, valid, ctx.mesh_for(case))
+    loss.backward()
+    grad = local_logits.grad if local_logits.grad is not None else torch.full_like(local_logits, float("nan"))
+    info = {"loss_requires_grad": bool(loss.requires_grad), "loss_dtype": str(loss.dtype)}
+    return info, {"loss": loss.reshape(()), "grad": grad}
+
+
+def _evaluate(case: dict, outputs: list) -> CaseReport:
+    report = CaseReport(case=case)
+    n = int(case["world_size"])
+    logits, labels, keep, S = _inputs(case)
+    L = logits.shape[1] // n
+    ref_logits = logits.detach().to(torch.float64).requires_grad_(True)
+    loss_sum, count = shifted_cross_entropy(ref_logits, labels, keep)
+    ref = mean_loss(loss_sum, count)
+    ref.backward()
+    budget = budget_for("shifted_cp_loss", case)
+    losses = np.array([float(o.tensors["loss"]) for o in outputs])
+    report.require(bool(np.all(np.isfinite(losses))), f"losses must be finite, got {losses.tolist()}")
+    for o in outputs:
+        report.require(o.info["loss_requires_grad"], f"rank {o.rank}: the loss must take part in autograd")
+    mean = np.array(losses.sum() / n)
+    report.add(compare("loss (mean over ranks)", mean, ref.detach().numpy(), mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
+                       ulp_dtype=case.get("dtype", "float64")))
+    grad = stack_ranks(outputs, "grad") / n
+    report.add(compare("d loss / d logits", grad, ref_logits.grad.numpy(), mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
+                       grid=TokenGrid(L, n), ulp_dtype=case.get("dtype", "float64")))
+    if int(count) == 0:
+        report.add(compare("loss when nothing counts", losses, np.zeros(n), mode="exact"))
+    # Positions that predict nothing must get exactly zero gradient.
+    predicts = torch.zeros_like(keep)
+    predicts[:, :-1] = keep[:, :-1] & keep[:, 1:] & (labels[:, 1:] != IGNORE_INDEX)
+    if bool((~predicts).any()):
+        report.add(compare("d loss / d logits where nothing is predicted", grad, np.zeros_like(grad), mode="exact",
+                           mask=(~predicts).numpy(), grid=TokenGrid(L, n)))
+    report.info["count"] = int(count)
+    report.info["ulp"] = report.max_ulp
+    return report
+
+
+register("shifted_cp_loss", rank=_rank, evaluate=_evaluate, functions=("mistral_large4.shifted_cp_loss",))

@@ -1,0 +1,143 @@
+"""End-to-end checks: the miniature models on N ranks against one device.
+
+Each rank runs ``cp_harness.cp_models`` with the implementation under test,
+backpropagates its own scaled loss and returns its local logits, its loss,
+its local input-embedding gradients and its full parameter gradients. The test
+process rebuilds the batch and the parameters, runs the float64 oracle and
+compares:
+
+- logits (gathered back to global order) and the loss (mean over ranks);
+- input-embedding gradients (gathered, averaged over ranks) and every
+  parameter gradient (averaged over CP ranks, as FSDP does);
+- logits and input-embedding gradients at padding slots exactly zero.
+
+In the float32 tier the ranks compute in float32 and the oracle in float64 on
+the same (float32-rounded) parameters and images, and errors are measured in
+float32 ULPs. Case keys: ``model``, ``batch``, ``num_chunks``, ``shard_primary``
+(mistral_large4), ``dtype``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cp_harness.budgets import budget_for
+from cp_harness.cases import build_batch, dtype_of, padded_length
+from cp_harness.checks import CaseReport, register, stack_ranks
+from cp_harness.compare import TokenGrid, compare
+from cp_harness import cp_models
+from oracle import models as oracle_models
+from oracle.layout import layout_from_batch
+
+MODELS = {
+    "inkling2": (oracle_models.Inkling2Config, oracle_models.init_inkling2_params, oracle_models.inkling2_forward),
+    "mistral_large4": (oracle_models.MistralLarge4Config, oracle_models.init_mistral_large4_params,
+                       oracle_models.mistral_large4_forward),
+}
+
+
+def _params(case: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    config_cls, init, _ = MODELS[case["model"]]
+    return init(config_cls(), seed=int(case["seed"]), dtype=dtype)
+
+
+def _rank(case: dict, ctx) -> tuple[dict, dict]:
+    config_cls, _, _ = MODELS[case["model"]]
+    config = config_cls()
+    dtype = dtype_of(case)
+    params = {k: v.detach().to(ctx.device).requires_grad_(True) for k, v in _params(case, dtype).items()}
+    batch = _to_device(build_batch(case), ctx.device)
+    mesh = ctx.mesh_for(case)
+    if case["model"] == "inkling2":
+        out = cp_models.inkling2_cp_forward(ctx.impl, params, config, batch, mesh, num_chunks=int(case.get("num_chunks", 1)))
+    else:
+        out = cp_models.mistral_large4_cp_forward(ctx.impl, params, config, batch, mesh,
+                                                  num_chunks=int(case.get("num_chunks", 1)),
+                                                  shard_primary=bool(case.get("shard_primary", True)))
+    out.loss.backward()
+    tensors = {"logits": out.logits, "loss": out.loss.reshape(()),
+               "inputs_embeds.grad": _grad_or_zeros(out.inputs_embeds)}
+    for name, p in params.items():
+        tensors[f"grad.{name}"] = _grad_or_zeros(p)
+    return {"local_len": out.local_len, "cp_rank": out.cp_rank, "cp_size": out.cp_size}, tensors
+
+
+def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
+    return t.grad if t.grad is not None else torch.zeros_like(t)
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    if device.type == "cpu":
+        return batch
+    out = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = v.to(device)
+        elif isinstance(v, list):
+            out[k] = [t.to(device) for t in v]
+        else:
+            out[k] = v
+    return out
+
+
+def oracle_run(case: dict):
+    """The float64 oracle on the case's inputs: ``(output, params, layout)`` with gradients populated."""
+    config_cls, _, forward = MODELS[case["model"]]
+    dtype = dtype_of(case)
+    # Same inputs as the ranks (rounded to their dtype), computed in float64.
+    params = {k: v.detach().to(torch.float64).requires_grad_(True) for k, v in _params(case, dtype).items()}
+    batch = build_batch(case)
+    if "pixel_values" in batch:
+        pv = batch["pixel_values"]
+        batch["pixel_values"] = [t.to(torch.float64) for t in pv] if isinstance(pv, list) else pv.to(torch.float64)
+    layout = layout_from_batch(batch)
+    out = forward(params, config_cls(), batch)
+    out.inputs_embeds.retain_grad()
+    out.loss.backward()
+    return out, params, layout
+
+
+def _evaluate(case: dict, outputs: list) -> CaseReport:
+    report = CaseReport(case=case)
+    n = int(case["world_size"])
+    out, params, layout = oracle_run(case)
+    budget = budget_for("model", case)
+    ulp_dtype = case.get("dtype", "float64")
+    B, S = layout.keep.shape
+    S_pad = padded_length(S, n)
+    L = S_pad // n
+    grid = TokenGrid(L, n)
+    keep = layout.keep.numpy()
+
+    logits = stack_ranks(outputs, "logits")
+    report.require(logits.shape[1] == S_pad, f"logits cover {logits.shape[1]} positions, expected {S_pad} (N x local length)")
+    report.add(compare("logits", logits[:, :S], out.logits.detach().numpy(), mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
+                       grid=grid, ulp_dtype=ulp_dtype))
+    pad_mask = np.ones(logits.shape[:2], dtype=bool)
+    pad_mask[:, :S] = ~keep
+    if pad_mask.any():
+        report.add(compare("logits at padding (exactly zero)", logits, np.zeros_like(logits), mode="exact",
+                           mask=pad_mask, grid=grid))
+
+    loss = np.array(sum(float(o.tensors["loss"]) for o in outputs) / n)
+    report.add(compare("loss (mean over ranks)", loss, out.loss.detach().numpy(), mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
+                       ulp_dtype=ulp_dtype))
+
+    emb = stack_ranks(outputs, "inputs_embeds.grad") / n
+    report.add(compare("input-embedding gradient", emb[:, :S], out.inputs_embeds.grad.numpy(), mode="ulp",
+                       budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction, grid=grid, ulp_dtype=ulp_dtype))
+    if pad_mask.any():
+        report.add(compare("input-embedding gradient at padding (exactly zero)", emb, np.zeros_like(emb), mode="exact",
+                           mask=pad_mask, grid=grid))
+
+    for name, p in params.items():
+        expected = p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape))
+        got = sum(o.tensors[f"grad.{name}"] for o in outputs) / n
+        report.add(compare(f"grad {name}", got, expected, mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction, ulp_dtype=ulp_dtype))
+    report.info.update({"loss": float(out.loss.detach()), "count": int(out.count), "max_ulp": report.max_ulp})
+    return report
+
+
+register("model", rank=_rank, evaluate=_evaluate,
+         functions=("inkling2.*", "mistral_large4.*", "sharder.shard_token_tensor"))

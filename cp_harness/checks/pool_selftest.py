@@ -1,0 +1,49 @@
+"""A check that exercises the pool itself, with optional fault injection.
+
+``case["mode"]``: ``"ok"`` (every rank all-reduces its rank and returns it),
+``"raise"`` (``case["fault_rank"]`` raises before the collective), ``"exit"``
+(it exits abruptly), ``"hang"`` (it sleeps instead of joining the collective,
+so its peers wait inside one), ``"wrong_shape"`` (it returns a tensor of the
+wrong shape).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from cp_harness.checks import CaseReport, register
+from cp_harness.compare import compare
+
+
+def _rank(case: dict, ctx) -> tuple[dict, dict]:
+    mode = case.get("mode", "ok")
+    fault = ctx.rank == int(case.get("fault_rank", 0)) and mode != "ok"
+    if fault and mode == "raise":
+        raise RuntimeError(f"injected fault on rank {ctx.rank}")
+    if fault and mode == "exit":
+        os._exit(17)
+    if fault and mode == "hang":
+        time.sleep(float(case.get("hang_seconds", 3600)))
+    value = torch.tensor([float(ctx.rank)], device=ctx.device)
+    mesh = ctx.mesh_for(case)
+    if mesh is not None and ctx.cp_size > 1:
+        dist.all_reduce(value, group=mesh.get_group())
+    out = torch.full((2 if fault and mode == "wrong_shape" else 1,), value.item())
+    return {"rank": ctx.rank, "pid": os.getpid()}, {"sum": out}
+
+
+def _evaluate(case: dict, outputs: list) -> CaseReport:
+    report = CaseReport(case=case)
+    n = int(case["world_size"])
+    expected = torch.tensor([float(sum(range(n)))], dtype=torch.float32)
+    for o in outputs:
+        report.add(compare(f"sum@rank{o.rank}", o.tensors["sum"], expected, mode="exact"))
+        report.require(o.info.get("rank") == o.rank, f"rank {o.rank} reported rank {o.info.get('rank')}")
+    return report
+
+
+register("pool_selftest", rank=_rank, evaluate=_evaluate)

@@ -1,0 +1,127 @@
+"""Data-movement checks: ``gather_sequence``, ``gather_tokens``, ``convolution_history``.
+
+All are pure data movement, so forward and backward must match bit for bit.
+Upstream gradients are integer-valued (different on every rank) so that the
+sums the backward performs are exact in any order.
+
+Case keys: ``shape`` (the *local* shape: ``[B, L, ...]`` for the inkling2
+functions, ``[T, ...]`` for ``gather_tokens``), ``differentiable`` (gathers),
+``value_dtype`` (optional, e.g. ``"int64"``/``"bool"`` for non-differentiable
+gathers), ``width`` (``convolution_history``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cp_harness.cases import dtype_of, random_tensor
+from cp_harness.checks import CaseReport, register
+from cp_harness.compare import TokenGrid, compare
+
+_INT_DTYPES = {"int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+
+
+def _global_value(case: dict, shape: list[int], seq_dim: int) -> torch.Tensor:
+    n = int(case["world_size"])
+    full = list(shape)
+    full[seq_dim] *= n
+    name = case.get("value_dtype")
+    if name in _INT_DTYPES:
+        g = torch.Generator().manual_seed(int(case["seed"]))
+        value = torch.randint(0, 2 if name == "bool" else 1000, full, generator=g)
+        return value.to(_INT_DTYPES[name])
+    return random_tensor(case, "value", tuple(full), dtype=dtype_of(case))
+
+
+def _upstream(case: dict, rank: int, shape) -> torch.Tensor:
+    return random_tensor(case, f"upstream{rank}", tuple(shape), dtype=dtype_of(case), integer_valued=True)
+
+
+def _gather_rank(seq_dim: int, function: str):
+    def rank_fn(case: dict, ctx) -> tuple[dict, dict]:
+        shape = list(case["shape"])
+        local_len = shape[seq_dim]
+        value = _global_value(case, shape, seq_dim).to(ctx.device)
+        local = value.narrow(seq_dim, ctx.rank * local_len, local_len).clone()
+        differentiable = bool(case.get("differentiable", True)) and local.is_floating_point()
+        if differentiable:
+            local.requires_grad_(True)
+        module = ctx.impl.inkling2 if function == "gather_sequence" else ctx.impl.mistral_large4
+        out = getattr(module, function)(local, ctx.mesh_for(case), differentiable)
+        info = {"same_object": out is local, "requires_grad": bool(out.requires_grad),
+                "device": str(out.device), "dtype": str(out.dtype)}
+        tensors = {"out": out}
+        if differentiable:
+            out.backward(_upstream(case, ctx.rank, out.shape).to(ctx.device))
+            tensors["grad"] = local.grad if local.grad is not None else torch.full_like(local, float("nan"))
+        return info, tensors
+    return rank_fn
+
+
+def _gather_evaluate(seq_dim: int):
+    def evaluate(case: dict, outputs: list) -> CaseReport:
+        report = CaseReport(case=case)
+        n = int(case["world_size"])
+        shape = list(case["shape"])
+        local_len = shape[seq_dim]
+        value = _global_value(case, shape, seq_dim)
+        differentiable = bool(case.get("differentiable", True)) and value.is_floating_point()
+        grid = TokenGrid(local_len, n) if seq_dim == 1 else None
+        for o in outputs:
+            report.add(compare(f"output@rank{o.rank}", o.tensors["out"], value.numpy(), mode="exact", grid=grid))
+            report.require(o.info["dtype"] == str(value.dtype), f"rank {o.rank}: output dtype {o.info['dtype']}, input {value.dtype}")
+            if n == 1:
+                report.require(o.info["same_object"], "with one rank the documented result is the input object itself")
+            else:
+                report.require(not o.info["same_object"], f"rank {o.rank}: the gathered result must be a new tensor")
+            if not differentiable:
+                report.require(not o.info["requires_grad"], f"rank {o.rank}: differentiable=False must give no autograd history")
+        if differentiable:
+            total = sum(_upstream(case, r, value.shape) for r in range(n))
+            for o in outputs:
+                expected = total.narrow(seq_dim, o.rank * local_len, local_len)
+                report.add(compare(f"grad@rank{o.rank}", o.tensors["grad"], expected.numpy(), mode="exact"))
+        return report
+    return evaluate
+
+
+def _history_rank(case: dict, ctx) -> tuple[dict, dict]:
+    B, L, C = case["shape"]
+    width = int(case["width"])
+    value = _global_value(case, [B, L, C], 1).to(ctx.device)
+    local = value[:, ctx.rank * L:(ctx.rank + 1) * L].clone().requires_grad_(True)
+    out = ctx.impl.inkling2.convolution_history(local, ctx.mesh_for(case), width)
+    info = {"dtype": str(out.dtype), "same_object": out is local}
+    out.backward(_upstream(case, ctx.rank, out.shape).to(ctx.device))
+    grad = local.grad if local.grad is not None else torch.full_like(local, float("nan"))
+    return info, {"out": out, "grad": grad}
+
+
+def _history_evaluate(case: dict, outputs: list) -> CaseReport:
+    report = CaseReport(case=case)
+    n = int(case["world_size"])
+    B, L, C = case["shape"]
+    width = int(case["width"])
+    h = width - 1
+    value = _global_value(case, [B, L, C], 1)
+    padded = torch.cat([torch.zeros(B, h, C, dtype=value.dtype), value], dim=1)  # global row g sits at g + h
+    grad_total = torch.zeros_like(padded)
+    for r in range(n):
+        # Rank r's output rows are global rows r*L - h .. (r+1)*L - 1: padded rows r*L .. r*L + L + h.
+        grad_total[:, r * L:r * L + L + h] += _upstream(case, r, (B, L + h, C))
+    for o in outputs:
+        r = o.rank
+        report.add(compare(f"history@rank{r}", o.tensors["out"], padded[:, r * L:r * L + L + h].numpy(), mode="exact"))
+        report.add(compare(f"grad@rank{r}", o.tensors["grad"], grad_total[:, h + r * L:h + (r + 1) * L].numpy(),
+                           mode="exact", grid=TokenGrid(L, n)))
+        report.require(not o.info["same_object"], f"rank {r}: convolution_history must return a new tensor")
+    return report
+
+
+register("gather_sequence", rank=_gather_rank(1, "gather_sequence"), evaluate=_gather_evaluate(1),
+         functions=("inkling2.gather_sequence",))
+register("gather_tokens", rank=_gather_rank(0, "gather_tokens"), evaluate=_gather_evaluate(0),
+         functions=("mistral_large4.gather_tokens",))
+register("convolution_history", rank=_history_rank, evaluate=_history_evaluate,
+         functions=("inkling2.convolution_history",))
+

@@ -1,0 +1,221 @@
+"""One comparison routine for properties, golden files and the verify command.
+
+Two modes:
+
+- ``exact``: pure data movement (gathers, halos, sharding, layout). Every
+  element must be bit-identical (``-0.0`` equals ``0.0``; NaN equals NaN only
+  when both are NaN at the same place).
+- ``ulp``: arithmetic. The error of an element is measured in units in the
+  last place of the compared dtype, relative to ``max(|expected|, floor)``
+  where ``floor = floor_fraction * max|expected|`` over the tensor:
+  ``ulp = |actual - expected| / (eps(dtype) * max(|expected|, floor))``.
+  With the default ``floor_fraction = 1/1024`` each element is judged nearly
+  on its own (near-zero elements produced by cancellation against 1/1024 of
+  the tensor's scale); ``floor_fraction = 1`` is the normwise measure (every
+  element against the tensor's largest magnitude).
+
+A ``TensorComparison`` records how many elements were compared, how many
+exceed the budget, the largest error and where it is. When the tensor is
+token-aligned (``[batch, sequence, ...]`` in global order) the location also
+names the owning CP rank and the distance to the nearest shard boundary, so a
+boundary bug reads as one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+FLOOR_FRACTION = 1.0 / 1024.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenGrid:
+    """How a tensor maps onto CP shards: ``[batch, padded_sequence, ...]``, ``local_len`` tokens per rank."""
+
+    local_len: int
+    cp_size: int
+
+    def describe(self, row: int, position: int) -> dict[str, Any]:
+        owner = position // self.local_len if self.local_len else 0
+        offset = position - owner * self.local_len
+        to_boundary = min(offset, self.local_len - 1 - offset)
+        return {"row": row, "position": position, "owning_rank": owner,
+                "offset_in_shard": offset, "distance_to_shard_boundary": to_boundary,
+                "at_shard_boundary": to_boundary == 0 and self.cp_size > 1}
+
+
+@dataclasses.dataclass
+class TensorComparison:
+    """Outcome of comparing one named tensor. ``ok`` is False when any element fails, shapes differ, or nothing was compared."""
+
+    name: str
+    mode: str
+    dtype: str
+    shape: tuple[int, ...]
+    compared: int
+    mismatched: int
+    max_ulp: float
+    max_abs: float
+    budget_ulp: float | None
+    worst_index: tuple[int, ...] | None = None
+    worst_actual: float | None = None
+    worst_expected: float | None = None
+    location: dict[str, Any] | None = None
+    problem: str | None = None
+    first_mismatches: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # For failing token-aligned tensors: max error per (row, global position), and the shard grid.
+    error_map: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    grid: TokenGrid | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None and self.mismatched == 0 and self.compared > 0
+
+    def summary(self) -> str:
+        if self.problem is not None:
+            return f"{self.name}: {self.problem}"
+        if self.compared == 0:
+            return f"{self.name}: nothing was compared (empty selection): a vacuous comparison is a failure"
+        head = (f"{self.name} [{self.mode}, {self.dtype}, shape {list(self.shape)}]: "
+                f"{self.mismatched} of {self.compared} elements differ")
+        if self.mode == "ulp":
+            head += f"; largest error {self.max_ulp:.3g} ULP (budget {self.budget_ulp:g} ULP), {self.max_abs:.3g} absolute"
+        elif self.mismatched:
+            head += f"; largest absolute difference {self.max_abs:.6g}"
+        if self.mismatched and self.worst_index is not None:
+            head += f"; worst at index {list(self.worst_index)}: actual {self.worst_actual!r}, expected {self.worst_expected!r}"
+            if self.location:
+                loc = self.location
+                head += (f" (row {loc['row']}, global position {loc['position']}, owned by rank {loc['owning_rank']}, "
+                         f"{loc['distance_to_shard_boundary']} tokens from a shard boundary"
+                         f"{', AT A SHARD BOUNDARY' if loc['at_shard_boundary'] else ''})")
+        return head
+
+    def as_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data.pop("error_map", None)
+        data["ok"] = self.ok
+        data["shape"] = list(self.shape)
+        data["worst_index"] = list(self.worst_index) if self.worst_index is not None else None
+        return data
+
+
+def _as_numpy(value) -> np.ndarray:
+    if hasattr(value, "detach"):
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":
+            value = value.float()
+        value = value.numpy()
+    return np.asarray(value)
+
+
+def _float(x) -> float | int | bool:
+    if isinstance(x, (np.bool_, bool)):
+        return bool(x)
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    return float(x)
+
+
+def compare(name: str, actual, expected, *, mode: str, budget_ulp: float | None = None,
+            mask=None, grid: TokenGrid | None = None, ulp_dtype: str | None = None,
+            floor_fraction: float = FLOOR_FRACTION) -> TensorComparison:
+    """Compare ``actual`` with ``expected``.
+
+    ``mode``: ``"exact"`` or ``"ulp"`` (then ``budget_ulp`` is required).
+    ``mask``: optional bool array broadcastable to the leading dims of the
+    tensors; only selected elements are compared (an empty selection fails).
+    ``grid``: when the tensor is ``[batch, sequence, ...]`` in global token
+    order, used to name the owning rank and boundary distance of the worst element.
+    ``ulp_dtype``: the dtype whose ULP is the unit (default: ``actual``'s).
+    ``floor_fraction``: see the module docstring.
+    """
+    if mode not in ("exact", "ulp"):
+        raise ValueError(f"mode={mode!r}; pass 'exact' for data movement or 'ulp' for arithmetic")
+    if mode == "ulp" and budget_ulp is None:
+        raise ValueError("mode='ulp' needs budget_ulp (the allowed error in units in the last place)")
+    a, e = _as_numpy(actual), _as_numpy(expected)
+    dtype = str(a.dtype)
+    base = TensorComparison(name=name, mode=mode, dtype=dtype, shape=tuple(e.shape), compared=0, mismatched=0,
+                            max_ulp=0.0, max_abs=0.0, budget_ulp=budget_ulp)
+    if a.shape != e.shape:
+        base.problem = f"shape {list(a.shape)} but expected {list(e.shape)}"
+        return base
+    if mode == "exact" and a.dtype != e.dtype:
+        base.problem = f"dtype {a.dtype} but expected {e.dtype} (data movement must preserve dtype)"
+        return base
+    if mask is None:
+        select = np.ones(e.shape, dtype=bool)
+    else:
+        m = _as_numpy(mask).astype(bool)
+        select = np.broadcast_to(m.reshape(m.shape + (1,) * (e.ndim - m.ndim)), e.shape)
+    base.compared = int(select.sum())
+    if base.compared == 0:
+        return base
+
+    if mode == "exact":
+        if a.dtype.kind == "f":
+            same = (a == e) | (np.isnan(a) & np.isnan(e))
+        else:
+            same = a == e
+        bad = select & ~same
+        diff = np.zeros(e.shape, dtype=np.float64)
+        if a.dtype.kind in "fiu":
+            with np.errstate(invalid="ignore", over="ignore"):
+                diff = np.abs(a.astype(np.float64) - e.astype(np.float64))
+            diff = np.where(np.isnan(diff), np.inf, diff)
+        score = np.where(bad, np.where(diff > 0, diff, 1.0), -1.0)
+    else:
+        a64, e64 = a.astype(np.float64), e.astype(np.float64)
+        eps = float(np.finfo(np.dtype(ulp_dtype or a.dtype)).eps)
+        scale = float(np.max(np.abs(np.where(select, e64, 0.0)))) if base.compared else 0.0
+        floor = max(scale * floor_fraction, np.finfo(np.float64).tiny)
+        diff = np.abs(a64 - e64)
+        ulp = diff / (eps * np.maximum(np.abs(e64), floor))
+        ulp = np.where(np.isnan(ulp) | (np.isnan(a64) != np.isnan(e64)), np.inf, ulp)
+        ulp = np.where(np.isnan(a64) & np.isnan(e64), 0.0, ulp)
+        ulp = np.where(select, ulp, 0.0)
+        bad = select & (ulp > budget_ulp)
+        base.max_ulp = float(np.max(ulp))
+        score = np.where(select, ulp, -1.0)
+    base.mismatched = int(bad.sum())
+    base.max_abs = float(np.max(np.where(select, diff, 0.0))) if diff.size else 0.0
+    if base.max_abs != base.max_abs:  # NaN
+        base.max_abs = math.inf
+    worst = np.unravel_index(int(np.argmax(score)), e.shape) if e.size else None
+    if worst is not None:
+        base.worst_index = tuple(int(i) for i in worst)
+        base.worst_actual = _float(a[worst])
+        base.worst_expected = _float(e[worst])
+        if grid is not None and e.ndim >= 2:
+            base.location = grid.describe(int(worst[0]), int(worst[1]))
+    if base.mismatched and grid is not None and e.ndim >= 2:
+        base.grid = grid
+        per_element = np.where(bad, np.where(np.isfinite(score), np.maximum(score, 0.0), np.inf), 0.0)
+        if per_element.ndim > 2:
+            per_element = per_element.reshape(per_element.shape[0], per_element.shape[1], -1).max(axis=-1)
+        base.error_map = per_element
+    if base.mismatched:
+        for idx in np.argwhere(bad)[:5]:
+            idx = tuple(int(i) for i in idx)
+            entry = {"index": list(idx), "actual": _float(a[idx]), "expected": _float(e[idx])}
+            if grid is not None and e.ndim >= 2:
+                entry.update(grid.describe(idx[0], idx[1]))
+            base.first_mismatches.append(entry)
+    return base
+
+
+def error_map(actual, expected, mask=None) -> np.ndarray:
+    """Per (row, global position) error: ``max |actual - expected|`` over trailing dims, ``[batch, sequence]`` float64."""
+    a, e = _as_numpy(actual).astype(np.float64), _as_numpy(expected).astype(np.float64)
+    diff = np.abs(a - e)
+    diff = np.where(np.isnan(diff), np.inf, diff)
+    if diff.ndim > 2:
+        diff = diff.reshape(diff.shape[0], diff.shape[1], -1).max(axis=-1)
+    if mask is not None:
+        diff = np.where(_as_numpy(mask).astype(bool), diff, 0.0)
+    return diff

@@ -1,0 +1,331 @@
+"""The persistent rank pool: ``torchrun`` started once, fed one case at a time.
+
+``RankPool.run(case)`` sends a case description (a small JSON dict) to ranks
+``0..case["world_size"]-1`` and returns their ``RankOutput``s, or raises
+``RankFailure`` saying which rank failed, on which case, and how (its
+traceback, its exit, or the stack it was stuck in). After a failure that may
+have left ranks inside a collective, the pool is torn down and the next
+``run`` starts a fresh one, so one bad case never poisons the next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cp_harness import wire
+
+
+@dataclasses.dataclass
+class RankOutput:
+    """What one rank returned for one case."""
+
+    rank: int
+    ok: bool
+    info: dict[str, Any]
+    tensors: dict[str, np.ndarray]
+    comm: list[dict[str, Any]]
+    seconds: float
+    error_type: str | None = None
+    message: str | None = None
+    traceback: str | None = None
+
+
+class RankFailure(AssertionError):
+    """A rank raised unexpectedly, exited, hung or broke the protocol while running a case.
+
+    ``rank`` is the first rank that failed, ``kind`` one of ``"raised"``,
+    ``"exited"``, ``"hung"``, ``"protocol"``; ``outputs`` holds whatever the
+    other ranks returned.
+    """
+
+    def __init__(self, message: str, *, rank: int | None, kind: str, case: dict, outputs: list[RankOutput]):
+        super().__init__(message)
+        self.rank, self.kind, self.case, self.outputs = rank, kind, case, outputs
+
+
+@dataclasses.dataclass
+class PoolConfig:
+    """How to start the pool.
+
+    ``world_size``: ranks started (cases may use any size up to it).
+    ``case_timeout``: seconds one case may take on the ranks.
+    ``collective_timeout``: seconds a rank's collective waits for its peers.
+    ``start_timeout``: seconds for torchrun to bring every rank up.
+    """
+
+    world_size: int = 8
+    backend: str = "gloo"
+    impl: str = "cp_impl"
+    case_timeout: float = 60.0
+    collective_timeout: float = 30.0
+    start_timeout: float = 180.0
+    python: str = sys.executable
+    log_dir: str | None = None
+
+
+def _looks_like_timeout(message: str | None) -> bool:
+    text = (message or "").lower()
+    return "timed out" in text or "timeout" in text or "connection closed by peer" in text
+
+
+class RankPool:
+    """A long-lived ``torchrun`` job whose ranks run cases on request (see module docstring)."""
+
+    def __init__(self, config: PoolConfig | None = None):
+        self.config = config or PoolConfig()
+        self._proc: subprocess.Popen | None = None
+        self._socks: dict[int, socket.socket] = {}
+        self._pids: dict[int, int] = {}
+        self._case_ids = itertools.count()
+        self._workdir: Path | None = None
+        self.starts = 0
+        self.hello: dict[int, dict] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None and len(self._socks) == self.config.world_size
+
+    def start(self) -> None:
+        """Start torchrun and wait until every rank has connected (bounded by ``start_timeout``)."""
+        if self.running:
+            return
+        self.close()
+        cfg = self.config
+        self._workdir = Path(tempfile.mkdtemp(prefix="cp-pool-", dir=cfg.log_dir))
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(cfg.world_size)
+        port = listener.getsockname()[1]
+        cmd = [cfg.python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.world_size}",
+               "--max-restarts=0", "--monitor-interval=0.2",
+               "-m", "cp_harness.worker", f"--connect=127.0.0.1:{port}", f"--backend={cfg.backend}",
+               f"--impl={cfg.impl}", f"--collective-timeout={cfg.collective_timeout}",
+               f"--stack-dir={self._workdir}"]
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["PYTHONUNBUFFERED"] = "1"
+        env["TORCHELASTIC_ERROR_FILE"] = str(self._workdir / "error.json")
+        self._log = open(self._workdir / "torchrun.log", "wb")  # noqa: SIM115 - closed in close()
+        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True, stdin=subprocess.DEVNULL)
+        self.starts += 1
+        deadline = time.monotonic() + cfg.start_timeout
+        try:
+            while len(self._socks) < cfg.world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._proc.poll() is not None:
+                    raise RuntimeError(
+                        f"rank pool did not start: {len(self._socks)} of {cfg.world_size} ranks connected "
+                        f"within {cfg.start_timeout:.0f} s (torchrun exit code {self._proc.poll()}).\n"
+                        f"torchrun log tail:\n{self.log_tail()}")
+                listener.settimeout(min(remaining, 1.0))
+                try:
+                    conn, _ = listener.accept()
+                except socket.timeout:
+                    continue
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                body, _ = wire.recv(conn, timeout=max(deadline - time.monotonic(), 1.0))
+                rank = int(body["rank"])
+                self._socks[rank] = conn
+                self._pids[rank] = int(body["pid"])
+                self.hello[rank] = body
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            listener.close()
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop every rank and torchrun itself; leaves no process behind.
+
+        ``graceful``: ask the ranks to leave and give them 5 s; otherwise (after a
+        failure, when ranks may be stuck) kill at once.
+        """
+        for sock in self._socks.values():
+            try:
+                wire.send(sock, {"op": "shutdown"})
+            except OSError:
+                pass
+        if graceful and self._proc is not None and self._proc.poll() is None:
+            try:
+                self._proc.wait(timeout=5 if self._socks else 0.1)
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill_tree()
+        for sock in self._socks.values():
+            sock.close()
+        self._socks.clear()
+        self._pids.clear()
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+            self._log = None
+        self._proc = None
+
+    def _kill_tree(self) -> None:
+        if self._proc is None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self._proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self._proc.wait(timeout=3)
+                # torchrun may be gone while a worker lingers in the same session: sweep it too.
+            except subprocess.TimeoutExpired:
+                continue
+        for pid in self._pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def __enter__(self) -> "RankPool":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def cleanup_workdir(self) -> None:
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+
+    def log_tail(self, limit: int = 4000) -> str:
+        try:
+            text = (self._workdir / "torchrun.log").read_text(errors="replace")
+        except (OSError, TypeError):
+            return "(no log)"
+        return text[-limit:]
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """Process id of each rank (for checks that nothing is left behind)."""
+        return dict(self._pids)
+
+    @property
+    def torchrun_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # ------------------------------------------------------------------ running cases
+    def run(self, case: dict, *, timeout: float | None = None) -> list[RankOutput]:
+        """Run ``case`` on ranks ``0..case["world_size"]-1``; returns their outputs in rank order.
+
+        Raises ``RankFailure`` (and restarts the pool on the next call) when a
+        rank raises unexpectedly, exits, hangs past ``timeout`` seconds
+        (default ``config.case_timeout``) or answers out of protocol.
+        """
+        n = int(case["world_size"])
+        if not 1 <= n <= self.config.world_size:
+            raise ValueError(f"case world_size={n}; this pool has {self.config.world_size} ranks "
+                             f"(start it with a larger PoolConfig.world_size)")
+        self.start()
+        timeout = self.config.case_timeout if timeout is None else timeout
+        case_id = next(self._case_ids)
+        for rank in range(n):
+            try:
+                wire.send(self._socks[rank], {"op": "run", "case_id": case_id, "case": case})
+            except OSError as exc:
+                self._fail(case, f"rank {rank} could not be sent the case ({exc}); it has probably exited",
+                           rank=rank, kind="exited", outputs=[])
+        outputs: dict[int, RankOutput] = {}
+        deadline = time.monotonic() + timeout
+        grace_deadline = None
+        pending = set(range(n))
+        while pending:
+            limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
+            remaining = limit - time.monotonic()
+            ready = select.select([self._socks[r] for r in pending], [], [], max(remaining, 0))[0] if remaining > 0 else []
+            if not ready:
+                break
+            for sock in ready:
+                rank = next(r for r in pending if self._socks[r] is sock)
+                try:
+                    body, arrays = wire.recv(sock, timeout=max(deadline - time.monotonic(), 1.0))
+                except wire.WireError as exc:
+                    code = self._wait_exit()
+                    self._fail(case, f"rank {rank} exited while running the case ({exc}; torchrun exit code {code}).\n"
+                                     f"torchrun log tail:\n{self.log_tail()}",
+                               rank=rank, kind="exited", outputs=list(outputs.values()))
+                if body.get("op") != "result" or body.get("case_id") != case_id or int(body.get("rank", -1)) != rank:
+                    self._fail(case, f"rank {rank} answered out of protocol: {str(body)[:300]}", rank=rank,
+                               kind="protocol", outputs=list(outputs.values()))
+                outputs[rank] = RankOutput(rank=rank, ok=bool(body["ok"]), info=body.get("info", {}), tensors=arrays,
+                                           comm=body.get("comm", []), seconds=float(body.get("seconds", 0.0)),
+                                           error_type=body.get("error_type"), message=body.get("message"),
+                                           traceback=body.get("traceback"))
+                pending.discard(rank)
+                if not body["ok"] and grace_deadline is None:
+                    # Peers of a rank that raised may be waiting in a collective; give them a moment.
+                    grace_deadline = time.monotonic() + min(5.0, timeout)
+        errors = sorted((o for o in outputs.values() if not o.ok), key=lambda o: o.seconds)
+        if not pending and not errors:
+            return [outputs[r] for r in range(n)]
+        # Something went wrong: name the rank that started it, then restart the pool for the next case.
+        stuck = sorted(pending)
+        stacks = self._dump_stacks(stuck) if stuck else ""
+        root = next((o for o in errors if not _looks_like_timeout(o.message)), None)
+        followers = [o.rank for o in errors if o is not root]
+        if root is not None:
+            self._fail(case, f"rank {root.rank} raised {root.error_type}: {root.message}\n"
+                             + (f"ranks {followers} then failed waiting for it.\n" if followers else "")
+                             + (f"ranks {stuck} then did not answer (waiting in a collective for it).\n" if stuck else "")
+                             + f"--- traceback of rank {root.rank} ---\n{root.traceback}{stacks}",
+                       rank=root.rank, kind="raised", outputs=list(outputs.values()))
+        if stuck:
+            self._fail(case, f"ranks {stuck} did not answer within {timeout:.1f} s (hung)"
+                             + (f"; ranks {followers} timed out in a collective waiting for them" if followers else "")
+                             + f"; ranks {sorted(set(outputs) - set(followers))} answered normally.\n{stacks}",
+                       rank=stuck[0], kind="hung", outputs=list(outputs.values()))
+        first = errors[0]
+        self._fail(case, f"rank {first.rank} raised {first.error_type}: {first.message}\n{first.traceback}",
+                   rank=first.rank, kind="raised", outputs=list(outputs.values()))
+
+    def _dump_stacks(self, ranks: list[int]) -> str:
+        if self._workdir is None:
+            return ""
+        for rank in ranks:
+            pid = self._pids.get(rank)
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.5)
+        parts = []
+        for rank in ranks:
+            try:
+                text = (self._workdir / f"rank{rank}.stack").read_text(errors="replace")
+            except OSError:
+                continue
+            lines = [line for line in text.splitlines() if line.strip()]
+            parts.append(f"--- stack of rank {rank} ---\n" + "\n".join(lines[-25:]))
+        return "\n".join(parts)
+
+    def _wait_exit(self) -> int | None:
+        if self._proc is None:
+            return None
+        try:
+            return self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def _fail(self, case: dict, message: str, *, rank: int | None, kind: str, outputs: list[RankOutput]):
+        self.close(graceful=False)
+        raise RankFailure(f"{message}\ncase: {case}", rank=rank, kind=kind, case=case, outputs=outputs)

@@ -1,0 +1,97 @@
+"""Running cases on the pool and turning verdicts into readable failures.
+
+``CaseRunner`` owns one ``RankPool`` (started lazily, restarted after a rank
+failure), runs a case, evaluates it and keeps per-world-size counts. On a
+failing case ``failure_message`` gives the case, a one-line command that
+reproduces it, and the per-tensor account of what differs and where.
+"""
+
+from __future__ import annotations
+
+import collections
+import shlex
+import time
+
+from cp_harness import checks
+from cp_harness.cases import canonical, case_id
+from cp_harness.checks import CaseReport
+from cp_harness.pool import PoolConfig, RankFailure, RankPool
+
+
+def repro_command(case: dict, impl: str, backend: str = "gloo") -> str:
+    """A shell command that runs exactly this case again and prints its report."""
+    parts = ["python", "-m", "cp_harness", "run-case", "--impl", impl]
+    if backend != "gloo":
+        parts += ["--backend", backend]
+    return " ".join(shlex.quote(p) for p in parts + [canonical(case)])
+
+
+def failure_message(case: dict, report: CaseReport | None, impl: str, *, backend: str = "gloo",
+                    error: BaseException | None = None) -> str:
+    lines = [f"CP case {case_id(case)} failed against implementation {impl!r}",
+             f"case: {canonical(case)}",
+             f"reproduce: {repro_command(case, impl, backend)}"]
+    if error is not None:
+        lines.append(f"rank failure: {error}")
+    if report is not None:
+        lines.append(report.format())
+    return "\n".join(lines)
+
+
+class CaseRunner:
+    """Runs cases on a warm pool and remembers what ran (``counts``: examples per world size)."""
+
+    def __init__(self, config: PoolConfig):
+        self.config = config
+        self.pool = RankPool(config)
+        self.counts: collections.Counter[int] = collections.Counter()
+        self.by_check: collections.Counter[str] = collections.Counter()
+        self.failures = 0
+        self.seconds = 0.0
+        self.error_maps: list[str] = []
+
+    @property
+    def impl(self) -> str:
+        return self.config.impl
+
+    def run_outputs(self, case: dict, *, timeout: float | None = None):
+        """The raw per-rank outputs (``RankFailure`` on a rank fault)."""
+        started = time.perf_counter()
+        try:
+            return self.pool.run(case, timeout=timeout)
+        finally:
+            self.seconds += time.perf_counter() - started
+            self.counts[int(case["world_size"])] += 1
+            self.by_check[case["check"]] += 1
+
+    def run(self, case: dict, *, timeout: float | None = None) -> CaseReport:
+        """Run and evaluate ``case``; a rank fault becomes a failed report naming the rank."""
+        try:
+            outputs = self.run_outputs(case, timeout=timeout)
+        except RankFailure as exc:
+            self.failures += 1
+            report = CaseReport(case=case)
+            report.problems.append(f"rank {exc.rank} {exc.kind}: {exc}")
+            return report
+        report = checks.evaluate(case, outputs)
+        if not report.ok:
+            self.failures += 1
+        return report
+
+    def check(self, case: dict, *, timeout: float | None = None) -> CaseReport:
+        """Run ``case`` and raise ``AssertionError`` with the full failure message unless it passes."""
+        report = self.run(case, timeout=timeout)
+        if not report.ok:
+            from cp_harness.errormap import write_error_maps
+
+            paths = write_error_maps(report)
+            self.error_maps.extend(paths)
+            message = failure_message(case, report, self.impl, backend=self.config.backend)
+            if paths:
+                message += "\nerror maps: " + ", ".join(paths)
+            raise AssertionError(message)
+        return report
+
+    def close(self) -> None:
+        self.pool.close()
+        self.pool.cleanup_workdir()

@@ -1,0 +1,260 @@
+"""Hypothesis strategies for CP cases.
+
+Small composable pieces: layouts (packed THD rows, padded BSHD rows), images
+placed on real tokens, and one ``*_cases`` strategy per check that yields a
+complete case description (see ``cp_harness.cases``). The tensors themselves
+are not drawn here: each case carries a seed and is rebuilt deterministically
+on every rank, so what Hypothesis shrinks is the structure (lengths, layout,
+CP size), which is what CP bugs depend on.
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from cp_harness.cases import PATCH_SIZE, spec_layout
+
+DEFAULT_WORLD_SIZES = (1, 2, 3, 4, 8)
+seeds = st.integers(min_value=0, max_value=2**31 - 1)
+_active_world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES
+
+
+def configure_world_sizes(sizes) -> None:
+    """Set the CP sizes that strategies draw from when none are passed (the plugin's ``--cp-world-sizes``)."""
+    global _active_world_sizes
+    _active_world_sizes = tuple(sizes)
+
+
+def world_sizes(allowed=None) -> st.SearchStrategy[int]:
+    """A CP size from ``allowed`` (default: the configured sizes, read when drawn)."""
+    if allowed is not None:
+        return st.sampled_from(tuple(allowed))
+    return st.deferred(lambda: st.sampled_from(_active_world_sizes))
+
+
+@st.composite
+def packed_row(draw, seq_len: int) -> list[list[int]]:
+    """One THD row: ``[[real, padded], ...]`` with ``sum(padded) <= seq_len``.
+
+    Includes one-token and empty documents, per-document padding and tail padding.
+    """
+    docs: list[list[int]] = []
+    used = 0
+    max_docs = draw(st.integers(min_value=0, max_value=6))
+    for _ in range(max_docs):
+        room = seq_len - used
+        if room <= 0:
+            break
+        kind = draw(st.sampled_from(("any", "any", "one", "empty", "fill")))
+        if kind == "one":
+            real = 1
+        elif kind == "empty":
+            real = 0
+        elif kind == "fill":
+            real = room
+        else:
+            real = draw(st.integers(min_value=1, max_value=room))
+        padded = real + draw(st.integers(min_value=0, max_value=min(3, room - real)))
+        if padded == 0 and kind == "empty":
+            padded = min(room, draw(st.integers(min_value=0, max_value=2)))
+        docs.append([real, padded])
+        used += padded
+    return docs
+
+
+@st.composite
+def packed_layout(draw, min_len: int = 1, max_len: int = 40, max_rows: int = 3, rows: int | None = None) -> dict:
+    """A THD batch description ``{"format": "thd", "seq_len", "docs"}``."""
+    seq_len = draw(st.integers(min_value=min_len, max_value=max_len))
+    n_rows = rows if rows is not None else draw(st.integers(min_value=1, max_value=max_rows))
+    docs = [draw(packed_row(seq_len)) for _ in range(n_rows)]
+    return {"format": "thd", "seq_len": seq_len, "docs": docs}
+
+
+@st.composite
+def padded_layout(draw, min_len: int = 1, max_len: int = 40, max_rows: int = 3) -> dict:
+    """A BSHD batch description with left, right, two-sided or full padding per row."""
+    seq_len = draw(st.integers(min_value=min_len, max_value=max_len))
+    rows = []
+    for _ in range(draw(st.integers(min_value=1, max_value=max_rows))):
+        style = draw(st.sampled_from(("none", "left", "right", "both", "all")))
+        if style == "all":
+            rows.append([0, 0])
+            continue
+        real = draw(st.integers(min_value=1, max_value=seq_len))
+        room = seq_len - real
+        left = {"none": 0, "left": room, "right": 0}.get(style)
+        if style == "none":
+            real, left = seq_len, 0
+        elif style == "both":
+            left = draw(st.integers(min_value=0, max_value=room))
+        rows.append([left, real])
+    return {"format": "bshd", "seq_len": seq_len, "rows": rows}
+
+
+def layouts(min_len: int = 1, max_len: int = 40, max_rows: int = 3) -> st.SearchStrategy[dict]:
+    return st.one_of(packed_layout(min_len, max_len, max_rows), padded_layout(min_len, max_len, max_rows))
+
+
+@st.composite
+def with_extras(draw, layout_strategy: st.SearchStrategy[dict]) -> dict:
+    """A layout plus, sometimes, real EOS tokens equal to the pad id."""
+    spec = draw(layout_strategy)
+    if draw(st.booleans()):
+        spec["eos_is_pad"] = True
+    return spec
+
+
+def _real_runs(spec: dict) -> list[tuple[int, int, int]]:
+    """``(row, start, length)`` of every maximal run of real tokens inside one document."""
+    keep, docs = spec_layout(spec)
+    runs = []
+    for b in range(keep.shape[0]):
+        t = 0
+        S = keep.shape[1]
+        while t < S:
+            if not keep[b, t]:
+                t += 1
+                continue
+            start = t
+            while t < S and keep[b, t] and docs[b, t] == docs[b, start]:
+                t += 1
+            runs.append((b, start, t - start))
+    return runs
+
+
+_IMAGE_SIZES = ((2, 2), (2, 4), (4, 2), (4, 4), (2, 6))
+
+
+@st.composite
+def inkling2_images(draw, spec: dict) -> dict:
+    """Add up to two inkling2 images (one span each) on real tokens; spans may cross shard boundaries."""
+    runs = _real_runs(spec)
+    images, taken = [], set()
+    for _ in range(draw(st.integers(min_value=0, max_value=2))):
+        h, w = draw(st.sampled_from(_IMAGE_SIZES))
+        n = (h // PATCH_SIZE) * (w // PATCH_SIZE)
+        fits = [r for r in runs if r[2] >= n]
+        if not fits:
+            break
+        row, start, length = draw(st.sampled_from(fits))
+        offset = draw(st.integers(min_value=0, max_value=length - n))
+        slots = {(row, start + offset + i) for i in range(n)}
+        if slots & taken:
+            continue
+        taken |= slots
+        images.append([row, start + offset, h, w])
+    if images:
+        # The splice consumes image features in row-major order of the mask: order images to match.
+        images.sort(key=lambda im: (im[0], im[1]))
+        spec = dict(spec, images=images)
+    return spec
+
+
+@st.composite
+def mistral_image(draw, spec: dict) -> dict:
+    """Maybe add one complete mistral_large4 image whose patches fill one or two spans of real tokens."""
+    if not draw(st.booleans()):
+        return spec
+    runs = _real_runs(spec)
+    h, w = draw(st.sampled_from(_IMAGE_SIZES))
+    n = (h // PATCH_SIZE) * (w // PATCH_SIZE)
+    fits = [r for r in runs if r[2] >= n]
+    if not fits:
+        return spec
+    row, start, length = draw(st.sampled_from(fits))
+    offset = draw(st.integers(min_value=0, max_value=length - n))
+    first = draw(st.integers(min_value=1, max_value=n))
+    spans = [[row, start + offset, first]]
+    if first < n:
+        spans.append([row, start + offset + first, n - first])
+    return dict(spec, images={"height": h, "width": w, "spans": spans})
+
+
+# ------------------------------------------------------------------------ per-check cases
+@st.composite
+def gather_cases(draw, allowed_sizes=None) -> dict:
+    """``gather_sequence`` / ``gather_tokens`` cases, float and integer payloads, mesh or ``None``."""
+    n = draw(world_sizes(allowed_sizes))
+    check = draw(st.sampled_from(("gather_sequence", "gather_tokens")))
+    value_dtype = draw(st.sampled_from((None, None, "int64", "bool")))
+    local = draw(st.integers(min_value=1, max_value=5))
+    rest = draw(st.lists(st.integers(min_value=1, max_value=3), min_size=0, max_size=2))
+    shape = [draw(st.integers(min_value=1, max_value=3)), local, *rest] if check == "gather_sequence" else [local, *rest]
+    case = {"check": check, "world_size": n, "seed": draw(seeds), "dtype": draw(st.sampled_from(("float64", "float32"))),
+            "shape": shape, "differentiable": draw(st.booleans()) if value_dtype is None else False}
+    if value_dtype is not None:
+        case["value_dtype"] = value_dtype
+    if n == 1 and draw(st.booleans()):
+        case["mesh"] = "none"
+    return case
+
+
+@st.composite
+def history_cases(draw, allowed_sizes=None) -> dict:
+    """``convolution_history`` cases, widths whose history is often longer than a shard."""
+    n = draw(world_sizes(allowed_sizes))
+    local = draw(st.integers(min_value=1, max_value=4))
+    width = draw(st.integers(min_value=1, max_value=3 * local + 2))
+    case = {"check": "convolution_history", "world_size": n, "seed": draw(seeds),
+            "dtype": draw(st.sampled_from(("float64", "float32"))),
+            "shape": [draw(st.integers(min_value=1, max_value=2)), local, draw(st.integers(min_value=1, max_value=3))],
+            "width": width}
+    if n == 1 and draw(st.booleans()):
+        case["mesh"] = "none"
+    return case
+
+
+@st.composite
+def loss_cases(draw, allowed_sizes=None) -> dict:
+    n = draw(world_sizes(allowed_sizes))
+    return {"check": "shifted_cp_loss", "world_size": n, "seed": draw(seeds), "model": "mistral_large4",
+            "dtype": draw(st.sampled_from(("float64", "float32"))), "vocab": draw(st.integers(min_value=2, max_value=13)),
+            "batch": draw(with_extras(layouts(max_len=24)))}
+
+
+@st.composite
+def layout_cases(draw, allowed_sizes=None) -> dict:
+    """Sharded-layout cases for either model, ``num_chunks`` > 1 and ``shard_primary`` both ways."""
+    n = draw(world_sizes(allowed_sizes))
+    model = draw(st.sampled_from(("inkling2", "mistral_large4")))
+    if model == "mistral_large4" and draw(st.booleans()):
+        chunks = draw(st.integers(min_value=1, max_value=3))
+        spec = draw(packed_layout(max_len=30, rows=chunks))
+    else:
+        spec = draw(layouts(max_len=30, max_rows=4))
+        rows = len(spec["docs"] if spec["format"] == "thd" else spec["rows"])
+        chunks = draw(st.sampled_from([d for d in range(1, rows + 1) if rows % d == 0]))
+        if model == "mistral_large4" and spec["format"] == "thd":
+            chunks = rows  # one packed row per micro-batch
+    spec = draw(with_extras(st.just(spec)))
+    spec = draw(inkling2_images(spec)) if model == "inkling2" else draw(mistral_image(spec))
+    case = {"check": f"{model}_layout", "world_size": n, "seed": draw(seeds), "model": model, "batch": spec,
+            "num_chunks": chunks}
+    if model == "mistral_large4":
+        case["shard_primary"] = draw(st.booleans())
+    return case
+
+
+@st.composite
+def model_cases(draw, allowed_sizes=None, dtypes=("float64",), max_len: int = 24) -> dict:
+    """End-to-end miniature-model cases (both models, packed and padded rows, images across boundaries)."""
+    n = draw(world_sizes(allowed_sizes))
+    model = draw(st.sampled_from(("inkling2", "mistral_large4")))
+    if model == "mistral_large4" and draw(st.booleans()):
+        chunks = draw(st.integers(min_value=1, max_value=2))
+        spec = draw(packed_layout(max_len=max_len, rows=chunks))
+    else:
+        spec = draw(layouts(max_len=max_len, max_rows=2))
+        rows = len(spec["docs"] if spec["format"] == "thd" else spec["rows"])
+        chunks = rows if (model == "mistral_large4" and spec["format"] == "thd") else draw(
+            st.sampled_from([d for d in range(1, rows + 1) if rows % d == 0]))
+    spec = draw(with_extras(st.just(spec)))
+    spec = draw(inkling2_images(spec)) if model == "inkling2" else draw(mistral_image(spec))
+    case = {"check": "model", "world_size": n, "seed": draw(seeds), "model": model,
+            "dtype": draw(st.sampled_from(tuple(dtypes))), "batch": spec, "num_chunks": chunks}
+    if model == "mistral_large4":
+        case["shard_primary"] = draw(st.booleans())
+    if n == 1 and draw(st.booleans()):
+        case["mesh"] = "none"
+    return case

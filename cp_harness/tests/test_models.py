@@ -1,0 +1,28 @@
+"""Both miniature models on N ranks equal one device: logits, loss, input and parameter gradients."""
+
+from hypothesis import example, given, settings
+
+from cp_harness import strategies
+from cp_harness.profiles import examples
+
+
+@settings(max_examples=examples(2.0))
+@given(case=strategies.model_cases(dtypes=("float64",)))
+@example(case={"check": "model", "world_size": 8, "seed": 10, "model": "inkling2", "dtype": "float64", "num_chunks": 1,
+               "batch": {"format": "thd", "seq_len": 13, "docs": [[[1, 1], [6, 7], [0, 1], [3, 3]]],
+                         "images": [[0, 2, 2, 4]], "eos_is_pad": True}})  # image across a boundary, L=2 < W-1=3
+@example(case={"check": "model", "world_size": 3, "seed": 11, "model": "mistral_large4", "dtype": "float64",
+               "num_chunks": 2, "shard_primary": True,
+               "batch": {"format": "thd", "seq_len": 11, "docs": [[[4, 5], [6, 6]], [[11, 11]]],
+                         "images": {"height": 2, "width": 4, "spans": [[1, 3, 1], [1, 4, 1]]}}})
+@example(case={"check": "model", "world_size": 2, "seed": 12, "model": "mistral_large4", "dtype": "float64",
+               "num_chunks": 1, "shard_primary": False,
+               "batch": {"format": "bshd", "seq_len": 9, "rows": [[4, 5], [0, 0]], "eos_is_pad": True}})
+def test_models_match_oracle_float64(cp_runner, case):
+    cp_runner.check(case)
+
+
+@settings(max_examples=examples(0.5))
+@given(case=strategies.model_cases(dtypes=("float32",)))
+def test_models_match_oracle_float32(cp_runner, case):
+    cp_runner.check(case)

@@ -1,0 +1,122 @@
+"""One rank of the persistent pool, started by ``torchrun`` (see ``cp_harness.pool``).
+
+Each rank joins the process group once, builds a CP mesh for every world size
+``1..WORLD_SIZE`` (subgroups of ranks ``0..n-1``), connects to the test
+process and then runs one case per request. A case of world size ``n`` is
+sent to ranks ``0..n-1`` only; the others wait for the next request.
+
+Every wait is bounded: collectives by the process-group timeout, the wait for
+the next request by ``--idle-timeout``; a closed connection ends the rank.
+On ``SIGUSR1`` a rank writes the stacks of all its threads to
+``<stack-dir>/rank<r>.stack`` so that the test process can show where a hung
+rank was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import faulthandler
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--connect", required=True, help="host:port of the test process")
+    parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    parser.add_argument("--impl", default="cp_impl", help="module exposing inkling2 and mistral_large4")
+    parser.add_argument("--collective-timeout", type=float, default=60.0, help="seconds before a collective gives up")
+    parser.add_argument("--idle-timeout", type=float, default=3600.0, help="seconds without a request before the rank exits")
+    parser.add_argument("--stack-dir", default=None, help="folder for stack dumps on SIGUSR1")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if args.stack_dir:
+        stack_file = open(os.path.join(args.stack_dir, f"rank{rank}.stack"), "w")  # noqa: SIM115 - lives as long as the rank
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from cp_harness import comm, wire
+    from cp_harness.checks import RankContext, run_on_rank
+
+    torch.set_num_threads(1)
+    if args.backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    timeout = datetime.timedelta(seconds=args.collective_timeout)
+    dist.init_process_group(args.backend, timeout=timeout, device_id=device if args.backend == "nccl" else None)
+
+    # One subgroup and mesh per CP size; new_group is collective, so every rank creates all of them.
+    meshes = {}
+    for n in range(1, world_size + 1):
+        group = dist.group.WORLD if n == world_size else dist.new_group(list(range(n)), timeout=timeout)
+        if rank < n:
+            meshes[n] = DeviceMesh.from_group(group, device.type, mesh_dim_names=("cp",))
+    comm.install()
+    from cp_harness.impl import load_impl
+
+    impl = load_impl(args.impl)
+
+    host, port = args.connect.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=args.collective_timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    wire.send(sock, {"op": "hello", "rank": rank, "world_size": world_size, "pid": os.getpid(),
+                     "backend": args.backend, "device": str(device), "torch": torch.__version__, "impl": args.impl})
+    exit_code = 0
+    while True:
+        try:
+            body, arrays = wire.recv(sock, timeout=args.idle_timeout)
+        except wire.WireError:
+            break  # the test process went away or stayed silent too long: nothing left to do
+        if body.get("op") == "shutdown":
+            break
+        if body.get("op") != "run":
+            continue
+        case = body["case"]
+        cp_size = int(case["world_size"])
+        context = RankContext(rank=rank, cp_size=cp_size, mesh=meshes[cp_size], device=device,
+                              backend=args.backend, impl=impl)
+        started = time.perf_counter()
+        try:
+            with comm.recording() as calls:
+                info, tensors = run_on_rank(case, context)
+            reply = {"op": "result", "case_id": body["case_id"], "rank": rank, "ok": True, "info": info,
+                     "comm": [c.as_dict() for c in calls], "seconds": time.perf_counter() - started}
+        except BaseException as exc:  # noqa: BLE001 - everything is reported, SystemExit included
+            tensors = {}
+            reply = {"op": "result", "case_id": body["case_id"], "rank": rank, "ok": False,
+                     "error_type": type(exc).__name__, "message": str(exc),
+                     "traceback": traceback.format_exc(), "seconds": time.perf_counter() - started}
+            if isinstance(exc, SystemExit):
+                exit_code = int(exc.code or 0) if isinstance(exc.code, int) else 1
+        try:
+            wire.send(sock, reply, tensors)
+        except OSError:
+            break
+        if exit_code:
+            break
+    try:
+        sock.close()
+    finally:
+        if exit_code == 0:
+            dist.destroy_process_group()
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
