@@ -5,6 +5,8 @@ Commands:
 - ``verify``: the main job. Checks an implementation against the oracles on a
   warm rank pool and prints a table; exit status 1 on any failure.
 - ``run-case CASE_JSON``: runs one case (as printed by a failing test) and prints its report.
+- ``golden ...``: golden files (``cp_harness.golden``).
+- ``bench ...``: benchmarks (``cp_harness.bench``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands implemented by their own module's ``main(argv) -> int``.
+_DELEGATED = {"golden": "cp_harness.golden", "bench": "cp_harness.bench"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _DELEGATED:
+        import importlib
+
+        return int(importlib.import_module(_DELEGATED[argv[0]]).main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     from cp_harness.impl import selected_impl_name
 

@@ -35,8 +35,8 @@ class Budget:
 
 BUDGETS = {
     ("shifted_cp_loss", "float64"): Budget(16.0, 1 / 1024),
-    ("shifted_cp_loss", "float32"): Budget(16.0, 1.0),
-    ("model", "float64"): Budget(8192.0, 1 / 1024),
+    ("shifted_cp_loss", "float32"): Budget(128.0, 1.0),
+    ("model", "float64"): Budget(16384.0, 1 / 1024),
     ("model", "float32"): Budget(1024.0, 1.0),
 }
 

@@ -15,7 +15,9 @@ description travels. Keys:
   ``{"format": "bshd", "seq_len": S, "rows": [[left_padding, real_len], ...]}``
   (right padding is what remains), plus optional ``eos_is_pad`` (real tokens
   whose id equals the pad id), ``padding_seed`` (random ids/labels/features in
-  padding slots instead of the defaults, for metamorphic checks) and
+  padding slots instead of the defaults, for metamorphic checks),
+  ``given_positions`` (the batch carries ``position_ids``: correct on real
+  tokens, and in padding slots random values drawn from ``padding_seed``) and
   ``images`` (inkling2: ``[[row, start, height, width], ...]``, one image per
   span; mistral_large4: ``{"height": h, "width": w, "spans": [[row, start, length], ...]}``,
   one image whose patches fill the spans in order).
@@ -142,6 +144,8 @@ def build_batch(case: dict) -> dict[str, Any]:
         input_ids = torch.where(keep, input_ids, noise_ids)
         labels = torch.where(keep, labels, noise_labels)
     batch: dict[str, Any] = {"input_ids": input_ids, "labels": labels}
+    if spec.get("given_positions"):
+        batch["position_ids"] = _given_positions(spec, keep)
     if spec["format"] == "thd":
         width = max(1, max(len(row) for row in spec["docs"]))
         seq_lens = torch.full((B, width), FILLER, dtype=torch.int64)
@@ -172,6 +176,23 @@ def build_batch(case: dict) -> dict[str, Any]:
         batch["image_mask"] = image_mask
         batch["pixel_values"] = pixel_values
     return batch
+
+
+def _given_positions(spec: dict, keep: torch.Tensor) -> torch.Tensor:
+    """``position_ids [B,S]``: position inside the document on real tokens, noise in padding slots."""
+    B, S = keep.shape
+    positions = torch.zeros(B, S, dtype=torch.int64)
+    if spec["format"] == "thd":
+        for b, row in enumerate(spec["docs"]):
+            start = 0
+            for real, padded in row:
+                positions[b, start:start + real] = torch.arange(real)
+                start += padded
+    else:
+        for b, (left, real) in enumerate(spec["rows"]):
+            positions[b, left:left + real] = torch.arange(real)
+    noise = torch.randint(0, 50, (B, S), generator=torch.Generator().manual_seed(int(spec.get("padding_seed") or 0)))
+    return torch.where(keep, positions, noise)
 
 
 def clone_batch(batch: dict[str, Any]) -> dict[str, Any]:

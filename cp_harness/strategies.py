@@ -233,6 +233,8 @@ def layout_cases(draw, allowed_sizes=None) -> dict:
             "num_chunks": chunks}
     if model == "mistral_large4":
         case["shard_primary"] = draw(st.booleans())
+        if spec["format"] == "thd" and draw(st.booleans()):
+            case["direct_packed"] = True
     return case
 
 
@@ -255,6 +257,19 @@ def model_cases(draw, allowed_sizes=None, dtypes=("float64",), max_len: int = 24
             "dtype": draw(st.sampled_from(tuple(dtypes))), "batch": spec, "num_chunks": chunks}
     if model == "mistral_large4":
         case["shard_primary"] = draw(st.booleans())
+    if n == 1 and draw(st.booleans()):
+        case["mesh"] = "none"
+    return case
+
+
+@st.composite
+def sharder_cases(draw, allowed_sizes=None) -> dict:
+    """``shard_token_tensor`` / ``gather_token_tensor`` round trips (sequence not a multiple of N included)."""
+    n = draw(world_sizes(allowed_sizes))
+    case = {"check": "sharder_roundtrip", "world_size": n, "seed": draw(seeds),
+            "dtype": draw(st.sampled_from(("float64", "float32"))),
+            "shape": [draw(st.integers(min_value=1, max_value=3)), draw(st.integers(min_value=1, max_value=19)),
+                      draw(st.integers(min_value=1, max_value=3))]}
     if n == 1 and draw(st.booleans()):
         case["mesh"] = "none"
     return case

@@ -69,6 +69,7 @@ def default_rows() -> list[Row]:
         Row("mistral_large4.prepare_cp_inputs (BSHD/THD)",
             lambda s: strategies.layout_cases(s).filter(lambda c: c["model"] == "mistral_large4")),
         Row("mistral_large4.shifted_cp_loss", lambda s: strategies.loss_cases(s)),
+        Row("sharder.shard_token_tensor + gather_token_tensor", lambda s: strategies.sharder_cases(s)),
         Row("model: Inkling2-mini (float64)",
             lambda s: strategies.model_cases(s, dtypes=("float64",)).filter(lambda c: c["model"] == "inkling2")),
         Row("model: MistralLarge4-mini (float64)",

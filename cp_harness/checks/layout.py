@@ -7,7 +7,8 @@ globally computed layout; ``input_ids``, ``image_mask`` and ``pixel_values``
 stay global and unchanged.
 
 ``mistral_large4_layout``: ``mistral_large4.prepare_cp_inputs`` (packed rows
-dispatch to ``prepare_packed_cp_inputs``) with ``shard_primary`` both ways;
+dispatch to ``prepare_packed_cp_inputs``; with ``direct_packed`` the packed
+hook is called directly) with ``shard_primary`` both ways;
 local ``document_ids`` for packed rows and the label of every packed
 document's first token masked.
 
@@ -99,8 +100,12 @@ def _mistral_rank(case: dict, ctx) -> tuple[dict, dict]:
     batch = build_batch(case)
     original_labels = batch["labels"].clone()
     shard_primary = bool(case.get("shard_primary", True))
-    sharder = ctx.impl.mistral_large4.prepare_cp_inputs(batch, num_chunks=int(case.get("num_chunks", 1)),
-                                                        shard_primary=shard_primary)["cp_sharder"]
+    ml = ctx.impl.mistral_large4
+    chunks = int(case.get("num_chunks", 1))
+    if case.get("direct_packed"):
+        sharder = ml.prepare_packed_cp_inputs(batch, chunks, shard_primary)["cp_sharder"]
+    else:
+        sharder = ml.prepare_cp_inputs(batch, num_chunks=chunks, shard_primary=shard_primary)["cp_sharder"]
     _, local = sharder.bind(ctx.mesh_for(case)).shard(batch)
     tensors = {"labels": local["labels"], "position_ids": local["position_ids"], "padding_mask": local["padding_mask"],
                "input_ids": local["input_ids"]}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from cp_harness.cases import dtype_of, random_tensor
+from cp_harness.cases import build_batch, dtype_of, random_tensor
 from cp_harness.checks import CaseReport, register
 from cp_harness.compare import TokenGrid, compare
 
@@ -125,3 +125,49 @@ register("gather_tokens", rank=_gather_rank(0, "gather_tokens"), evaluate=_gathe
 register("convolution_history", rank=_history_rank, evaluate=_history_evaluate,
          functions=("inkling2.convolution_history",))
 
+
+
+def _sharder_rank(case: dict, ctx) -> tuple[dict, dict]:
+    """Shard any token tensor with the sharder of a prepared batch, then gather it back."""
+    B, S, C = case["shape"]
+    spec = {"format": "bshd", "seq_len": S, "rows": [[0, S]] * B}
+    batch = build_batch({"seed": case["seed"], "batch": spec, "model": "inkling2"})
+    sharder = ctx.impl.inkling2.prepare_cp_inputs(batch)["cp_sharder"].bind(ctx.mesh_for(case))
+    sharder.shard(batch)
+    value = _global_value(case, [B, S, C], 1)[:, :S].clone().to(ctx.device).requires_grad_(True)
+    local = sharder.shard_token_tensor(value)
+    local.retain_grad()
+    restored = sharder.gather_token_tensor(local)
+    restored.backward(_upstream(case, ctx.rank, restored.shape).to(ctx.device))
+    return {}, {"local": local, "restored": restored, "local_grad": local.grad, "global_grad": value.grad}
+
+
+def _sharder_evaluate(case: dict, outputs: list) -> CaseReport:
+    report = CaseReport(case=case)
+    n = int(case["world_size"])
+    B, S, C = case["shape"]
+    S_pad = -(-S // n) * n
+    L = S_pad // n
+    value = _global_value(case, [B, S, C], 1)[:, :S]
+    padded = torch.zeros(B, S_pad, C, dtype=value.dtype)
+    padded[:, :S] = value
+    total = sum(_upstream(case, r, (B, S, C)) for r in range(n))
+    total_padded = torch.zeros(B, S_pad, C, dtype=value.dtype)
+    total_padded[:, :S] = total
+    for o in outputs:
+        r = o.rank
+        report.add(compare(f"shard_token_tensor@rank{r}", o.tensors["local"], padded[:, r * L:(r + 1) * L].numpy(), mode="exact"))
+        report.add(compare(f"gather_token_tensor@rank{r}", o.tensors["restored"], value.numpy(), mode="exact",
+                           grid=TokenGrid(L, n)))
+        report.add(compare(f"grad of the local shard@rank{r}", o.tensors["local_grad"],
+                           total_padded[:, r * L:(r + 1) * L].numpy(), mode="exact"))
+        # Through shard_token_tensor each rank's global input receives its own slice's gradient only.
+        own = torch.zeros(B, S_pad, C, dtype=value.dtype)
+        own[:, r * L:(r + 1) * L] = total_padded[:, r * L:(r + 1) * L]
+        report.add(compare(f"grad of the global input@rank{r}", o.tensors["global_grad"], own[:, :S].numpy(),
+                           mode="exact", grid=TokenGrid(L, n)))
+    return report
+
+
+register("sharder_roundtrip", rank=_sharder_rank, evaluate=_sharder_evaluate,
+         functions=("sharder.shard_token_tensor", "sharder.gather_token_tensor"))

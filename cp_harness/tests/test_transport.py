@@ -25,3 +25,10 @@ def test_gathers_match_bit_for_bit(cp_runner, case):
                "width": 1})  # no history at all
 def test_convolution_history_matches_bit_for_bit(cp_runner, case):
     cp_runner.check(case)
+
+
+@settings(max_examples=examples(0.5))
+@given(case=strategies.sharder_cases())
+@example(case={"check": "sharder_roundtrip", "world_size": 8, "seed": 13, "dtype": "float64", "shape": [2, 5, 3]})
+def test_sharder_round_trip_is_exact(cp_runner, case):
+    cp_runner.check(case)

@@ -1,0 +1,85 @@
+"""Metamorphic properties: what must not change the result, and what must not depend on CP.
+
+- Padding token ids, padding labels and padding position values never change
+  any real output or gradient: bit for bit, on every rank.
+- Results do not depend on the CP size: N ranks agree with one rank within
+  the model budget (they sum in different orders, so not bit for bit).
+"""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cp_harness import strategies
+from cp_harness.budgets import budget_for
+from cp_harness.cases import canonical, padded_length, with_changes
+from cp_harness.checks import stack_ranks
+from cp_harness.compare import TokenGrid, compare
+from cp_harness.profiles import examples
+from oracle.layout import layout_from_batch
+from cp_harness.cases import build_batch
+
+
+def _real_mask(case, local_len, n):
+    keep = layout_from_batch(build_batch(case)).keep.numpy()
+    S = keep.shape[1]
+    mask = np.zeros((keep.shape[0], local_len * n), dtype=bool)
+    mask[:, :S] = keep
+    return mask
+
+
+def _outputs_or_fail(cp_runner, case):
+    outputs = cp_runner.run_outputs(case)
+    bad = [o for o in outputs if not o.ok]
+    assert not bad, f"rank {bad[0].rank} raised {bad[0].error_type}: {bad[0].message}\ncase: {canonical(case)}"
+    return outputs
+
+
+@settings(max_examples=examples(0.3))
+@given(case=strategies.model_cases(max_len=20), padding_seed=st.integers(min_value=1, max_value=2**31 - 1))
+def test_padding_contents_never_change_real_results(cp_runner, case, padding_seed):
+    base = with_changes(case, batch=dict(case["batch"], given_positions=True))
+    noisy = with_changes(case, batch=dict(case["batch"], given_positions=True, padding_seed=padding_seed))
+    a, b = _outputs_or_fail(cp_runner, base), _outputs_or_fail(cp_runner, noisy)
+    n = int(case["world_size"])
+    local_len = a[0].info["local_len"]
+    real = _real_mask(base, local_len, n)
+    grid = TokenGrid(local_len, n)
+    results = [
+        compare("logits (real tokens)", stack_ranks(b, "logits"), stack_ranks(a, "logits"), mode="exact", mask=real, grid=grid)
+        if real.any() else None,
+        compare("input-embedding gradient", stack_ranks(b, "inputs_embeds.grad"), stack_ranks(a, "inputs_embeds.grad"),
+                mode="exact", grid=grid),
+    ]
+    for o_a, o_b in zip(a, b):
+        results.append(compare(f"loss@rank{o_a.rank}", o_b.tensors["loss"], o_a.tensors["loss"], mode="exact"))
+        for name in o_a.tensors:
+            if name.startswith("grad."):
+                results.append(compare(f"{name}@rank{o_a.rank}", o_b.tensors[name], o_a.tensors[name], mode="exact"))
+    failed = [r.summary() for r in results if r is not None and not r.ok]
+    assert not failed, ("padding contents changed a real result\n"
+                        f"case: {canonical(base)}\nwith padding: {canonical(noisy)}\n" + "\n".join(failed))
+
+
+@settings(max_examples=examples(0.2))
+@given(case=strategies.model_cases(allowed_sizes=(2, 3, 4, 8), max_len=20))
+def test_results_do_not_depend_on_cp_size(cp_runner, case):
+    one = with_changes(case, world_size=1)
+    one.pop("mesh", None)
+    single, multi = _outputs_or_fail(cp_runner, one), _outputs_or_fail(cp_runner, case)
+    n = int(case["world_size"])
+    budget = budget_for("model", case)
+    S = build_batch(case)["input_ids"].shape[1]
+    assert padded_length(S, 1) == S
+    kw = dict(mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction)
+    results = [
+        compare("logits", stack_ranks(multi, "logits")[:, :S], stack_ranks(single, "logits"), **kw),
+        compare("loss", np.array(sum(float(o.tensors["loss"]) for o in multi) / n), single[0].tensors["loss"], **kw),
+        compare("input-embedding gradient", stack_ranks(multi, "inputs_embeds.grad")[:, :S] / n,
+                stack_ranks(single, "inputs_embeds.grad"), **kw),
+    ]
+    for name in single[0].tensors:
+        if name.startswith("grad."):
+            results.append(compare(name, sum(o.tensors[name] for o in multi) / n, single[0].tensors[name], **kw))
+    failed = [r.summary() for r in results if not r.ok]
+    assert not failed, f"N={n} differs from N=1\ncase: {canonical(case)}\n" + "\n".join(failed)
