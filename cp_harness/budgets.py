@@ -18,8 +18,19 @@ as a fraction of the tensor's largest magnitude (see ``cp_harness.compare``).
   device included, so this tier is measured normwise (floor = the tensor's
   largest magnitude).
 
-Each budget is the worst error measured over the generated examples (README,
-"Error budgets") times a margin of 4 to 8, rounded up to a power of two.
+Each budget is the worst error measured over the generated examples times a
+margin of about 5 to 20, rounded up to a power of two. Measured on the bundled
+implementation (``verify``-style runs of 300 to 600 examples per row, four
+seeds, world sizes 1, 2, 3, 4, 8, 2026-11-30):
+
+==========================  ============  ======
+row                         worst seen    budget
+==========================  ============  ======
+shifted_cp_loss float64     1.9 ULP       16
+shifted_cp_loss float32     41 ULP        256
+model float64               2,880 ULP     16,384 (relative 3.6e-12)
+model float32               10.5 ULP      128
+==========================  ============  ======
 """
 
 from __future__ import annotations
@@ -35,9 +46,9 @@ class Budget:
 
 BUDGETS = {
     ("shifted_cp_loss", "float64"): Budget(16.0, 1 / 1024),
-    ("shifted_cp_loss", "float32"): Budget(128.0, 1.0),
+    ("shifted_cp_loss", "float32"): Budget(256.0, 1.0),
     ("model", "float64"): Budget(16384.0, 1 / 1024),
-    ("model", "float32"): Budget(1024.0, 1.0),
+    ("model", "float32"): Budget(128.0, 1.0),
 }
 
 RELATIVE_CEILING_FLOAT64 = 1e-10

@@ -14,6 +14,12 @@ Two modes:
   the tensor's scale); ``floor_fraction = 1`` is the normwise measure (every
   element against the tensor's largest magnitude).
 
+  ``reference_scale`` widens "the tensor's largest magnitude" to a family of
+  tensors (``max(own, reference_scale)``): parameter gradients are judged
+  against the largest gradient of the model, because a gradient that is
+  mathematically zero (a one-key softmax row, identical values) is computed
+  as rounding noise of the terms that formed it, and has no scale of its own.
+
 A ``TensorComparison`` records how many elements were compared, how many
 exceed the budget, the largest error and where it is. When the tensor is
 token-aligned (``[batch, sequence, ...]`` in global order) the location also
@@ -123,7 +129,7 @@ def _float(x) -> float | int | bool:
 
 def compare(name: str, actual, expected, *, mode: str, budget_ulp: float | None = None,
             mask=None, grid: TokenGrid | None = None, ulp_dtype: str | None = None,
-            floor_fraction: float = FLOOR_FRACTION) -> TensorComparison:
+            floor_fraction: float = FLOOR_FRACTION, reference_scale: float | None = None) -> TensorComparison:
     """Compare ``actual`` with ``expected``.
 
     ``mode``: ``"exact"`` or ``"ulp"`` (then ``budget_ulp`` is required).
@@ -132,7 +138,7 @@ def compare(name: str, actual, expected, *, mode: str, budget_ulp: float | None 
     ``grid``: when the tensor is ``[batch, sequence, ...]`` in global token
     order, used to name the owning rank and boundary distance of the worst element.
     ``ulp_dtype``: the dtype whose ULP is the unit (default: ``actual``'s).
-    ``floor_fraction``: see the module docstring.
+    ``floor_fraction``, ``reference_scale``: see the module docstring.
     """
     if mode not in ("exact", "ulp"):
         raise ValueError(f"mode={mode!r}; pass 'exact' for data movement or 'ulp' for arithmetic")
@@ -173,6 +179,8 @@ def compare(name: str, actual, expected, *, mode: str, budget_ulp: float | None 
         a64, e64 = a.astype(np.float64), e.astype(np.float64)
         eps = float(np.finfo(np.dtype(ulp_dtype or a.dtype)).eps)
         scale = float(np.max(np.abs(np.where(select, e64, 0.0)))) if base.compared else 0.0
+        if reference_scale is not None:
+            scale = max(scale, float(reference_scale))
         floor = max(scale * floor_fraction, np.finfo(np.float64).tiny)
         diff = np.abs(a64 - e64)
         ulp = diff / (eps * np.maximum(np.abs(e64), floor))

@@ -131,10 +131,13 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
         report.add(compare("input-embedding gradient at padding (exactly zero)", emb, np.zeros_like(emb), mode="exact",
                            mask=pad_mask, grid=grid))
 
+    # Parameter gradients are judged against the model's largest gradient (see cp_harness.compare).
+    grad_scale = max((float(p.grad.abs().max()) for p in params.values() if p.grad is not None and p.numel()), default=0.0)
     for name, p in params.items():
         expected = p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape))
         got = sum(o.tensors[f"grad.{name}"] for o in outputs) / n
-        report.add(compare(f"grad {name}", got, expected, mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction, ulp_dtype=ulp_dtype))
+        report.add(compare(f"grad {name}", got, expected, mode="ulp", budget_ulp=budget.ulp,
+                           floor_fraction=budget.floor_fraction, ulp_dtype=ulp_dtype, reference_scale=grad_scale))
     report.info.update({"loss": float(out.loss.detach()), "count": int(out.count), "max_ulp": report.max_ulp})
     return report
 
