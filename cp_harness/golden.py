@@ -165,48 +165,48 @@ def oracle_arrays(case: dict) -> dict[str, np.ndarray]:
     """The oracle's reference arrays for ``case`` (what its check compares the ranks' results with)."""
     check = case["check"]
     if check in ("gather_sequence", "gather_tokens"):
-        from cp_harness.checks.transport import _global_value, _upstream
+        from cp_harness.checks.transport import global_value, upstream_gradient
 
         seq_dim = 1 if check == "gather_sequence" else 0
         n = int(case["world_size"])
-        value = _global_value(case, list(case["shape"]), seq_dim)
+        value = global_value(case, list(case["shape"]), seq_dim)
         out = {"expected_output": _np(value)}
         if bool(case.get("differentiable", True)) and value.is_floating_point():
-            out["expected_grad"] = _np(sum(_upstream(case, r, value.shape) for r in range(n)))
+            out["expected_grad"] = _np(sum(upstream_gradient(case, r, value.shape) for r in range(n)))
         return out
     if check == "convolution_history":
-        from cp_harness.checks.transport import _global_value, _upstream
+        from cp_harness.checks.transport import global_value, upstream_gradient
 
         n = int(case["world_size"])
         B, L, C = case["shape"]
         h = int(case["width"]) - 1
-        value = _global_value(case, [B, L, C], 1)
+        value = global_value(case, [B, L, C], 1)
         padded = torch.cat([torch.zeros(B, h, C, dtype=value.dtype), value], dim=1)
         grad = torch.zeros_like(padded)
         for r in range(n):
-            grad[:, r * L:r * L + L + h] += _upstream(case, r, (B, L + h, C))
+            grad[:, r * L:r * L + L + h] += upstream_gradient(case, r, (B, L + h, C))
         history = torch.stack([padded[:, r * L:r * L + L + h] for r in range(n)])
         return {"expected_history": _np(history), "expected_grad": _np(grad[:, h:h + n * L])}
     if check in ("inkling2_layout", "mistral_large4_layout"):
-        from cp_harness.checks.layout import _expected, _pad
+        from cp_harness.checks.layout import expected_layout, pad_sequence
 
-        batch, layout, keep, S, S_pad = _expected(case)
+        batch, layout, keep, S, S_pad = expected_layout(case)
         labels = batch["labels"].clone()
-        out = {"keep": _np(keep), "padding_mask": _np(~keep), "position_ids": _np(_pad(layout.positions, S_pad, 0)),
+        out = {"keep": _np(keep), "padding_mask": _np(~keep), "position_ids": _np(pad_sequence(layout.positions, S_pad, 0)),
                "input_ids": _np(batch["input_ids"])}
         if check == "mistral_large4_layout" and "seq_lens" in batch:
             first = torch.zeros_like(layout.keep)
             first[:, 0] = True
             first[:, 1:] = layout.document_ids[:, 1:] != layout.document_ids[:, :-1]
             labels = torch.where(first & (layout.document_ids >= 0), IGNORE_INDEX, labels)
-            out["document_ids"] = _np(_pad(layout.document_ids, S_pad, -1))
-        out["labels"] = _np(_pad(labels, S_pad, IGNORE_INDEX))
+            out["document_ids"] = _np(pad_sequence(layout.document_ids, S_pad, -1))
+        out["labels"] = _np(pad_sequence(labels, S_pad, IGNORE_INDEX))
         return out
     if check == "shifted_cp_loss":
-        from cp_harness.checks.loss import _inputs
+        from cp_harness.checks.loss import loss_inputs
         from oracle.loss import mean_loss, shifted_cross_entropy
 
-        logits, labels, keep, _ = _inputs(case)
+        logits, labels, keep, _ = loss_inputs(case)
         ref_logits = logits.detach().to(torch.float64).requires_grad_(True)
         loss_sum, count = shifted_cross_entropy(ref_logits, labels, keep)
         loss = mean_loss(loss_sum, count)

@@ -28,7 +28,7 @@ from cp_harness.compare import TokenGrid, compare
 from oracle.layout import layout_from_batch
 
 
-def _pad(value: torch.Tensor, length: int, fill) -> torch.Tensor:
+def pad_sequence(value: torch.Tensor, length: int, fill) -> torch.Tensor:
     out = torch.full((value.shape[0], length) + tuple(value.shape[2:]), fill, dtype=value.dtype)
     out[:, :value.shape[1]] = value
     return out
@@ -54,13 +54,13 @@ def _inkling2_rank(case: dict, ctx) -> tuple[dict, dict]:
     return info, {"labels": local["labels"], "position_ids": local["position_ids"], "padding_mask": local["padding_mask"]}
 
 
-def _expected(case: dict):
+def expected_layout(case: dict):
     batch = build_batch(case)
     layout = layout_from_batch(batch)
     n = int(case["world_size"])
     S = batch["input_ids"].shape[1]
     S_pad = padded_length(S, n)
-    keep = _pad(layout.keep, S_pad, False)
+    keep = pad_sequence(layout.keep, S_pad, False)
     return batch, layout, keep, S, S_pad
 
 
@@ -69,7 +69,7 @@ def _common(report: CaseReport, case: dict, outputs: list, keep: torch.Tensor, l
     L = S_pad // n
     grid = TokenGrid(L, n)
     report.add(compare("padding_mask", stack_ranks(outputs, "padding_mask"), (~keep).numpy(), mode="exact", grid=grid))
-    positions = _pad(layout.positions, S_pad, 0)
+    positions = pad_sequence(layout.positions, S_pad, 0)
     got_labels = stack_ranks(outputs, "labels")
     if bool(keep.any()):  # rows of padding alone have no real token to compare
         report.add(compare("position_ids (real tokens)", stack_ranks(outputs, "position_ids"), positions.numpy(),
@@ -83,7 +83,7 @@ def _common(report: CaseReport, case: dict, outputs: list, keep: torch.Tensor, l
 
 def _inkling2_evaluate(case: dict, outputs: list) -> CaseReport:
     report = CaseReport(case=case)
-    batch, layout, keep, S, S_pad = _expected(case)
+    batch, layout, keep, S, S_pad = expected_layout(case)
     for o in outputs:
         report.require(o.info["input_ids_global_and_unchanged"], f"rank {o.rank}: input_ids must stay global and unchanged")
         report.require(o.info["labels_unchanged_in_batch"], f"rank {o.rank}: the caller's labels changed")
@@ -92,7 +92,7 @@ def _inkling2_evaluate(case: dict, outputs: list) -> CaseReport:
         if "seq_lens" in batch:
             for gone in ("seq_lens", "seq_lens_padded", "qkv_format"):
                 report.require(gone not in o.info["keys_after_prepare"], f"rank {o.rank}: {gone} must be removed by unpack_row_layout")
-    _common(report, case, outputs, keep, layout, _pad(batch["labels"], S_pad, IGNORE_INDEX), S_pad)
+    _common(report, case, outputs, keep, layout, pad_sequence(batch["labels"], S_pad, IGNORE_INDEX), S_pad)
     return report
 
 
@@ -118,7 +118,7 @@ def _mistral_rank(case: dict, ctx) -> tuple[dict, dict]:
 
 def _mistral_evaluate(case: dict, outputs: list) -> CaseReport:
     report = CaseReport(case=case)
-    batch, layout, keep, S, S_pad = _expected(case)
+    batch, layout, keep, S, S_pad = expected_layout(case)
     n = int(case["world_size"])
     grid = TokenGrid(S_pad // n, n)
     packed = "seq_lens" in batch
@@ -129,14 +129,14 @@ def _mistral_evaluate(case: dict, outputs: list) -> CaseReport:
         first[:, 0] = True
         first[:, 1:] = layout.document_ids[:, 1:] != layout.document_ids[:, :-1]
         labels = torch.where(first & (layout.document_ids >= 0), IGNORE_INDEX, labels)
-        docs = _pad(layout.document_ids, S_pad, -1)
+        docs = pad_sequence(layout.document_ids, S_pad, -1)
         for o in outputs:
             report.require("document_ids" in o.tensors, f"rank {o.rank}: a packed batch must yield local document_ids")
         if all("document_ids" in o.tensors for o in outputs):
             report.add(compare("document_ids", stack_ranks(outputs, "document_ids"), docs.numpy(), mode="exact", grid=grid))
     for o in outputs:
         report.require(o.info["labels_unchanged_in_batch"], f"rank {o.rank}: the caller's labels changed")
-    _common(report, case, outputs, keep, layout, _pad(labels, S_pad, IGNORE_INDEX), S_pad)
+    _common(report, case, outputs, keep, layout, pad_sequence(labels, S_pad, IGNORE_INDEX), S_pad)
     if bool(case.get("shard_primary", True)):
         report.add(compare("input_ids (sharded)", stack_ranks(outputs, "input_ids")[:, :S], batch["input_ids"].numpy(),
                            mode="exact", grid=grid))

@@ -23,7 +23,7 @@ from oracle.loss import mean_loss, shifted_cross_entropy
 SOFTCAP = 5.0
 
 
-def _inputs(case: dict):
+def loss_inputs(case: dict):
     """Global padded ``(logits [B,S_pad,V], labels [B,S_pad], keep [B,S_pad])`` and the unpadded length."""
     n = int(case["world_size"])
     batch = build_batch(case)
@@ -43,7 +43,7 @@ def _inputs(case: dict):
 
 def _rank(case: dict, ctx) -> tuple[dict, dict]:
     n = int(case["world_size"])
-    logits, labels, keep, _ = _inputs(case)
+    logits, labels, keep, _ = loss_inputs(case)
     L = logits.shape[1] // n
     sl = slice(ctx.rank * L, (ctx.rank + 1) * L)
     local_logits = logits[:, sl].clone().to(ctx.device).requires_grad_(True)
@@ -59,7 +59,7 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
 def _evaluate(case: dict, outputs: list) -> CaseReport:
     report = CaseReport(case=case)
     n = int(case["world_size"])
-    logits, labels, keep, S = _inputs(case)
+    logits, labels, keep, S = loss_inputs(case)
     L = logits.shape[1] // n
     ref_logits = logits.detach().to(torch.float64).requires_grad_(True)
     loss_sum, count = shifted_cross_entropy(ref_logits, labels, keep)

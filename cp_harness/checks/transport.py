@@ -21,7 +21,7 @@ from cp_harness.compare import TokenGrid, compare
 _INT_DTYPES = {"int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 
 
-def _global_value(case: dict, shape: list[int], seq_dim: int) -> torch.Tensor:
+def global_value(case: dict, shape: list[int], seq_dim: int) -> torch.Tensor:
     n = int(case["world_size"])
     full = list(shape)
     full[seq_dim] *= n
@@ -33,7 +33,7 @@ def _global_value(case: dict, shape: list[int], seq_dim: int) -> torch.Tensor:
     return random_tensor(case, "value", tuple(full), dtype=dtype_of(case))
 
 
-def _upstream(case: dict, rank: int, shape) -> torch.Tensor:
+def upstream_gradient(case: dict, rank: int, shape) -> torch.Tensor:
     return random_tensor(case, f"upstream{rank}", tuple(shape), dtype=dtype_of(case), integer_valued=True)
 
 
@@ -41,7 +41,7 @@ def _gather_rank(seq_dim: int, function: str):
     def rank_fn(case: dict, ctx) -> tuple[dict, dict]:
         shape = list(case["shape"])
         local_len = shape[seq_dim]
-        value = _global_value(case, shape, seq_dim).to(ctx.device)
+        value = global_value(case, shape, seq_dim).to(ctx.device)
         local = value.narrow(seq_dim, ctx.rank * local_len, local_len).clone()
         differentiable = bool(case.get("differentiable", True)) and local.is_floating_point()
         if differentiable:
@@ -52,7 +52,7 @@ def _gather_rank(seq_dim: int, function: str):
                 "device": str(out.device), "dtype": str(out.dtype)}
         tensors = {"out": out}
         if differentiable:
-            out.backward(_upstream(case, ctx.rank, out.shape).to(ctx.device))
+            out.backward(upstream_gradient(case, ctx.rank, out.shape).to(ctx.device))
             tensors["grad"] = local.grad if local.grad is not None else torch.full_like(local, float("nan"))
         return info, tensors
     return rank_fn
@@ -64,7 +64,7 @@ def _gather_evaluate(seq_dim: int):
         n = int(case["world_size"])
         shape = list(case["shape"])
         local_len = shape[seq_dim]
-        value = _global_value(case, shape, seq_dim)
+        value = global_value(case, shape, seq_dim)
         differentiable = bool(case.get("differentiable", True)) and value.is_floating_point()
         grid = TokenGrid(local_len, n) if seq_dim == 1 else None
         for o in outputs:
@@ -77,7 +77,7 @@ def _gather_evaluate(seq_dim: int):
             if not differentiable:
                 report.require(not o.info["requires_grad"], f"rank {o.rank}: differentiable=False must give no autograd history")
         if differentiable:
-            total = sum(_upstream(case, r, value.shape) for r in range(n))
+            total = sum(upstream_gradient(case, r, value.shape) for r in range(n))
             for o in outputs:
                 expected = total.narrow(seq_dim, o.rank * local_len, local_len)
                 report.add(compare(f"grad@rank{o.rank}", o.tensors["grad"], expected.numpy(), mode="exact"))
@@ -88,11 +88,11 @@ def _gather_evaluate(seq_dim: int):
 def _history_rank(case: dict, ctx) -> tuple[dict, dict]:
     B, L, C = case["shape"]
     width = int(case["width"])
-    value = _global_value(case, [B, L, C], 1).to(ctx.device)
+    value = global_value(case, [B, L, C], 1).to(ctx.device)
     local = value[:, ctx.rank * L:(ctx.rank + 1) * L].clone().requires_grad_(True)
     out = ctx.impl.inkling2.convolution_history(local, ctx.mesh_for(case), width)
     info = {"dtype": str(out.dtype), "same_object": out is local}
-    out.backward(_upstream(case, ctx.rank, out.shape).to(ctx.device))
+    out.backward(upstream_gradient(case, ctx.rank, out.shape).to(ctx.device))
     grad = local.grad if local.grad is not None else torch.full_like(local, float("nan"))
     return info, {"out": out, "grad": grad}
 
@@ -103,12 +103,12 @@ def _history_evaluate(case: dict, outputs: list) -> CaseReport:
     B, L, C = case["shape"]
     width = int(case["width"])
     h = width - 1
-    value = _global_value(case, [B, L, C], 1)
+    value = global_value(case, [B, L, C], 1)
     padded = torch.cat([torch.zeros(B, h, C, dtype=value.dtype), value], dim=1)  # global row g sits at g + h
     grad_total = torch.zeros_like(padded)
     for r in range(n):
         # Rank r's output rows are global rows r*L - h .. (r+1)*L - 1: padded rows r*L .. r*L + L + h.
-        grad_total[:, r * L:r * L + L + h] += _upstream(case, r, (B, L + h, C))
+        grad_total[:, r * L:r * L + L + h] += upstream_gradient(case, r, (B, L + h, C))
     for o in outputs:
         r = o.rank
         report.add(compare(f"history@rank{r}", o.tensors["out"], padded[:, r * L:r * L + L + h].numpy(), mode="exact"))
@@ -134,11 +134,11 @@ def _sharder_rank(case: dict, ctx) -> tuple[dict, dict]:
     batch = build_batch({"seed": case["seed"], "batch": spec, "model": "inkling2"})
     sharder = ctx.impl.inkling2.prepare_cp_inputs(batch)["cp_sharder"].bind(ctx.mesh_for(case))
     sharder.shard(batch)
-    value = _global_value(case, [B, S, C], 1)[:, :S].clone().to(ctx.device).requires_grad_(True)
+    value = global_value(case, [B, S, C], 1)[:, :S].clone().to(ctx.device).requires_grad_(True)
     local = sharder.shard_token_tensor(value)
     local.retain_grad()
     restored = sharder.gather_token_tensor(local)
-    restored.backward(_upstream(case, ctx.rank, restored.shape).to(ctx.device))
+    restored.backward(upstream_gradient(case, ctx.rank, restored.shape).to(ctx.device))
     return {}, {"local": local, "restored": restored, "local_grad": local.grad, "global_grad": value.grad}
 
 
@@ -148,10 +148,10 @@ def _sharder_evaluate(case: dict, outputs: list) -> CaseReport:
     B, S, C = case["shape"]
     S_pad = -(-S // n) * n
     L = S_pad // n
-    value = _global_value(case, [B, S, C], 1)[:, :S]
+    value = global_value(case, [B, S, C], 1)[:, :S]
     padded = torch.zeros(B, S_pad, C, dtype=value.dtype)
     padded[:, :S] = value
-    total = sum(_upstream(case, r, (B, S, C)) for r in range(n))
+    total = sum(upstream_gradient(case, r, (B, S, C)) for r in range(n))
     total_padded = torch.zeros(B, S_pad, C, dtype=value.dtype)
     total_padded[:, :S] = total
     for o in outputs:
