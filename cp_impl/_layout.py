@@ -221,6 +221,15 @@ def packed_layout(seq_lens: Any, seq_lens_padded: Any, b: int, s: int, device: t
         )
     real = real.masked_fill(fill_r, 0)
     padded = padded.masked_fill(fill_p, 0)
+    # One length past S already overflows the row; checking it first also keeps the int64 sum
+    # below from wrapping around (lengths near 2**62 would otherwise sum to a negative total).
+    too_long = padded > s
+    if too_long.any():
+        i, d = first_true(too_long)
+        raise ValueError(
+            f"{api}: seq_lens_padded[{i}, {d}] = {int(padded[i, d])} exceeds the sequence length {s}; "
+            f"the documents of a row must fit in input_ids"
+        )
     ends = padded.cumsum(1)
     total = ends[:, -1] if ends.shape[1] else torch.zeros(b, dtype=torch.int64, device=device)
     if (total > s).any():
