@@ -1,0 +1,226 @@
+"""Rank faults and reproduction: every failure is fast, says why, reproduces, and leaves nothing behind.
+
+A small pool of its own (3 ranks, short timeouts) runs the ``pool_selftest``
+check with each injected fault: a rank that raises, one that exits abruptly,
+one that hangs (its peers wait inside a collective for it) and one that returns
+a tensor of the wrong shape. Each must fail the case within the configured
+timeout (plus the bounded teardown), naming the rank, the case and what
+happened; a fault that may have left ranks inside a collective tears the pool
+down (no process of it survives) and the next case passes on a fresh one.
+
+The same pool's ranks load a deliberately broken implementation
+(``tests/fixtures/broken_rel_loss_scale``: its shifted loss lacks the factor
+``N``; ``pool_selftest`` never calls it), so that a loss case fails as a
+failing test would; the ``reproduce:`` line of that failure, run as a shell
+command in a fresh process, must report the same failing tensors with the same
+values and leave no process behind. (One pool for both saves a pool start.)
+Finally, a pool whose owner disappears (the test process killed) must exit on
+its own.
+
+The tests run in file order on one module-scoped pool.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cp_harness.cases import canonical
+from cp_harness.pool import PoolConfig
+from cp_harness.runner import CaseRunner
+
+CASE_TIMEOUT = 4.0
+COLLECTIVE_TIMEOUT = 2.0  # below the case timeout: peers of a stuck rank give up first and point at it
+# Teardown after a failure is bounded by the pool: 5 s for torchrun to report an exit, then SIGTERM/SIGKILL
+# with 3 s waits, and 0.5 s for stack dumps.
+TEARDOWN_ALLOWANCE = 8.0
+WORLD = 3
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+BROKEN_IMPL = "broken_rel_loss_scale"
+LOSS_CASE = {"check": "shifted_cp_loss", "world_size": 2, "seed": 21, "model": "mistral_large4", "dtype": "float64",
+             "vocab": 7, "batch": {"format": "thd", "seq_len": 10, "docs": [[[4, 5], [5, 5]]]}}
+
+
+def selftest(mode: str = "ok", fault_rank: int = 0) -> dict:
+    case = {"check": "pool_selftest", "world_size": WORLD, "seed": 0, "mode": mode}
+    if mode != "ok":
+        case["fault_rank"] = fault_rank
+    return case
+
+
+def proc_state(pid: int) -> str | None:
+    """The state letter of a process that still runs, ``None`` when it is gone.
+
+    A zombie (``Z``) has exited: it is only an exit status waiting for its parent to collect it.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    return None if state in ("Z", "X") else state
+
+
+def processes_mentioning(marker: str) -> list[tuple[int, str]]:
+    """Live processes whose command line contains ``marker`` (every rank and torchrun of our pools does)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            found.append((int(entry), cmdline[:200]))
+    return found
+
+
+class Tracker:
+    """Records every process a pool started, to check later that none survived."""
+
+    def __init__(self, runner: CaseRunner, marker: str):
+        self.runner, self.marker, self.pids = runner, marker, {}
+
+    def record(self) -> None:
+        pool = self.runner.pool
+        if pool.running:
+            self.pids.update({pid: f"rank {rank}" for rank, pid in pool.pids.items()})
+            self.pids[pool.torchrun_pid] = "torchrun"
+
+    def survivors(self, pids: dict[int, str] | None = None) -> list[str]:
+        pids = self.pids if pids is None else pids
+        left = [f"{what} (pid {pid}, state {proc_state(pid)})" for pid, what in pids.items() if proc_state(pid)]
+        left += [f"pid {pid}: {cmd}" for pid, cmd in processes_mentioning(self.marker)]
+        return left
+
+    def wait_gone(self, pids: dict[int, str] | None = None, timeout: float = 10.0) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while (left := self.survivors(pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return left
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("fault-pool")
+    with pytest.MonkeyPatch.context() as mp:
+        # The ranks import the implementation by module name: the fixtures folder must be on their path.
+        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(FIXTURES), os.environ.get("PYTHONPATH")) if p))
+        mp.setenv("CP_HARNESS_ERROR_MAP_DIR", str(log_dir / "error-maps"))
+        runner = CaseRunner(PoolConfig(world_size=WORLD, impl=BROKEN_IMPL, case_timeout=CASE_TIMEOUT,
+                                       collective_timeout=COLLECTIVE_TIMEOUT, log_dir=str(log_dir)))
+        tracker = Tracker(runner, str(log_dir))
+        try:
+            yield tracker
+        finally:
+            runner.close()
+            assert not tracker.wait_gone(), f"processes left behind: {tracker.survivors()}"
+
+
+FAULTS = [
+    # mode, faulty rank, failure kind, what the message must say happened
+    ("raise", 1, "raised", "injected fault on rank 1"),
+    ("exit", 2, "exited", "exited while running the case"),
+    ("hang", 0, "hung", "did not answer within"),
+]
+
+
+@pytest.mark.parametrize("mode,fault_rank,kind,what", FAULTS, ids=[f[0] for f in FAULTS])
+def test_rank_fault_fails_the_case_and_the_pool_recovers(faulty, mode, fault_rank, kind, what):
+    runner = faulty.runner
+    runner.check(selftest())  # a healthy pool before the fault
+    faulty.record()
+    old = dict(runner.pool.pids)
+    old_pids = {pid: f"rank {rank}" for rank, pid in old.items()} | {runner.pool.torchrun_pid: "torchrun"}
+    starts = runner.pool.starts
+    case = selftest(mode, fault_rank)
+
+    started = time.monotonic()
+    with pytest.raises(AssertionError) as failure:
+        runner.check(case)
+    elapsed = time.monotonic() - started
+
+    message = str(failure.value)
+    assert f"rank {fault_rank} {kind}" in message, message  # the rank and what happened to it ...
+    assert what in message, message
+    assert canonical(case) in message, message  # ... the case, and how to run it again
+    assert "reproduce: python -m cp_harness run-case" in message, message
+    if mode == "hang":  # where the stuck rank was
+        assert f"--- stack of rank {fault_rank} ---" in message and "pool_selftest.py" in message, message
+    assert elapsed < CASE_TIMEOUT + TEARDOWN_ALLOWANCE, f"the {mode} fault took {elapsed:.1f} s to fail the case"
+    # The broken pool is gone, every process of it ...
+    assert not runner.pool.running
+    assert not faulty.wait_gone(old_pids, timeout=5.0), f"survivors of the torn-down pool: {faulty.survivors(old_pids)}"
+    # ... and the next case passes on a fresh one.
+    runner.check(selftest())
+    faulty.record()
+    assert runner.pool.starts == starts + 1
+    assert set(runner.pool.pids.values()).isdisjoint(old.values())
+
+
+def test_wrong_shape_fails_the_report_and_keeps_the_pool(faulty):
+    runner = faulty.runner
+    runner.check(selftest())
+    faulty.record()
+    starts = runner.pool.starts
+    case = selftest("wrong_shape", 1)
+    with pytest.raises(AssertionError) as failure:
+        runner.check(case)
+    message = str(failure.value)
+    assert "FAIL sum@rank1" in message and "shape [2] but expected [1]" in message, message
+    assert canonical(case) in message, message
+    # A wrong answer is not a fault of the pool: the same ranks run the next case.
+    runner.check(selftest())
+    assert runner.pool.starts == starts
+
+
+def failing_lines(text: str) -> list[str]:
+    return sorted(line.strip() for line in text.splitlines() if line.strip().startswith(("FAIL ", "also index")))
+
+
+def test_printed_reproduction_command_reproduces_the_failure(faulty, tmp_path):
+    runner = faulty.runner
+    with pytest.raises(AssertionError) as failure:
+        runner.check(LOSS_CASE)  # the broken loss: what a failing test prints
+    message = str(failure.value)
+    expected = failing_lines(message)
+    assert any("loss (mean over ranks)" in line for line in expected), message
+
+    command = next(line for line in message.splitlines() if line.startswith("reproduce: "))[len("reproduce: "):]
+    argv = shlex.split(command)
+    assert argv[:4] == ["python", "-m", "cp_harness", "run-case"] and BROKEN_IMPL in argv, command
+    argv[0] = sys.executable  # "python" of the environment that ran the test
+    session = tmp_path / "session"  # the command's own pool lives under here (TMPDIR)
+    session.mkdir()
+    proc = subprocess.run(argv, cwd=tmp_path, env=dict(os.environ, TMPDIR=str(session)), capture_output=True,
+                          text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output
+    assert failing_lines(proc.stdout) == expected, output
+    # Its session is over: nothing of its pool may survive.
+    deadline = time.monotonic() + 10
+    while (left := processes_mentioning(str(session))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"the reproduction run left processes behind: {left}"
+
+
+def test_pool_exits_by_itself_when_its_owner_disappears(faulty):
+    """What happens when the test process is killed: the ranks see their connection close and leave."""
+    runner = faulty.runner
+    runner.check(selftest())
+    faulty.record()
+    pool = runner.pool
+    pids = {pid: f"rank {rank}" for rank, pid in pool.pids.items()} | {pool.torchrun_pid: "torchrun"}
+    for sock in pool._socks.values():  # what the kernel does to the sockets of a killed process
+        sock.close()
+    left = faulty.wait_gone(pids, timeout=15.0)
+    runner.close()  # reaps torchrun (our child) and forgets the pool
+    assert not left, f"an abandoned pool left processes behind: {left}"
