@@ -26,9 +26,22 @@ def _world_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive integer")
+    return value
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impl", default=None, help="module exposing inkling2 and mistral_large4 (default: $CP_IMPL or cp_impl)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="gloo on CPU, nccl with one GPU per rank")
+    p.add_argument("--error-maps", dest="error_dir", default=None, metavar="DIR",
+                   help="where failing cases write error-map PNGs (default: $CP_HARNESS_ERROR_MAP_DIR, "
+                        "else <temp>/cp-harness-error-maps)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,10 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = sub.add_parser("verify", help="verify an implementation and print the report")
     _add_common(verify)
-    verify.add_argument("--world-sizes", type=_world_sizes, default=(1, 2, 3, 4, 8), help="CP sizes, e.g. 1,2,3,4,8")
-    verify.add_argument("--examples", type=int, default=25, help="generated examples per function/model row")
-    verify.add_argument("--seed", type=int, default=0, help="seed of the example generator")
+    verify.add_argument("--world-sizes", type=_world_sizes, default=(1, 2, 3, 4, 8),
+                        help="CP sizes the cases use, e.g. 1,2,3,4,8 (the pool starts max ranks; default 1,2,3,4,8)")
+    verify.add_argument("--examples", type=_positive, default=25, help="generated examples per row (default 25)")
+    verify.add_argument("--seed", type=int, default=0, help="seed of the example generator (default 0)")
     verify.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="also write the report as JSON")
+    verify.add_argument("--shrink-seconds", type=float, default=120.0, metavar="SECONDS",
+                        help="time a failing row may spend shrinking its failure to a small case (default 120)")
 
     run_case = sub.add_parser("run-case", help="run one case description and print its report")
     _add_common(run_case)
@@ -66,11 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "verify":
         from cp_harness.verify import run_verify
 
-        if args.examples < 1:
-            print("--examples must be at least 1", file=sys.stderr)
-            return 2
         return run_verify(impl=impl, world_sizes=args.world_sizes, examples=args.examples, backend=args.backend,
-                          seed=args.seed, json_path=args.json_path)
+                          seed=args.seed, json_path=args.json_path, error_dir=args.error_dir,
+                          shrink_seconds=args.shrink_seconds)
     if args.command == "run-case":
         from cp_harness.pool import PoolConfig
         from cp_harness.runner import CaseRunner, failure_message
@@ -81,6 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         except json.JSONDecodeError as exc:
             print(f"case is not JSON ({exc}); paste the 'case:' line of the failure", file=sys.stderr)
             return 2
+        if not isinstance(case, dict) or "check" not in case or "world_size" not in case:
+            print("case must be a JSON object with at least 'check' and 'world_size'", file=sys.stderr)
+            return 2
+        from cp_harness.devices import DeviceError, check_backend
+
+        try:
+            check_backend(args.backend, int(case["world_size"]))
+        except DeviceError as exc:
+            print(f"cannot run: {exc}", file=sys.stderr)
+            return 2
         runner = CaseRunner(PoolConfig(world_size=int(case["world_size"]), backend=args.backend, impl=impl))
         try:
             report = runner.run(case)
@@ -90,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"case passed against {impl!r}:\n{report.format()}")
             return 0
         print(failure_message(case, report, impl, backend=args.backend))
-        for path in write_error_maps(report):
+        for path in write_error_maps(report, args.error_dir):
             print(f"error map: {path}")
         return 1
     return 2

@@ -1,5 +1,16 @@
 """Hypothesis profiles: ``ci`` (default), ``nightly`` and ``dev``.
 
+- ``ci``: 100 examples per unit, derandomised (the same cases on every run, so
+  a pull request's result depends on its commit alone), no example database.
+- ``nightly``: ten times the examples, random, database written.
+- ``dev``: 20 examples per unit, random, database written (quick iterations
+  that replay what failed last).
+
+The pytest plugin registers them and, when a run is about CP (``--cp-impl``,
+``$CP_IMPL``, an argument naming ``cp_harness``, or this checkout), makes
+``ci`` the default unless ``--hypothesis-profile`` chose one; other projects'
+tests in the same environment keep their own Hypothesis settings.
+
 Tests size themselves with ``examples(fraction)``: a fraction of the active
 profile's ``max_examples``, so one switch (``--hypothesis-profile nightly``)
 scales every property together.
@@ -15,8 +26,8 @@ _SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filte
 _registered = False
 
 
-def register() -> None:
-    """Register the three profiles and make ``ci`` the default (idempotent)."""
+def register(load_default: bool = False) -> None:
+    """Register the three profiles (idempotent); ``load_default``: also make ``ci`` the active profile."""
     global _registered
     if _registered:
         return
@@ -26,8 +37,9 @@ def register() -> None:
     settings.register_profile("nightly", max_examples=1000, derandomize=False, **common)
     settings.register_profile("dev", max_examples=20, derandomize=False,
                               phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink], **common)
-    settings.load_profile("ci")
     _registered = True
+    if load_default:
+        settings.load_profile("ci")
 
 
 def examples(fraction: float) -> int:

@@ -1,57 +1,146 @@
 """pytest plugin (entry point ``pytest11: cp_harness``).
 
+Installed with the project, it is active in every pytest run, so another
+repository gates its own implementation with::
+
+    pytest --pyargs cp_harness.tests --cp-impl their.module
+
 Options:
 
 - ``--cp-impl MODULE``: implementation under test (else ``$CP_IMPL``, else ``cp_impl``).
-- ``--cp-world-sizes 1,2,3,4,8``: CP sizes the generated cases use.
-- ``--cp-backend gloo|nccl``: gloo on CPU; nccl with one GPU per rank.
+- ``--cp-world-sizes 1,2,3,4,8``: CP sizes the generated cases use; the pool
+  starts ``max`` ranks. Explicit examples of a larger size are skipped.
+- ``--cp-backend gloo|nccl``: gloo on CPU; nccl with one GPU per rank (a pool
+  of ``N`` ranks needs ``N`` visible GPUs; each pytest-xdist worker gets its
+  own ``N``, and ``-n auto`` starts as many workers as there are such sets).
 - ``--cp-case-timeout SECONDS``: how long one case may run on the ranks.
-- ``--update-golden``: rewrite golden files that changed (see ``cp_harness.golden``).
+- ``--update-golden``: rewrite golden files that changed (see ``docs/golden.md``;
+  textual expecttest expectations are rewritten with ``EXPECTTEST_ACCEPT=1``).
 
 Hypothesis profiles (choose with Hypothesis' own ``--hypothesis-profile``):
 ``ci`` (default: derandomised, fixed examples, no database writes),
-``nightly`` (ten times the examples, random), ``dev`` (few examples).
+``nightly`` (ten times the examples, random), ``dev`` (few examples). ``ci``
+becomes the default only in a run about CP (``--cp-impl``, ``$CP_IMPL``, an
+argument naming ``cp_harness``, or this checkout): other projects' tests in
+the same environment keep their Hypothesis settings.
 
 Fixtures: ``cp_runner`` (a warm rank pool for the session or xdist worker),
 ``cp_world_sizes``, ``cp_impl_name``, ``cp_impl`` (the implementation loaded in
-the test process for single-rank checks). Markers: ``slow``, ``gpu``.
+the test process for single-rank checks), ``cp_backend``, ``cp_update_golden``.
+Markers: ``slow`` (deselect with ``-m "not slow"``), ``gpu`` (skipped unless
+``--cp-backend nccl``).
 
 At the end of the run the plugin prints how many CP examples ran per world
-size (summed over xdist workers) and the other counters tests record with
-``cp_harness.stats.count``.
+size (summed over xdist workers), the other counters tests record with
+``cp_harness.stats.count``, and the error maps failing cases wrote.
 """
 
 from __future__ import annotations
 
 import collections
 import os
+import re
+from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from cp_harness import profiles, stats
 from cp_harness.impl import load_impl, selected_impl_name
 
 profiles.register()
 
+_WORLD_SIZES_HELP = "comma-separated positive integers, e.g. 1,2,3,4,8"
+# Error maps written by failing cases of this process (workers hand theirs to the controller).
+ERROR_MAPS: list[str] = []
+_ERROR_MAP_LINE = re.compile(r"^E?\s*error maps?: (.+)$", re.MULTILINE)
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("cp_harness", "context-parallel correctness harness")
-    group.addoption("--cp-impl", default=None, help="module exposing inkling2 and mistral_large4 (default: $CP_IMPL or cp_impl)")
-    group.addoption("--cp-world-sizes", default="1,2,3,4,8", help="comma-separated CP sizes to exercise")
-    group.addoption("--cp-backend", default="gloo", choices=("gloo", "nccl"), help="process-group backend of the rank pool")
-    group.addoption("--cp-case-timeout", type=float, default=120.0, help="seconds one case may run on the ranks")
-    group.addoption("--update-golden", action="store_true", default=False, help="rewrite golden files whose content changed")
+    group.addoption("--cp-impl", default=None, metavar="MODULE",
+                    help="module exposing inkling2 and mistral_large4 (default: $CP_IMPL or cp_impl)")
+    group.addoption("--cp-world-sizes", default="1,2,3,4,8", metavar="SIZES",
+                    help="comma-separated CP sizes to exercise (default 1,2,3,4,8); the pool starts max(SIZES) ranks")
+    group.addoption("--cp-backend", default="gloo", choices=("gloo", "nccl"),
+                    help="process-group backend of the rank pool: gloo on CPU, nccl with one GPU per rank")
+    group.addoption("--cp-case-timeout", type=float, default=120.0, metavar="SECONDS",
+                    help="seconds one case may run on the ranks before they count as hung")
+    group.addoption("--update-golden", action="store_true", default=False,
+                    help="rewrite golden files whose content changed (see docs/golden.md)")
+
+
+def _world_sizes(config: pytest.Config) -> tuple[int, ...]:
+    raw = config.getoption("--cp-world-sizes")
+    try:
+        sizes = tuple(sorted({int(x) for x in raw.split(",") if x.strip()}))
+    except ValueError as exc:
+        raise pytest.UsageError(f"--cp-world-sizes={raw!r}: give {_WORLD_SIZES_HELP}") from exc
+    if not sizes or min(sizes) < 1:
+        raise pytest.UsageError(f"--cp-world-sizes={raw!r}: give {_WORLD_SIZES_HELP}")
+    return sizes
+
+
+def _is_cp_run(config: pytest.Config) -> bool:
+    """Whether this run is about CP: then ``ci`` is the default Hypothesis profile (else Hypothesis' own stays)."""
+    if config.getoption("--cp-impl") or os.environ.get("CP_IMPL"):
+        return True
+    if any("cp_harness" in str(arg) for arg in config.args):
+        return True
+    return (Path(str(config.rootpath)) / "cp_harness" / "pytest_plugin.py").is_file()
+
+
+def _xdist_workers(config: pytest.Config) -> int:
+    """Number of pools that run at once: xdist workers (0 or 1 without xdist)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        return int(workerinput.get("workercount", 1))
+    if getattr(config.option, "dist", "no") != "no":
+        return len(getattr(config.option, "tx", None) or []) or 1
+    return 1
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "slow: long-running checks (nightly)")
-    config.addinivalue_line("markers", "gpu: needs CUDA devices and the NCCL backend")
+    config.addinivalue_line("markers", "slow: long-running checks (run nightly; deselect with -m 'not slow')")
+    config.addinivalue_line("markers", "gpu: needs CUDA devices and the NCCL backend (skipped unless --cp-backend nccl)")
     from cp_harness import strategies
 
-    strategies.configure_world_sizes(_world_sizes(config))
-    impl = selected_impl_name(config.getoption("--cp-impl"))
-    # Ranks and in-process checks must judge the same module.
-    os.environ["CP_IMPL"] = impl
+    cp_run = _is_cp_run(config)
+    if config.getoption("--hypothesis-profile", default=None) is None and cp_run:
+        settings.load_profile("ci")
+    sizes = _world_sizes(config)
+    strategies.configure_world_sizes(sizes)
+    if cp_run:
+        # Ranks and in-process checks must judge the same module (xdist workers inherit it too).
+        os.environ["CP_IMPL"] = selected_impl_name(config.getoption("--cp-impl"))
+    if config.getoption("--cp-backend") == "nccl":
+        _configure_gpus(config, max(sizes))
+
+
+def _configure_gpus(config: pytest.Config, ranks: int) -> None:
+    """Fail early when the GPUs cannot give every rank its own device; give each xdist worker its own slice."""
+    from cp_harness.devices import DeviceError, check_backend, gpu_slice
+
+    workerinput = getattr(config, "workerinput", None)
+    try:
+        if workerinput is None:
+            check_backend("nccl", ranks, pools=_xdist_workers(config))
+        else:
+            worker = int(str(workerinput.get("workerid", "gw0")).removeprefix("gw") or 0)
+            # The pool's ranks (subprocesses) see only this worker's devices, as 0..ranks-1.
+            os.environ["CUDA_VISIBLE_DEVICES"] = gpu_slice(worker, ranks)
+    except DeviceError as exc:
+        raise pytest.UsageError(f"--cp-backend nccl: {exc}") from exc
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config):
+    """With ``--cp-backend nccl``, ``-n auto`` means one worker per set of GPUs that holds a whole pool."""
+    if config.getoption("--cp-backend") != "nccl":
+        return None
+    from cp_harness.devices import visible_gpus
+
+    return max(1, len(visible_gpus()) // max(_world_sizes(config)))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -61,17 +150,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-
-
-def _world_sizes(config: pytest.Config) -> tuple[int, ...]:
-    raw = config.getoption("--cp-world-sizes")
-    try:
-        sizes = tuple(sorted({int(x) for x in raw.split(",") if x.strip()}))
-    except ValueError as exc:
-        raise pytest.UsageError(f"--cp-world-sizes={raw!r}: give comma-separated positive integers, e.g. 1,2,3,4,8") from exc
-    if not sizes or min(sizes) < 1:
-        raise pytest.UsageError(f"--cp-world-sizes={raw!r}: give comma-separated positive integers, e.g. 1,2,3,4,8")
-    return sizes
 
 
 @pytest.fixture(scope="session")
@@ -90,13 +168,54 @@ def cp_impl(cp_impl_name: str):
 
 
 @pytest.fixture(scope="session")
-def cp_runner(pytestconfig: pytest.Config, cp_world_sizes, cp_impl_name):
-    from cp_harness.pool import PoolConfig
+def cp_backend(pytestconfig: pytest.Config) -> str:
+    return pytestconfig.getoption("--cp-backend")
+
+
+@pytest.fixture(scope="session")
+def cp_update_golden(pytestconfig: pytest.Config) -> bool:
+    return bool(pytestconfig.getoption("--update-golden"))
+
+
+def _skip_case(reason: str) -> None:
+    """Leave this case out: a rejected example inside a Hypothesis test, a skip elsewhere."""
+    from hypothesis import assume
+    from hypothesis.control import currently_in_test_context
+
+    if currently_in_test_context():
+        assume(False)  # explicit @example cases rejected this way are skipped, not failed
+    pytest.skip(reason)
+
+
+def _plugin_runner_class():
     from cp_harness.runner import CaseRunner
 
+    class PluginRunner(CaseRunner):
+        """A ``CaseRunner`` that skips cases larger than its pool."""
+
+        def run_outputs(self, case: dict, *, timeout: float | None = None):
+            n = int(case["world_size"])
+            if n > self.config.world_size:
+                _skip_case(f"case needs {n} CP ranks; this run's pool has {self.config.world_size} "
+                           f"(--cp-world-sizes)")
+            return super().run_outputs(case, timeout=timeout)
+
+    return PluginRunner
+
+
+@pytest.fixture(scope="session")
+def cp_runner(pytestconfig: pytest.Config, cp_world_sizes, cp_impl_name):
+    from cp_harness.pool import PoolConfig
+
+    try:  # a module that does not import fails every CP test at once, with this message, before any rank starts
+        load_impl(cp_impl_name)
+    except Exception as exc:  # noqa: BLE001
+        raise pytest.UsageError(f"--cp-impl {cp_impl_name}: the implementation does not import here: "
+                                f"{type(exc).__name__}: {exc}") from exc
     timeout = pytestconfig.getoption("--cp-case-timeout")
-    runner = CaseRunner(PoolConfig(world_size=max(cp_world_sizes), backend=pytestconfig.getoption("--cp-backend"),
-                                   impl=cp_impl_name, case_timeout=timeout, collective_timeout=max(10.0, timeout / 2)))
+    runner = _plugin_runner_class()(PoolConfig(world_size=max(cp_world_sizes), backend=pytestconfig.getoption("--cp-backend"),
+                                               impl=cp_impl_name, case_timeout=timeout,
+                                               collective_timeout=max(10.0, timeout / 2)))
     try:
         yield runner
     finally:
@@ -105,22 +224,38 @@ def cp_runner(pytestconfig: pytest.Config, cp_world_sizes, cp_impl_name):
             stats.count(f"cp examples at world size {size}", n)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Remember the error maps named by a failing test's message (``CaseRunner.check`` prints them)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.when == "call":
+        for match in _ERROR_MAP_LINE.finditer(report.longreprtext or ""):
+            ERROR_MAPS.extend(p.strip() for p in match.group(1).split(", ") if p.strip().endswith(".png"))
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     workeroutput = getattr(session.config, "workeroutput", None)
-    if workeroutput is not None:  # an xdist worker: hand the counters to the controller
+    if workeroutput is not None:  # an xdist worker: hand the counters and error maps to the controller
         workeroutput["cp_harness_stats"] = dict(stats.COUNTERS)
+        workeroutput["cp_harness_error_maps"] = list(ERROR_MAPS)
 
 
+@pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:
-    for key, value in getattr(node, "workeroutput", {}).get("cp_harness_stats", {}).items():
+    output = getattr(node, "workeroutput", None) or {}
+    for key, value in output.get("cp_harness_stats", {}).items():
         stats.count(key, value)
+    ERROR_MAPS.extend(output.get("cp_harness_error_maps", []))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
-    if getattr(config, "workerinput", None) is not None or not stats.COUNTERS:
+    if getattr(config, "workerinput", None) is not None or not (stats.COUNTERS or ERROR_MAPS):
         return
     counters = collections.OrderedDict(sorted(stats.COUNTERS.items()))
     terminalreporter.section("cp_harness")
+    terminalreporter.write_line(f"implementation: {selected_impl_name(config.getoption('--cp-impl'))}, "
+                                f"backend: {config.getoption('--cp-backend')}")
     examples = {k: v for k, v in counters.items() if k.startswith("cp examples at world size")}
     if examples:
         total = sum(examples.values())
@@ -130,3 +265,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     for key, value in counters.items():
         if key not in examples:
             terminalreporter.write_line(f"{key}: {value}")
+    if ERROR_MAPS:
+        unique = list(dict.fromkeys(ERROR_MAPS))
+        terminalreporter.write_line(f"error maps of the failing cases ({len(unique)}):")
+        for path in unique:
+            terminalreporter.write_line(f"  {path}")

@@ -1,19 +1,29 @@
 """The main job: verify an implementation on a warm pool and print a report.
 
-For every documented function and both miniature models, Hypothesis draws
-cases (``--examples`` per row, seeded by ``--seed``), the pool runs them and
-the oracle judges them. A failing row is shrunk by Hypothesis to a small
-case, its error maps are written and its reproduction command printed. The
-table lists, per row: examples run, passed, the largest error in ULPs, and
-the bytes moved over the wire compared with the analytic minimum.
+For every documented function (grouped as the API pages group them), the
+sharder and both miniature models, Hypothesis draws cases (``--examples`` per
+row, seeded by ``--seed``), the pool runs them and the oracle judges them. A
+failing row is shrunk by Hypothesis to a small case, its error maps are
+written and its reproduction command printed. The table lists, per row:
+examples run, passed, the largest error in ULPs (``exact`` for data movement,
+which must match bit for bit), and the bytes moved over the wire compared
+with the analytic minimum (``cp_harness.comm_minimum``; ``-`` where there is
+no closed form, e.g. whole models). ``--json PATH`` writes the same report as
+JSON (see ``report_dict``). Exit status: 0 when every row passed, 1 on any
+failure, 2 when the run could not start (bad arguments, no GPUs, an
+implementation that does not import).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
+import platform
 import sys
 import time
+import traceback
 from typing import Any, Callable
 
 from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
@@ -21,7 +31,7 @@ from hypothesis import strategies as st
 
 from cp_harness import comm_minimum, strategies
 from cp_harness.cases import canonical
-from cp_harness.errormap import write_error_maps
+from cp_harness.errormap import error_map_dir, write_error_maps
 from cp_harness.pool import PoolConfig
 from cp_harness.runner import CaseRunner, repro_command
 
@@ -32,23 +42,41 @@ class Row:
 
     name: str
     strategy: Callable[[tuple[int, ...]], st.SearchStrategy[dict]]
-    weight: float = 1.0
+    functions: tuple[str, ...] = ()  # the documented functions this row exercises
     examples: int = 0
     passed: int = 0
     failed: int = 0
     max_ulp: float = 0.0
+    arithmetic: bool = False  # some comparison was in ULPs (else: data movement, compared bit for bit)
     moved_bytes: int = 0
     minimum_bytes: int = 0
     failure: str | None = None
     failing_case: dict | None = None
+    reproduce: str | None = None
     error_maps: list[str] = dataclasses.field(default_factory=list)
+    failing_report: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def comm_ratio(self) -> float | None:
         return self.moved_bytes / self.minimum_bytes if self.minimum_bytes else None
 
+    @property
+    def ok(self) -> bool:
+        return self.failed == 0 and self.failure is None
+
+    def ulp_text(self) -> str:
+        if not self.arithmetic:
+            return "exact" if self.ok else "NOT EXACT"
+        return f"{self.max_ulp:.3g}"
+
     def as_dict(self) -> dict[str, Any]:
-        data = {k: v for k, v in dataclasses.asdict(self).items() if k != "strategy"}
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("strategy", "failing_report")}
+        data["functions"] = list(self.functions)
+        report = self.failing_report
+        data["failing_tensors"] = [c.as_dict() for c in report.failures()] if report is not None else []
+        data["ok"] = self.ok
+        data["comparison"] = "ulp" if self.arithmetic else "exact"
         data["comm_ratio"] = self.comm_ratio
         return data
 
@@ -60,31 +88,44 @@ def _filtered(check: str):
 
 
 def default_rows() -> list[Row]:
+    """The report's rows: every documented function (grouped as they are called), the sharder, both models."""
     return [
-        Row("inkling2.gather_sequence", _filtered("gather_sequence")),
-        Row("inkling2.convolution_history", lambda s: strategies.history_cases(s)),
+        Row("inkling2.gather_sequence", _filtered("gather_sequence"), ("inkling2.gather_sequence",)),
+        Row("inkling2.convolution_history", lambda s: strategies.history_cases(s), ("inkling2.convolution_history",)),
         Row("inkling2.prepare_cp_inputs + unpack_row_layout",
-            lambda s: strategies.layout_cases(s).filter(lambda c: c["model"] == "inkling2")),
-        Row("mistral_large4.gather_tokens", _filtered("gather_tokens")),
+            lambda s: strategies.layout_cases(s).filter(lambda c: c["model"] == "inkling2"),
+            ("inkling2.prepare_cp_inputs", "inkling2.unpack_row_layout", "sharder.bind", "sharder.shard")),
+        Row("mistral_large4.gather_tokens", _filtered("gather_tokens"), ("mistral_large4.gather_tokens",)),
         Row("mistral_large4.prepare_cp_inputs (BSHD/THD)",
-            lambda s: strategies.layout_cases(s).filter(lambda c: c["model"] == "mistral_large4")),
-        Row("mistral_large4.shifted_cp_loss", lambda s: strategies.loss_cases(s)),
-        Row("sharder.shard_token_tensor + gather_token_tensor", lambda s: strategies.sharder_cases(s)),
+            lambda s: strategies.layout_cases(s).filter(lambda c: c["model"] == "mistral_large4"),
+            ("mistral_large4.prepare_cp_inputs", "mistral_large4.prepare_packed_cp_inputs", "sharder.bind",
+             "sharder.shard")),
+        Row("mistral_large4.shifted_cp_loss", lambda s: strategies.loss_cases(s), ("mistral_large4.shifted_cp_loss",)),
+        Row("sharder.shard_token_tensor + gather_token_tensor", lambda s: strategies.sharder_cases(s),
+            ("sharder.shard_token_tensor", "sharder.gather_token_tensor")),
         Row("model: Inkling2-mini (float64)",
-            lambda s: strategies.model_cases(s, dtypes=("float64",)).filter(lambda c: c["model"] == "inkling2")),
+            lambda s: strategies.model_cases(s, dtypes=("float64",)).filter(lambda c: c["model"] == "inkling2"),
+            ("inkling2.*", "sharder.*")),
         Row("model: MistralLarge4-mini (float64)",
-            lambda s: strategies.model_cases(s, dtypes=("float64",)).filter(lambda c: c["model"] == "mistral_large4")),
+            lambda s: strategies.model_cases(s, dtypes=("float64",)).filter(lambda c: c["model"] == "mistral_large4"),
+            ("mistral_large4.*", "sharder.*")),
     ]
 
 
 class Progress:
-    """A one-line progress bar on stderr (plain lines when stderr is not a terminal)."""
+    """A one-line progress bar on stderr (plain lines, every tenth of the way, when stderr is not a terminal)."""
 
-    def __init__(self, total: int, stream=sys.stderr):
-        self.total, self.done, self.stream = total, 0, stream
-        self.tty = stream.isatty()
+    def __init__(self, total: int, stream=None):
+        self.total, self.done = total, 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = self.stream.isatty()
         self.started = time.perf_counter()
         self._last_plain = -1
+
+    def note(self, text: str) -> None:
+        """A message of its own line (the bar is redrawn by the next step)."""
+        self.stream.write(("\r\033[K" if self.tty else "") + text + "\n")
+        self.stream.flush()
 
     def step(self, label: str) -> None:
         self.done += 1
@@ -92,7 +133,7 @@ class Progress:
         elapsed = time.perf_counter() - self.started
         if self.tty:
             bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
-            self.stream.write(f"\r[{bar}] {self.done}/{self.total} {elapsed:5.1f}s {label[:40]:<40}")
+            self.stream.write(f"\r[{bar}] {self.done}/{self.total} {elapsed:5.1f}s {label[:50]:<50}")
             self.stream.flush()
         elif int(frac * 10) != self._last_plain:
             self._last_plain = int(frac * 10)
@@ -105,80 +146,218 @@ class Progress:
             self.stream.flush()
 
 
-def _run_row(row: Row, runner: CaseRunner, sizes, examples: int, seed: int, progress: Progress) -> None:
+def _run_row(row: Row, runner: CaseRunner, sizes, examples: int, seed: int, progress: Progress,
+             backend: str, error_dir: str | None, shrink_seconds: float) -> None:
+    failing: dict[str, Any] = {}  # canonical case -> its report, for every case seen failing
     last_failure: dict[str, Any] = {}
+    shrink_started: list[float] = []
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
               suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink], report_multiple_bugs=False)
     @hypothesis_seed(seed)
     @given(case=row.strategy(sizes))
     def property_(case):
-        report = runner.run(case)
-        row.examples += 1
-        progress.step(row.name)
-        moved, minimum = comm_minimum.moved_and_minimum(case, report)
-        row.moved_bytes += moved
-        row.minimum_bytes += minimum
-        if report.ok:
-            row.passed += 1
-            row.max_ulp = max(row.max_ulp, report.max_ulp)
-            return
-        row.failed += 1
+        key = canonical(case)
+        report = failing.get(key)  # seen failing already (e.g. Hypothesis' final replay): not run again
+        if report is None:
+            if shrink_started and time.perf_counter() - shrink_started[0] > shrink_seconds:
+                # Shrinking budget spent: the smallest failure found so far is reported (it really failed).
+                return
+            report = runner.run(case)
+            row.examples += 1
+            progress.step(row.name if not shrink_started else f"{row.name}: shrinking a failure")
+            moved, minimum = comm_minimum.moved_and_minimum(case, report)
+            row.moved_bytes += moved
+            row.minimum_bytes += minimum
+            row.arithmetic = row.arithmetic or any(c.mode == "ulp" for c in report.comparisons)
+            if report.max_ulp == report.max_ulp:  # not NaN
+                row.max_ulp = max(row.max_ulp, report.max_ulp)
+            if report.ok:
+                row.passed += 1
+                return
+            row.failed += 1
+            if not shrink_started:
+                shrink_started.append(time.perf_counter())
+            failing[key] = report
         last_failure["case"], last_failure["report"] = case, report
-        raise AssertionError(report.format())
+        raise AssertionError(report.format())  # one raise site: Hypothesis tells failures apart by where they rise
 
     try:
         property_()
     except AssertionError:
-        # Hypothesis re-ran the shrunk example last: that is the one to report.
+        if "report" not in last_failure:  # Hypothesis itself complained (e.g. a flaky failure)
+            row.failed = max(row.failed, 1)
+            row.failure = traceback.format_exc(limit=3)
+            return
+        # Hypothesis replays the smallest failing example last: that is the one to report.
         case, report = last_failure["case"], last_failure["report"]
         row.failing_case = case
+        row.failing_report = report
         row.failure = report.format()
-        row.error_maps = write_error_maps(report)
+        row.reproduce = repro_command(case, runner.impl, backend)
+        row.error_maps = write_error_maps(report, error_dir)
+    except Exception:  # noqa: BLE001 - a harness or Hypothesis error fails this row, the others still run
+        row.failed = max(row.failed, 1)
+        row.failure = "the row could not run:\n" + traceback.format_exc(limit=6)
+        if last_failure:
+            row.failing_case = last_failure["case"]
+            row.reproduce = repro_command(last_failure["case"], runner.impl, backend)
+
+
+def condensed_failure(report, max_tensors: int = 4, max_also: int = 2) -> str:
+    """A failing report in a few lines: problems, the first failing tensors (with a couple of elements each), the rest by name."""
+    lines = [f"  PROBLEM: {p.splitlines()[0] if p else p}" for p in report.problems]
+    extra_problem_lines = sum(len(p.splitlines()) - 1 for p in report.problems)
+    if extra_problem_lines:
+        lines.append(f"  ({extra_problem_lines} more lines of traceback in the JSON report / run-case output)")
+    failures = report.failures()
+    for comp in failures[:max_tensors]:
+        lines.append(f"  FAIL {comp.summary()}")
+        for entry in comp.first_mismatches[1:1 + max_also]:
+            where = ""
+            if "owning_rank" in entry:
+                where = f" (row {entry['row']}, position {entry['position']}, rank {entry['owning_rank']})"
+            lines.append(f"       also index {entry['index']}: actual {entry['actual']!r}, "
+                         f"expected {entry['expected']!r}{where}")
+    if len(failures) > max_tensors:
+        rest = [c.name for c in failures[max_tensors:]]
+        lines.append(f"  ... and {len(rest)} more failing tensors: {', '.join(rest)}")
+    passed = [c.name for c in report.comparisons if c.ok]
+    if passed:
+        lines.append(f"  passed: {', '.join(passed)}")
+    return "\n".join(lines)
+
+
+TABLE_HEADER = ("function / model", "examples", "passed", "max ULP", "comm moved/min")
 
 
 def format_table(rows: list[Row]) -> str:
-    header = f"{'function / model':<48} {'examples':>8} {'passed':>7} {'max ULP':>9} {'comm moved/min':>15}"
+    """The report table: one line per row, ``FAILED`` at the end of a failing one."""
+    width = max([48] + [len(r.name) for r in rows])
+    header = (f"{TABLE_HEADER[0]:<{width}} {TABLE_HEADER[1]:>8} {TABLE_HEADER[2]:>7} {TABLE_HEADER[3]:>9} "
+              f"{TABLE_HEADER[4]:>15}")
     lines = [header, "-" * len(header)]
     for row in rows:
         ratio = row.comm_ratio
         ratio_text = "-" if ratio is None else f"{ratio:.2f}"
-        lines.append(f"{row.name:<48} {row.examples:>8} {row.passed:>7} {row.max_ulp:>9.3g} {ratio_text:>15}"
-                     + ("   FAILED" if row.failed else ""))
+        lines.append(f"{row.name:<{width}} {row.examples:>8} {row.passed:>7} {row.ulp_text():>9} {ratio_text:>15}"
+                     + ("   FAILED" if not row.ok else ""))
     return "\n".join(lines)
 
 
+def _json_safe(value):
+    """Non-finite floats as strings (``"inf"``), so that the file is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def report_dict(*, impl: str, backend: str, world_sizes, seed: int, examples: int, seconds: float, rows: list[Row],
+                counts: dict[int, int]) -> dict[str, Any]:
+    """The JSON report: the run's settings, the table (text and rows) and every failure with its reproduction."""
+    import torch
+
+    failed = [r for r in rows if not r.ok]
+    return _json_safe({
+        "format": 1,
+        "ok": not failed,
+        "impl": impl, "backend": backend, "world_sizes": list(world_sizes), "seed": seed,
+        "examples_per_row": examples,
+        "examples": sum(r.examples for r in rows),
+        "seconds": round(seconds, 3),
+        "examples_per_world_size": {str(k): v for k, v in sorted(counts.items())},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__},
+        "columns": {"examples": "cases run (a failing row includes Hypothesis' shrinking runs)",
+                    "passed": "cases that passed",
+                    "max_ulp": "largest error of any arithmetic comparison, in ULPs of the compared dtype",
+                    "comparison": "exact (data movement, bit for bit) or ulp (arithmetic within cp_harness.budgets)",
+                    "comm_ratio": "payload bytes sent / analytic minimum (cp_harness.comm_minimum); null: no closed form"},
+        "table": format_table(rows),
+        "failed_rows": [r.name for r in failed],
+        "rows": [r.as_dict() for r in rows],
+    })
+
+
+def _preflight(impl: str, backend: str, world_size: int) -> str | None:
+    """Why the run cannot start (``None`` when it can): the implementation must import, the devices must fit."""
+    from cp_harness.devices import DeviceError, check_backend
+    from cp_harness.impl import load_impl
+
+    try:
+        check_backend(backend, world_size)
+    except DeviceError as exc:
+        return str(exc)
+    try:
+        load_impl(impl)
+    except Exception as exc:  # noqa: BLE001 - any import failure is reported as such
+        return (f"implementation {impl!r} does not import here: {type(exc).__name__}: {exc}\n"
+                f"(is it installed, or on PYTHONPATH? sys.path[0] is {sys.path[0]!r})")
+    return None
+
+
 def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backend: str, seed: int,
-               json_path: str | None, rows: list[Row] | None = None, stream=sys.stdout) -> int:
-    """Run the verification; print the table (and failures); return the exit code (0 = all passed)."""
+               json_path: str | None, rows: list[Row] | None = None, stream=None, error_dir: str | None = None,
+               progress_stream=None, shrink_seconds: float = 120.0) -> int:
+    """Run the verification; print the table (and failures); return the exit code (0 = all passed, 1 = a failure, 2 = could not run)."""
+    stream = stream if stream is not None else sys.stdout
     rows = rows or default_rows()
-    runner = CaseRunner(PoolConfig(world_size=max(world_sizes), backend=backend, impl=impl))
-    progress = Progress(total=examples * len(rows))
+    ranks = max(world_sizes)
+    problem = _preflight(impl, backend, ranks)
+    if problem:
+        print(f"cp_harness verify: cannot run: {problem}", file=sys.stderr)
+        return 2
+    runner = CaseRunner(PoolConfig(world_size=ranks, backend=backend, impl=impl))
+    progress = Progress(total=examples * len(rows), stream=progress_stream)
     started = time.perf_counter()
     try:
+        progress.note(f"cp_harness verify: starting {ranks} ranks ({backend}) for implementation {impl!r} ...")
+        try:
+            runner.pool.start()
+        except Exception as exc:  # noqa: BLE001
+            progress.note(f"cp_harness verify: cannot run: the rank pool did not start: {exc}")
+            return 2
+        progress.note(f"cp_harness verify: pool up in {time.perf_counter() - started:.1f} s; "
+                      f"{examples} examples per row, {len(rows)} rows")
         for row in rows:
-            _run_row(row, runner, world_sizes, examples, seed, progress)
+            _run_row(row, runner, world_sizes, examples, seed, progress, backend, error_dir, shrink_seconds)
     finally:
         progress.finish()
         runner.close()
     seconds = time.perf_counter() - started
-    print(f"cp_harness verify: implementation {impl!r}, backend {backend}, world sizes {list(world_sizes)}, seed {seed}",
-          file=stream)
+    print(f"cp_harness verify: implementation {impl!r}, backend {backend}, world sizes {list(world_sizes)}, "
+          f"seed {seed}, {examples} examples per row", file=stream)
     print(format_table(rows), file=stream)
     total = sum(r.examples for r in rows)
-    failed = [r for r in rows if r.failed]
+    failed = [r for r in rows if not r.ok]
     print(f"{total} examples in {seconds:.1f} s; examples per world size: "
           + ", ".join(f"N={n}: {runner.counts[n]}" for n in sorted(runner.counts)), file=stream)
     for row in failed:
-        print(f"\nFAILED {row.name}\n  case: {canonical(row.failing_case)}\n"
-              f"  reproduce: {repro_command(row.failing_case, impl, backend)}\n{row.failure}", file=stream)
+        print(f"\nFAILED {row.name}", file=stream)
+        if row.failing_case is not None:
+            print(f"  case: {canonical(row.failing_case)}\n  reproduce: {row.reproduce}", file=stream)
+        print(condensed_failure(row.failing_report) if row.failing_report is not None else row.failure, file=stream)
         for path in row.error_maps:
             print(f"  error map: {path}", file=stream)
+    below = [r.name for r in rows if r.comm_ratio is not None and r.comm_ratio < 1.0]
+    if below:
+        print(f"communication below the minimum in: {', '.join(below)} (data the contract needs never moved)",
+              file=stream)
+    if failed:
+        print(f"\n{len(failed)} of {len(rows)} rows FAILED: {', '.join(r.name for r in failed)}", file=stream)
+    else:
+        print(f"all {len(rows)} rows passed", file=stream)
     if json_path:
+        directory = os.path.dirname(os.path.abspath(json_path))
+        os.makedirs(directory, exist_ok=True)
+        data = report_dict(impl=impl, backend=backend, world_sizes=world_sizes, seed=seed, examples=examples,
+                           seconds=seconds, rows=rows, counts=dict(runner.counts))
+        data["error_map_dir"] = os.path.abspath(error_map_dir(error_dir))
         with open(json_path, "w") as f:
-            json.dump({"impl": impl, "backend": backend, "world_sizes": list(world_sizes), "seed": seed,
-                       "examples": total, "seconds": seconds, "ok": not failed,
-                       "examples_per_world_size": {str(k): v for k, v in sorted(runner.counts.items())},
-                       "rows": [r.as_dict() for r in rows]}, f, indent=2)
+            json.dump(data, f, indent=2, allow_nan=False)
+            f.write("\n")
         print(f"JSON report written to {json_path}", file=stream)
     return 1 if failed else 0

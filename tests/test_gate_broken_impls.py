@@ -1,0 +1,218 @@
+"""The gate gates: the main-job command and the gate suite, run as a user runs them.
+
+- ``python -m cp_harness verify`` on the bundled implementation prints the
+  table (one row per documented function group, the sharder and each model)
+  and exits 0; its ``--json`` report says the same.
+- Pointed at a deliberately broken copy (``tests/fixtures/broken_gate_*``) it
+  exits 1, marks the right rows FAILED and no others, names the wrong tensor
+  and where it is wrong, prints a reproduction command and the path of an
+  error map, and the error map is a valid PNG.
+- The gate suite (``pytest --pyargs cp_harness.tests``) fails on a broken copy
+  and names the tensor.
+- ``--backend nccl`` / ``--cp-backend nccl`` without enough GPUs stop at once
+  with a message that says what to change.
+
+Every test runs the command in a subprocess (its own rank pool); the slower
+ones are marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+LOSS_ROW = "mistral_large4.shifted_cp_loss"
+MISTRAL_MODEL_ROW = "model: MistralLarge4-mini (float64)"
+HISTORY_ROW = "inkling2.convolution_history"
+INKLING2_MODEL_ROW = "model: Inkling2-mini (float64)"
+
+
+def _run(args: list[str], tmp_path: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("CP_IMPL", None)  # the plugin exports the implementation under test; these commands choose their own
+    env["PYTHONPATH"] = os.pathsep.join([str(FIXTURES), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["CP_HARNESS_ERROR_MAP_DIR"] = str(tmp_path / "error-maps")
+    env["PYTHONUNBUFFERED"] = "1"
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _table(stdout: str) -> dict[str, bool]:
+    """``{row name: failed}`` read off the printed table."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("function / model"))
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.strip() or " examples in " in line:
+            break
+        failed = line.rstrip().endswith("FAILED")
+        name = line.split("  ")[0].rstrip()  # names are left-aligned and padded; the numbers follow
+        rows[name] = failed
+    return rows
+
+
+def _check_png(path: Path) -> tuple[int, int]:
+    """Parse a PNG completely (signature, chunk CRCs, IHDR, IDAT size); returns ``(width, height)``."""
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE), f"{path} does not start with the PNG signature"
+    pos, chunks, idat = 8, [], b""
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        tag, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
+        assert crc == zlib.crc32(tag + body) & 0xFFFFFFFF, f"{path}: bad CRC in chunk {tag!r}"
+        chunks.append(tag)
+        if tag == b"IDAT":
+            idat += body
+        pos += 12 + length
+    assert chunks[0] == b"IHDR" and chunks[-1] == b"IEND" and b"IDAT" in chunks, chunks
+    width, height, depth, colour = struct.unpack(">IIBB", data[16:26])
+    assert (depth, colour) == (8, 2), "expected 8-bit truecolour"
+    assert len(zlib.decompress(idat)) == height * (1 + 3 * width)
+    assert width >= 100 and height >= 50, f"error map {width}x{height} is too small to read"
+    return width, height
+
+
+def _error_maps(stdout: str) -> list[Path]:
+    return [Path(line.split("error map:", 1)[1].strip()) for line in stdout.splitlines() if "error map:" in line]
+
+
+def _verify_broken(impl: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict[str, bool], dict]:
+    report_path = tmp_path / "report.json"
+    proc = _run(["-m", "cp_harness", "verify", "--impl", impl, "--examples", "4", "--world-sizes", "2,3",
+                 "--shrink-seconds", "3", "--json", str(report_path)], tmp_path)
+    assert proc.returncode == 1, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc, _table(proc.stdout), json.loads(report_path.read_text())
+
+
+def test_verify_passes_on_the_bundled_implementation(tmp_path):
+    from cp_harness.verify import default_rows
+
+    report_path = tmp_path / "reports" / "verify.json"
+    proc = _run(["-m", "cp_harness", "verify", "--examples", "5", "--json", str(report_path)], tmp_path)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    table = _table(proc.stdout)
+    names = [row.name for row in default_rows()]
+    assert list(table) == names, proc.stdout
+    assert not any(table.values()), proc.stdout
+    assert "examples per world size: N=1:" in proc.stdout and "N=8:" in proc.stdout
+    assert "progress:" in proc.stderr or "[" in proc.stderr  # the progress bar (plain lines when not a terminal)
+    report = json.loads(report_path.read_text())
+    assert report["ok"] is True and report["failed_rows"] == [] and report["impl"] == "cp_impl"
+    assert [r["name"] for r in report["rows"]] == names
+    for row in report["rows"]:
+        assert row["examples"] >= 1 and row["passed"] == row["examples"] and row["ok"], row
+        assert row["comparison"] in ("exact", "ulp")
+        if row["comm_ratio"] is not None:
+            assert row["comm_ratio"] >= 1.0, row  # nothing moves less than the minimum the contract needs
+    assert report["table"] in proc.stdout
+
+
+def test_verify_fails_on_a_loss_divided_by_the_local_count(tmp_path):
+    proc, table, report = _verify_broken("broken_gate_loss_local_count", tmp_path)
+    failed = {name for name, bad in table.items() if bad}
+    assert LOSS_ROW in failed, proc.stdout
+    assert failed <= {LOSS_ROW, MISTRAL_MODEL_ROW}, f"only the loss and the model using it may fail:\n{proc.stdout}"
+    assert f"FAILED {LOSS_ROW}" in proc.stdout
+    assert "d loss / d logits" in proc.stdout or "loss (mean over ranks)" in proc.stdout
+    assert "reproduce: python -m cp_harness run-case --impl broken_gate_loss_local_count" in proc.stdout
+    maps = _error_maps(proc.stdout)
+    assert maps, f"no error map printed:\n{proc.stdout}"
+    for path in maps:
+        assert path.is_file() and path.parent == tmp_path / "error-maps", path
+        _check_png(path)
+    assert any("d_loss_d_logits" in p.name for p in maps), maps
+    loss_row = next(r for r in report["rows"] if r["name"] == LOSS_ROW)
+    assert report["ok"] is False and LOSS_ROW in report["failed_rows"]
+    assert loss_row["error_maps"] and loss_row["reproduce"] and loss_row["failing_case"]["world_size"] > 1
+    assert {t["name"] for t in loss_row["failing_tensors"]} & {"d loss / d logits", "loss (mean over ranks)"}
+
+
+@pytest.mark.slow
+def test_verify_fails_on_a_halo_that_drops_the_boundary_row(tmp_path):
+    proc, table, report = _verify_broken("broken_gate_halo", tmp_path)
+    failed = {name for name, bad in table.items() if bad}
+    assert HISTORY_ROW in failed, proc.stdout
+    assert failed <= {HISTORY_ROW, INKLING2_MODEL_ROW}, f"only the halo and the model using it may fail:\n{proc.stdout}"
+    assert "history@rank" in proc.stdout or "grad@rank" in proc.stdout
+    maps = _error_maps(proc.stdout)
+    assert maps, proc.stdout
+    for path in maps:
+        _check_png(path)
+    history_row = next(r for r in report["rows"] if r["name"] == HISTORY_ROW)
+    assert any(t["name"].startswith(("history@rank", "grad@rank")) for t in history_row["failing_tensors"])
+
+
+@pytest.mark.slow
+def test_gate_suite_fails_on_the_broken_loss(tmp_path):
+    proc = _run(["-m", "pytest", "--pyargs", "cp_harness.tests", "--cp-impl", "broken_gate_loss_local_count",
+                 "-k", "shifted", "-x", "-q", "-p", "no:cacheprovider", "--cp-world-sizes", "1,2,3",
+                 "--hypothesis-profile", "dev"], tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "d loss / d logits" in out or "loss (mean over ranks)" in out, out
+    assert "against implementation 'broken_gate_loss_local_count'" in out
+    assert "reproduce: python -m cp_harness run-case" in out
+    assert "error maps:" in out and "CP examples run:" in out
+    maps = [Path(p.strip()) for m in re.finditer(r"^E\s+error maps: (.+)$", out, re.MULTILINE)
+            for p in m.group(1).split(", ")]
+    assert maps and all(p.suffix == ".png" for p in maps), out
+    _check_png(maps[-1])
+    summary = out[out.index("error maps of the failing cases"):]  # the end-of-run summary lists them again
+    assert str(maps[-1]) in summary
+
+
+def _no_cuda() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _no_cuda(), reason="checks the message on a machine without CUDA")
+def test_nccl_without_gpus_stops_with_a_clear_message(tmp_path):
+    proc = _run(["-m", "cp_harness", "verify", "--backend", "nccl", "--world-sizes", "1,2"], tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "backend nccl needs CUDA devices" in proc.stderr and "gloo" in proc.stderr
+    proc = _run(["-m", "pytest", "--pyargs", "cp_harness.tests", "--cp-backend", "nccl", "-q", "-p", "no:cacheprovider",
+                 "--co"], tmp_path)
+    assert proc.returncode == 4, proc.stdout + proc.stderr  # pytest's usage-error exit
+    assert "--cp-backend nccl: backend nccl needs CUDA devices" in proc.stdout + proc.stderr
+
+
+def test_more_ranks_than_gpus_is_refused(monkeypatch):
+    import torch
+
+    from cp_harness import devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    devices.check_backend("nccl", 4)
+    with pytest.raises(devices.DeviceError, match=r"8 ranks need 8 GPUs, but 4 are visible.*at most 4"):
+        devices.check_backend("nccl", 8)
+    with pytest.raises(devices.DeviceError, match=r"2 ranks x 4 pytest-xdist workers need 8 GPUs.*-n 2"):
+        devices.check_backend("nccl", 2, pools=4)
+    assert devices.gpu_slice(1, 2) == "2,3"
+    devices.check_backend("gloo", 64)  # CPU ranks: no device limit
+
+
+@pytest.mark.gpu
+def test_nccl_pool_gives_every_rank_its_own_gpu(cp_runner, cp_backend):
+    """Under ``--cp-backend nccl`` (nightly): one CUDA device per rank, and a case runs across all of them."""
+    assert cp_backend == "nccl"
+    n = cp_runner.config.world_size
+    cp_runner.check({"check": "gather_sequence", "world_size": n, "seed": 1, "dtype": "float32",
+                     "shape": [2, 3, 4], "differentiable": True})
+    devices = [cp_runner.pool.hello[r]["device"] for r in range(n)]
+    assert all(d.startswith("cuda") for d in devices) and len(set(devices)) == n, devices
