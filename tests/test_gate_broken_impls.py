@@ -145,13 +145,13 @@ def test_verify_fails_on_a_halo_that_drops_the_boundary_row(tmp_path):
     failed = {name for name, bad in table.items() if bad}
     assert HISTORY_ROW in failed, proc.stdout
     assert failed <= {HISTORY_ROW, INKLING2_MODEL_ROW}, f"only the halo and the model using it may fail:\n{proc.stdout}"
-    assert "history@rank" in proc.stdout or "grad@rank" in proc.stdout
+    assert "history@rank" in proc.stdout or "gradient returned to each owner" in proc.stdout
     maps = _error_maps(proc.stdout)
     assert maps, proc.stdout
     for path in maps:
         _check_png(path)
     history_row = next(r for r in report["rows"] if r["name"] == HISTORY_ROW)
-    assert any(t["name"].startswith(("history@rank", "grad@rank")) for t in history_row["failing_tensors"])
+    assert any(t["name"].startswith(("history@rank", "gradient returned to each owner")) for t in history_row["failing_tensors"])
 
 
 @pytest.mark.slow
