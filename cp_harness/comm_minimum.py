@@ -8,9 +8,10 @@ Conventions match ``cp_harness.comm`` (bytes a rank sends; summed over ranks):
 - convolution history of width ``W``: rank ``r`` needs ``min(W-1, r*L)`` rows
   of ``B*C`` elements from the ranks that own them, and sends their
   gradients back.
-- shifted loss: one boundary label and keep flag per row from rank ``r+1``
-  to rank ``r`` (``B * (itemsize(label) + 1)`` bytes), plus one all-reduce of
-  the int64 count (``(N-1)*8`` per rank).
+- shifted loss: one boundary label per row from rank ``r+1`` to rank ``r``
+  (``B * itemsize(label)`` bytes; whether that position counts travels in
+  the label itself as the ignore index ``-100``, so no separate keep flag is
+  needed), plus one all-reduce of the int64 count (``(N-1)*8`` per rank).
 - layout and sharding hooks: nothing (every rank holds the global batch).
 
 Validation control messages are counted apart as ``control`` and left out of
@@ -18,6 +19,13 @@ the ratio: a small all-gather of integers (at most 32 elements) issued as a
 rank's first collective of the call, which is how the bundled implementation
 makes mismatched shapes raise on every rank. They are what makes the call
 safe, and their size does not grow with the data.
+
+``per_rank_minimum`` gives the same minimum per rank, sent and received
+apart (``minimum`` is the sum of its ``sent`` column); ``per_rank_moved``
+reads what each rank of a report sent and received, payload and control
+apart. The received minimum is a hard lower bound for every rank (the
+bytes it needs from others); the sent minimum is each rank's share of the
+same data, whose sum over ranks equals the sum of what the ranks need.
 """
 
 from __future__ import annotations
@@ -48,25 +56,62 @@ def moved(report) -> tuple[int, int]:
 
 def minimum(case: dict) -> int | None:
     """Least bytes (summed over ranks) the case's documented call must send; ``None`` when not defined (models)."""
+    per_rank = per_rank_minimum(case)
+    return None if per_rank is None else sum(sent for sent, _ in per_rank)
+
+
+_NON_FLOAT = ("int64", "int32", "bool")
+
+
+def per_rank_minimum(case: dict) -> list[tuple[int, int]] | None:
+    """``[(sent, received), ...]`` per CP rank: the least bytes the case's call must move; ``None`` for models."""
     n = int(case["world_size"])
-    if n == 1 or case.get("mesh") == "none":
-        return 0
     check = case["check"]
+    if check not in ("gather_sequence", "gather_tokens", "convolution_history", "shifted_cp_loss") \
+            and not check.endswith("_layout"):
+        return None
+    if n == 1 or case.get("mesh") == "none" or check.endswith("_layout"):
+        return [(0, 0)] * n
     if check in ("gather_sequence", "gather_tokens"):
-        itemsize = _ITEMSIZE[case.get("value_dtype") or case.get("dtype", "float64")]
+        value_dtype = case.get("value_dtype")
+        itemsize = _ITEMSIZE[value_dtype or case.get("dtype", "float64")]
         local = int(np.prod(case["shape"])) * itemsize
-        per_rank = (n - 1) * local
-        return n * per_rank * (2 if case.get("differentiable") and not case.get("value_dtype") else 1)
+        # The check differentiates float payloads unless the case says otherwise (its default is True).
+        passes = 2 if case.get("differentiable", True) and value_dtype not in _NON_FLOAT else 1
+        return [(passes * (n - 1) * local,) * 2] * n
     if check == "convolution_history":
-        B, L, C = case["shape"]
-        rows = sum(min(int(case["width"]) - 1, r * L) for r in range(n))
-        return 2 * rows * B * C * _ITEMSIZE[case.get("dtype", "float64")]
-    if check == "shifted_cp_loss":
-        rows = len(case["batch"]["docs"] if case["batch"]["format"] == "thd" else case["batch"]["rows"])
-        return (n - 1) * rows * (8 + 1) + n * (n - 1) * 8
-    if check.endswith("_layout"):
-        return 0
-    return None
+        B, L, C = (int(x) for x in case["shape"])
+        history = int(case["width"]) - 1
+        row = B * C * _ITEMSIZE[case.get("dtype", "float64")]
+
+        def needs(dst: int, src: int) -> int:  # rows of src's shard inside dst's history
+            return max(0, min((src + 1) * L, dst * L) - max(dst * L - history, src * L))
+
+        out = []
+        for r in range(n):
+            incoming = sum(needs(r, s) for s in range(r))  # = min(history, r * L)
+            outgoing = sum(needs(d, r) for d in range(r + 1, n))
+            # Forward: rows in, own rows out; backward: their gradients the other way.
+            out.append(((incoming + outgoing) * row, (incoming + outgoing) * row))
+        return out
+    # shifted_cp_loss: rank r gets one label per row from r+1, and every rank learns every count.
+    rows = len(case["batch"]["docs"] if case["batch"]["format"] == "thd" else case["batch"]["rows"])
+    label, count = rows * 8, (n - 1) * 8
+    return [((label if r > 0 else 0) + count, (label if r < n - 1 else 0) + count) for r in range(n)]
+
+
+def per_rank_moved(report) -> list[dict[str, int]]:
+    """Per rank of a report: ``{"rank", "sent", "recv", "control_sent", "control_recv", "calls"}`` (payload apart from control)."""
+    out = []
+    for entry in report.comm:
+        row = {"rank": int(entry["rank"]), "sent": 0, "recv": 0, "control_sent": 0, "control_recv": 0,
+               "calls": len(entry["calls"])}
+        for index, call in enumerate(entry["calls"]):
+            prefix = "control_" if is_control(call, index) else ""
+            row[prefix + "sent"] += int(call["sent"])
+            row[prefix + "recv"] += int(call["recv"])
+        out.append(row)
+    return out
 
 
 def moved_and_minimum(case: dict, report) -> tuple[int, int]:

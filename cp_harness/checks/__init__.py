@@ -146,14 +146,26 @@ def run_on_rank(case: dict, ctx: RankContext) -> tuple[dict, dict[str, np.ndarra
 
 
 def evaluate(case: dict, outputs: list) -> CaseReport:
-    """Judge the outputs of every rank for ``case`` (test-process side)."""
+    """Judge the outputs of every rank for ``case`` (test-process side).
+
+    The oracle runs with one intra-op thread (as the ranks do): case tensors are
+    tiny, and on a loaded machine OpenMP threads waiting for each other made
+    the evaluation 10-100 times slower (``docs/benchmarks.md``).
+    """
     raised = [o for o in outputs if not o.ok]
     if raised:
         report = CaseReport(case=case)
         for o in raised:
             report.problems.append(f"rank {o.rank} raised {o.error_type}: {o.message}\n{o.traceback}")
     else:
-        report = get_check(case["check"]).evaluate(case, outputs)
+        threads = torch.get_num_threads()
+        if threads != 1:
+            torch.set_num_threads(1)
+        try:
+            report = get_check(case["check"]).evaluate(case, outputs)
+        finally:
+            if threads != 1:
+                torch.set_num_threads(threads)
     report.comm = [{"rank": o.rank, "calls": o.comm} for o in outputs]
     return report
 

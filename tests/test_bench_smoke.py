@@ -1,0 +1,52 @@
+"""Smoke test of the benchmark command (``python -m cp_harness bench``, ``docs/benchmarks.md``).
+
+Runs ``bench --quick --skip-suite --skip-fresh`` in-process on the session's
+warm rank pool (no second pool to start) and checks that the report has
+every section and that the bundled implementation moves exactly the
+analytic minimum: nothing the receiver does not need.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+from cp_harness import bench
+
+
+def test_bench_quick_writes_report(tmp_path: Path, cp_runner) -> None:
+    path = tmp_path / "bench.json"
+    args = bench._settle(bench.build_parser().parse_args(
+        ["--quick", "--skip-suite", "--skip-fresh", "--json", str(path), "--impl", cp_runner.impl]))
+    out = io.StringIO()
+    code, _ = bench.run_bench(args, stream=out, runner=cp_runner)
+    text = out.getvalue()
+    assert code == 0, text[-6000:]
+    report = json.loads(path.read_text())
+    for section in ("environment", "pool", "throughput", "communication", "memory", "suite", "targets"):
+        assert section in report, f"section {section!r} missing from the report"
+    assert report["suite"] == {"skipped": True}
+    assert report["throughput"]["fresh"] is None
+
+    warm = report["throughput"]["warm"]["2"]
+    assert warm["cases"] >= 1 and warm["cases_per_second"] > 0
+    assert set(warm["breakdown_ms"]) == {"ranks", "transport", "oracle", "compare"}
+
+    comm = report["communication"]
+    assert set(comm["functions"]) == {"inkling2.convolution_history", "inkling2.gather_sequence",
+                                      "mistral_large4.gather_tokens", "mistral_large4.shifted_cp_loss"}
+    for name, f in comm["functions"].items():
+        for key in ("ratio_sent", "ratio_recv", "worst_rank_ratio_sent", "worst_rank_ratio_recv"):
+            assert f[key] <= 1.0, f"{name}: {key} = {f[key]} (more moved than the receiver needs)"
+        assert f["control_sent"] > 0  # the validation handshake is counted, apart from the payload
+    for case in comm["cases"]:
+        assert case["sent"] == case["min_sent"] and case["recv"] == case["min_recv"], case["detail"]
+    assert any(c["case"]["width"] - 1 > c["case"]["shape"][1] for c in comm["cases"]
+               if c["function"] == "inkling2.convolution_history"), "the grid must include histories spanning ranks"
+
+    memory = report["memory"]["sizes"]
+    assert memory["2"]["peak_bytes_max"] < memory["1"]["peak_bytes_max"]
+    assert memory["2"]["saved_bytes_max"] < memory["1"]["saved_bytes_max"]
+    assert any(t["name"].startswith("comm ratio") and t["ok"] for t in report["targets"])
+    assert "Targets" in text and "Communication" in text and "Memory per rank" in text
