@@ -14,3 +14,11 @@ def _plugin_installed() -> bool:
 
 if not _plugin_installed():
     pytest_plugins = ["cp_harness.pytest_plugin"]
+
+
+def pytest_configure(config):
+    # The tensors in these tests are tiny: intra-op threads only wait for each
+    # other (on a loaded 2-core machine the oracle tests ran twice as long).
+    import torch
+
+    torch.set_num_threads(1)

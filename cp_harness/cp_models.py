@@ -84,6 +84,12 @@ def _local_attention(q, k_all, v_all, keep, positions, keep_all, first_global, *
     return out * keep[:, :, None, None].to(out.dtype)
 
 
+def _gather_kv(gather, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[B,L,Hkv,Dh]`` travel in one differentiable gather, as a model would send its KV."""
+    kv = gather(torch.cat([k, v], dim=-1))
+    return kv[..., :k.shape[-1]], kv[..., k.shape[-1]:]
+
+
 def _count_all_reduce(count: torch.Tensor, mesh) -> torch.Tensor:
     """Global number of counted labels (the training recipe's reduction, not part of the API under test)."""
     if mesh is None or mesh.size() == 1:
@@ -124,8 +130,7 @@ def inkling2_cp_forward(impl, params: dict[str, torch.Tensor], config, batch: di
         q = rotary_embedding((a @ params["wq"]).unflatten(-1, (config.num_heads, config.head_dim)), positions, config.rope_base)
         k = rotary_embedding((a @ params["wk"]).unflatten(-1, (config.num_kv_heads, config.head_dim)), positions, config.rope_base)
         v = (a @ params["wv"]).unflatten(-1, (config.num_kv_heads, config.head_dim))
-        k_all = ink.gather_sequence(k, mesh, True)
-        v_all = ink.gather_sequence(v, mesh, True)
+        k_all, v_all = _gather_kv(lambda t: ink.gather_sequence(t, mesh, True), k, v)
         keep_all = ink.gather_sequence(keep, mesh, False)
         attn = _local_attention(q, k_all, v_all, keep, positions, keep_all, rank * L)
         x = x + attn.flatten(-2) @ params["wo"]
@@ -184,8 +189,7 @@ def mistral_large4_cp_forward(impl, params: dict[str, torch.Tensor], config, bat
             q = rotary_embedding((a @ params[p + "wq"]).unflatten(-1, (config.num_heads, config.head_dim)), positions, config.rope_base)
             k = rotary_embedding((a @ params[p + "wk"]).unflatten(-1, (config.num_kv_heads, config.head_dim)), positions, config.rope_base)
             v = (a @ params[p + "wv"]).unflatten(-1, (config.num_kv_heads, config.head_dim))
-            k_all = _gather_tokens_bshd(ml.gather_tokens, k, mesh, True)
-            v_all = _gather_tokens_bshd(ml.gather_tokens, v, mesh, True)
+            k_all, v_all = _gather_kv(lambda t: _gather_tokens_bshd(ml.gather_tokens, t, mesh, True), k, v)
             window = None if i == 0 else config.sliding_window
             attn = _local_attention(q, k_all, v_all, keep, positions, keep_all, rank * L, window=window)
             x = x + attn.flatten(-2) @ params[p + "wo"]

@@ -162,7 +162,15 @@ def _np(value) -> np.ndarray:
 
 
 def oracle_arrays(case: dict) -> dict[str, np.ndarray]:
-    """The oracle's reference arrays for ``case`` (what its check compares the ranks' results with)."""
+    """The oracle's reference arrays for ``case`` (what its check compares the ranks' results with).
+
+    Computed with one torch thread so that the float64 sums, and the files, are
+    the same on every machine whatever its core count."""
+    with checks.one_intra_op_thread():
+        return _oracle_arrays(case)
+
+
+def _oracle_arrays(case: dict) -> dict[str, np.ndarray]:
     check = case["check"]
     if check in ("gather_sequence", "gather_tokens"):
         from cp_harness.checks.transport import global_value, upstream_gradient

@@ -14,6 +14,7 @@ is one (found with ``pkgutil``), so a new check is a new file.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import pkgutil
@@ -145,6 +146,20 @@ def run_on_rank(case: dict, ctx: RankContext) -> tuple[dict, dict[str, np.ndarra
     return info, {name: to_numpy(t) if isinstance(t, torch.Tensor) else np.asarray(t) for name, t in tensors.items()}
 
 
+@contextlib.contextmanager
+def one_intra_op_thread():
+    """Run the oracle with one torch thread, as the ranks do: faster for tiny tensors, and the
+    float64 reductions (hence golden files) then do not depend on the machine's core count."""
+    threads = torch.get_num_threads()
+    if threads != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if threads != 1:
+            torch.set_num_threads(threads)
+
+
 def evaluate(case: dict, outputs: list) -> CaseReport:
     """Judge the outputs of every rank for ``case`` (test-process side).
 
@@ -158,14 +173,8 @@ def evaluate(case: dict, outputs: list) -> CaseReport:
         for o in raised:
             report.problems.append(f"rank {o.rank} raised {o.error_type}: {o.message}\n{o.traceback}")
     else:
-        threads = torch.get_num_threads()
-        if threads != 1:
-            torch.set_num_threads(1)
-        try:
+        with one_intra_op_thread():
             report = get_check(case["check"]).evaluate(case, outputs)
-        finally:
-            if threads != 1:
-                torch.set_num_threads(threads)
     report.comm = [{"rank": o.rank, "calls": o.comm} for o in outputs]
     return report
 
