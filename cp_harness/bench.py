@@ -47,6 +47,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from cp_harness.verify import json_safe
+
 DEFAULT_JSON = "reports/bench.json"
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -662,16 +664,6 @@ def _environment(impl: str, backend: str) -> dict:
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def run_bench(args: argparse.Namespace, stream=sys.stdout, runner=None) -> tuple[int, dict]:
     """Run the selected sections; returns ``(exit code, report)`` and writes ``args.json_path``.
 
@@ -744,7 +736,7 @@ def run_bench(args: argparse.Namespace, stream=sys.stdout, runner=None) -> tuple
     if args.json_path:
         path = Path(args.json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_json_safe(report), indent=2))
+        path.write_text(json.dumps(json_safe(report), indent=2))
         print(f"JSON report written to {path}", file=stream)
     if code == 0 and args.fail_on_miss and not all(t["ok"] for t in report["targets"]):
         code = 1

@@ -84,6 +84,15 @@ def _local_attention(q, k_all, v_all, keep, positions, keep_all, first_global, *
     return out * keep[:, :, None, None].to(out.dtype)
 
 
+def _global_embeddings(params, config, batch) -> torch.Tensor:
+    """Token embeddings of the global ``input_ids [B,S]`` with image features spliced in: ``[B,S,D]``."""
+    embeds = params["embed"][batch["input_ids"]]
+    if batch.get("image_mask") is not None and batch.get("pixel_values") is not None:
+        features = oracle_models.image_features(params, config, batch["pixel_values"])
+        embeds = oracle_models.splice_image_features(embeds, features, batch["image_mask"])
+    return embeds
+
+
 def _gather_kv(gather, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values ``[B,L,Hkv,Dh]`` travel in one differentiable gather, as a model would send its KV."""
     kv = gather(torch.cat([k, v], dim=-1))
@@ -107,11 +116,7 @@ def inkling2_cp_forward(impl, params: dict[str, torch.Tensor], config, batch: di
     ctx_factory, local = sharder.shard(batch)
     rank, size = _mesh_rank_size(mesh)
     with ctx_factory():
-        embeds = params["embed"][local["input_ids"]]
-        if local.get("image_mask") is not None and local.get("pixel_values") is not None:
-            features = oracle_models.image_features(params, config, local["pixel_values"])
-            embeds = oracle_models.splice_image_features(embeds, features, local["image_mask"])
-        x0 = sharder.shard_token_tensor(embeds)
+        x0 = sharder.shard_token_tensor(_global_embeddings(params, config, local))
         x0.retain_grad()
         keep = ~local["padding_mask"]
         positions = local["position_ids"]
@@ -172,11 +177,7 @@ def mistral_large4_cp_forward(impl, params: dict[str, torch.Tensor], config, bat
                 local_index = sharder.shard_token_tensor(index.clamp(min=0))
                 x0 = torch.where(local_mask[..., None], features[local_index], x0)
         else:
-            embeds = params["embed"][local["input_ids"]]
-            if has_image:
-                features = oracle_models.image_features(params, config, local["pixel_values"])
-                embeds = oracle_models.splice_image_features(embeds, features, local["image_mask"])
-            x0 = sharder.shard_token_tensor(embeds)
+            x0 = sharder.shard_token_tensor(_global_embeddings(params, config, local))
         x0.retain_grad()
         keep = ~local["padding_mask"]
         positions = local["position_ids"]

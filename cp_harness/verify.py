@@ -245,14 +245,14 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def _json_safe(value):
+def json_safe(value):
     """Non-finite floats as strings (``"inf"``), so that the file is strict JSON."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -262,7 +262,7 @@ def report_dict(*, impl: str, backend: str, world_sizes, seed: int, examples: in
     import torch
 
     failed = [r for r in rows if not r.ok]
-    return _json_safe({
+    return json_safe({
         "format": 1,
         "ok": not failed,
         "impl": impl, "backend": backend, "world_sizes": list(world_sizes), "seed": seed,

@@ -37,10 +37,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from cp_harness import cp_models
-from cp_harness.cases import build_batch, dtype_of, padded_length
+from cp_harness.cases import padded_length
 from cp_harness.checks import CaseReport, register
-from cp_harness.checks.models import MODELS, _params, _to_device
+from cp_harness.checks.models import cp_forward, rank_inputs
 from cp_harness.compare import compare
 
 
@@ -106,12 +105,7 @@ class SavedTensorBytes:
 
 
 def _rank(case: dict, ctx) -> tuple[dict, dict]:
-    config_cls, _, _ = MODELS[case["model"]]
-    config = config_cls()
-    dtype = dtype_of(case)
-    params = {k: v.detach().to(ctx.device).requires_grad_(True) for k, v in _params(case, dtype).items()}
-    batch = _to_device(build_batch(case), ctx.device)
-    mesh = ctx.mesh_for(case)
+    config, params, batch, mesh = rank_inputs(case, ctx)
     existing = list(params.values()) + [v for v in batch.values() if isinstance(v, torch.Tensor)]
     cuda = ctx.device.type == "cuda"
     if cuda:
@@ -120,13 +114,7 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         cuda_base = torch.cuda.memory_allocated(ctx.device)
     meter = LiveTensorBytes()
     with meter, SavedTensorBytes(existing) as saved:
-        if case["model"] == "inkling2":
-            out = cp_models.inkling2_cp_forward(ctx.impl, params, config, batch, mesh,
-                                                num_chunks=int(case.get("num_chunks", 1)))
-        else:
-            out = cp_models.mistral_large4_cp_forward(ctx.impl, params, config, batch, mesh,
-                                                      num_chunks=int(case.get("num_chunks", 1)),
-                                                      shard_primary=bool(case.get("shard_primary", True)))
+        out = cp_forward(case, ctx, config, params, batch, mesh)
         meter.sweep()
         forward_peak = meter.peak
         out.loss.backward()

@@ -42,19 +42,25 @@ def _params(case: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return init(config_cls(), seed=int(case["seed"]), dtype=dtype)
 
 
-def _rank(case: dict, ctx) -> tuple[dict, dict]:
+def rank_inputs(case: dict, ctx):
+    """``(config, params, batch, mesh)`` of a model case on one rank: leaf parameters and the global batch on the rank's device."""
     config_cls, _, _ = MODELS[case["model"]]
-    config = config_cls()
-    dtype = dtype_of(case)
-    params = {k: v.detach().to(ctx.device).requires_grad_(True) for k, v in _params(case, dtype).items()}
-    batch = _to_device(build_batch(case), ctx.device)
-    mesh = ctx.mesh_for(case)
+    params = {k: v.detach().to(ctx.device).requires_grad_(True) for k, v in _params(case, dtype_of(case)).items()}
+    return config_cls(), params, _to_device(build_batch(case), ctx.device), ctx.mesh_for(case)
+
+
+def cp_forward(case: dict, ctx, config, params: dict, batch: dict, mesh) -> cp_models.CPModelOutput:
+    """The case's miniature model on this rank, through the implementation under test."""
+    chunks = int(case.get("num_chunks", 1))
     if case["model"] == "inkling2":
-        out = cp_models.inkling2_cp_forward(ctx.impl, params, config, batch, mesh, num_chunks=int(case.get("num_chunks", 1)))
-    else:
-        out = cp_models.mistral_large4_cp_forward(ctx.impl, params, config, batch, mesh,
-                                                  num_chunks=int(case.get("num_chunks", 1)),
-                                                  shard_primary=bool(case.get("shard_primary", True)))
+        return cp_models.inkling2_cp_forward(ctx.impl, params, config, batch, mesh, num_chunks=chunks)
+    return cp_models.mistral_large4_cp_forward(ctx.impl, params, config, batch, mesh, num_chunks=chunks,
+                                              shard_primary=bool(case.get("shard_primary", True)))
+
+
+def _rank(case: dict, ctx) -> tuple[dict, dict]:
+    config, params, batch, mesh = rank_inputs(case, ctx)
+    out = cp_forward(case, ctx, config, params, batch, mesh)
     out.loss.backward()
     tensors = {"logits": out.logits, "loss": out.loss.reshape(()),
                "inputs_embeds.grad": _grad_or_zeros(out.inputs_embeds)}
