@@ -56,13 +56,15 @@ def _bind(sharder, mesh):
     return sharder.bind(mesh)
 
 
-def _local_attention(q, k_all, v_all, keep, positions, keep_all, first_global, *, window=None):
+def _local_attention(q, k_all, v_all, keep, positions, first_global, *, window=None):
     """Local queries ``[B,L,Hq,Dh]`` against gathered keys/values ``[B,S_pad,Hkv,Dh]``.
 
-    Query ``i`` (global index ``first_global + t``) attends key ``j`` iff both
-    are kept, ``j <= i``, ``j >= i - positions[i]`` (same document in a
-    validated row) and, with a window, ``i - j < window``. Padding query rows
-    give exactly zero.
+    Query ``i`` (global index ``first_global + t``) attends key ``j`` iff it is
+    kept, ``i - positions[i] <= j <= i`` and, with a window, ``i - j < window``.
+    In a validated row the tokens from a document's start to ``i`` are all real
+    and of ``i``'s document, so no key-side mask (and no gather of one) is
+    needed; wrong positions from the implementation show as wrong outputs.
+    Padding query rows give exactly zero.
     """
     B, L, Hq, Dh = q.shape
     S = k_all.shape[1]
@@ -72,7 +74,7 @@ def _local_attention(q, k_all, v_all, keep, positions, keep_all, first_global, *
     i = first_global + torch.arange(L, device=q.device)
     j = torch.arange(S, device=q.device)
     allowed = (j[None, None, :] <= i[None, :, None]) & (j[None, None, :] >= (i[None, :] - positions)[:, :, None])
-    allowed = allowed & keep[:, :, None] & keep_all[:, None, :]
+    allowed = allowed & keep[:, :, None]
     if window is not None:
         allowed = allowed & ((i[None, :, None] - j[None, None, :]) < window)
     has_key = allowed.any(dim=-1, keepdim=True)
@@ -136,8 +138,7 @@ def inkling2_cp_forward(impl, params: dict[str, torch.Tensor], config, batch: di
         k = rotary_embedding((a @ params["wk"]).unflatten(-1, (config.num_kv_heads, config.head_dim)), positions, config.rope_base)
         v = (a @ params["wv"]).unflatten(-1, (config.num_kv_heads, config.head_dim))
         k_all, v_all = _gather_kv(lambda t: ink.gather_sequence(t, mesh, True), k, v)
-        keep_all = ink.gather_sequence(keep, mesh, False)
-        attn = _local_attention(q, k_all, v_all, keep, positions, keep_all, rank * L)
+        attn = _local_attention(q, k_all, v_all, keep, positions, rank * L)
         x = x + attn.flatten(-2) @ params["wo"]
         logits = (oracle_models.rms_norm(x, params["norm2"]) @ params["lm_head"]) * keep[..., None].to(x.dtype)
 
@@ -183,7 +184,6 @@ def mistral_large4_cp_forward(impl, params: dict[str, torch.Tensor], config, bat
         positions = local["position_ids"]
         L = x0.shape[1]
         x = x0 * keep[..., None].to(x0.dtype)
-        keep_all = _gather_tokens_bshd(ml.gather_tokens, keep, mesh, False)
         for i in range(2):
             p = f"blocks.{i}."
             a = oracle_models.rms_norm(x, params[p + "norm"])
@@ -192,7 +192,7 @@ def mistral_large4_cp_forward(impl, params: dict[str, torch.Tensor], config, bat
             v = (a @ params[p + "wv"]).unflatten(-1, (config.num_kv_heads, config.head_dim))
             k_all, v_all = _gather_kv(lambda t: _gather_tokens_bshd(ml.gather_tokens, t, mesh, True), k, v)
             window = None if i == 0 else config.sliding_window
-            attn = _local_attention(q, k_all, v_all, keep, positions, keep_all, rank * L, window=window)
+            attn = _local_attention(q, k_all, v_all, keep, positions, rank * L, window=window)
             x = x + attn.flatten(-2) @ params[p + "wo"]
         raw = oracle_models.rms_norm(x, params["final_norm"]) @ params["lm_head"]
         cap = config.logit_softcap
