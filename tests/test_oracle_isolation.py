@@ -1,4 +1,4 @@
-"""The oracles import nothing from the implementation or the harness."""
+"""The oracles and the implementation import nothing from each other (nor the oracles from the harness)."""
 
 from __future__ import annotations
 
@@ -50,3 +50,16 @@ def test_oracle_sources_do_not_import_the_implementation():
         text = path.read_text()
         for word in FORBIDDEN:
             assert f"import {word}" not in text and f"from {word}" not in text, (path.name, word)
+
+
+def test_implementation_sources_do_not_import_the_oracles_or_the_harness():
+    """The other direction: ``cp_impl`` is judged by the oracles, so it must not use them."""
+    sources = sorted((ROOT / "cp_impl").glob("*.py"))
+    assert {p.name for p in sources} >= {"__init__.py", "inkling2.py", "mistral_large4.py", "sharder.py"}
+    offending = [f"{path.name}: {name}" for path in sources for name in _imported_modules(path)
+                 if name.split(".")[0] in ("oracle", "cp_harness")]
+    assert not offending, offending
+    code = ("import sys, cp_impl, cp_impl.inkling2, cp_impl.mistral_large4, cp_impl.sharder; "
+            "bad=[m for m in sys.modules if m.split('.')[0] in ('oracle','cp_harness')]; assert not bad, bad")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
