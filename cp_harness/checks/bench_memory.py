@@ -121,7 +121,7 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         meter.sweep()
     info = {"peak_bytes": int(meter.peak), "forward_peak_bytes": int(forward_peak),
             "retained_bytes": int(meter.current), "saved_bytes": int(saved.bytes),
-            "local_len": int(out.local_len), "cp_size": int(out.cp_size), "dtype": str(dtype).removeprefix("torch.")}
+            "local_len": int(out.local_len), "cp_size": int(out.cp_size), "dtype": case.get("dtype", "float64")}
     if cuda:
         torch.cuda.synchronize(ctx.device)
         info["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(ctx.device) - cuda_base)
