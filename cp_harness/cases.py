@@ -132,7 +132,8 @@ def build_batch(case: dict) -> dict[str, Any]:
     ignore = torch.rand(B, S, generator=g) < 0.15
     labels = torch.where(ignore, IGNORE_INDEX, labels)
     if spec.get("eos_is_pad"):
-        # Real tokens that carry the pad id: every fourth real token, plus each document's last token.
+        # Real tokens that carry the pad id: about one real token in four, drawn at random (so also,
+        # often, a document's last token right before its padding).
         eos = (torch.rand(B, S, generator=g) < 0.25) & keep
         input_ids = torch.where(eos, PAD_ID, input_ids)
     if spec.get("padding_seed") is None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cp_harness.cases import IGNORE_INDEX, build_batch, padded_length
+from cp_harness.cases import IGNORE_INDEX, batches_equal, build_batch, clone_batch, padded_length
 from cp_harness.checks import CaseReport, register, stack_ranks
 from cp_harness.compare import TokenGrid, compare
 from oracle.layout import layout_from_batch
@@ -34,9 +34,22 @@ def pad_sequence(value: torch.Tensor, length: int, fill) -> torch.Tensor:
     return out
 
 
+_CONTENT_KEYS = ("input_ids", "labels", "image_mask", "pixel_values")
+
+
+def _content_changes(batch: dict, snapshot: dict) -> list[str]:
+    """Which of the caller's token ids, labels and images the hooks changed (they may only add layout keys)."""
+    changed = []
+    for key in _CONTENT_KEYS:
+        if key in snapshot and batches_equal({key: batch.get(key)}, {key: snapshot[key]}) is not None:
+            changed.append(key)
+    return changed
+
+
 def _inkling2_rank(case: dict, ctx) -> tuple[dict, dict]:
     batch = build_batch(case)
     original = {k: v for k, v in batch.items()}
+    snapshot = clone_batch(batch)
     sharder = ctx.impl.inkling2.prepare_cp_inputs(batch, num_chunks=int(case.get("num_chunks", 1)))["cp_sharder"]
     after_prepare = sorted(batch)
     _, local = sharder.bind(ctx.mesh_for(case)).shard(batch)
@@ -44,12 +57,13 @@ def _inkling2_rank(case: dict, ctx) -> tuple[dict, dict]:
         "keys_after_prepare": after_prepare,
         "local_keys": sorted(local),
         "input_ids_global_and_unchanged": local.get("input_ids") is not None
-        and tuple(local["input_ids"].shape) == tuple(original["input_ids"].shape)
-        and bool(torch.equal(local["input_ids"], original["input_ids"])),
-        "labels_unchanged_in_batch": bool(torch.equal(batch["labels"], original["labels"])),
-        "image_mask_global": "image_mask" not in original or local.get("image_mask") is original["image_mask"]
-        or bool(torch.equal(local["image_mask"], original["image_mask"])),
+        and tuple(local["input_ids"].shape) == tuple(snapshot["input_ids"].shape)
+        and bool(torch.equal(local["input_ids"], snapshot["input_ids"])),
+        "labels_unchanged_in_batch": "labels" not in _content_changes(batch, snapshot),
+        "image_mask_global": "image_mask" not in original or (
+            local.get("image_mask") is not None and bool(torch.equal(local["image_mask"], snapshot["image_mask"]))),
         "pixel_values_global": "pixel_values" not in original or local.get("pixel_values") is original["pixel_values"],
+        "caller_content_changed": _content_changes(batch, snapshot),
     }
     return info, {"labels": local["labels"], "position_ids": local["position_ids"], "padding_mask": local["padding_mask"]}
 
@@ -76,6 +90,12 @@ def _common(report: CaseReport, case: dict, outputs: list, keep: torch.Tensor, l
                            mode="exact", mask=keep.numpy(), grid=grid))
         report.add(compare("labels (real tokens)", got_labels, labels_expected.numpy(), mode="exact", mask=keep.numpy(), grid=grid))
     S = layout.keep.shape[1]
+    if S_pad > S and S > 0:
+        # Divisibility padding: positions keep counting from the row's last slot (SPEC).
+        got_positions = stack_ranks(outputs, "position_ids")
+        counting = got_positions[:, S - 1:S] + np.arange(1, S_pad - S + 1)[None, :]
+        report.add(compare("position_ids (divisibility padding keeps counting)", got_positions[:, S:], counting,
+                           mode="exact"))
     if S_pad > S:
         report.add(compare("labels (divisibility padding)", got_labels[:, S:], np.full((keep.shape[0], S_pad - S), IGNORE_INDEX),
                            mode="exact"))
@@ -89,6 +109,8 @@ def _inkling2_evaluate(case: dict, outputs: list) -> CaseReport:
         report.require(o.info["labels_unchanged_in_batch"], f"rank {o.rank}: the caller's labels changed")
         report.require(o.info["image_mask_global"], f"rank {o.rank}: image_mask must stay global and unchanged")
         report.require(o.info["pixel_values_global"], f"rank {o.rank}: pixel_values must stay global (the same object)")
+        report.require(not o.info.get("caller_content_changed"),
+                       f"rank {o.rank}: the hooks changed the caller's {o.info.get('caller_content_changed')} in place")
         if "seq_lens" in batch:
             for gone in ("seq_lens", "seq_lens_padded", "qkv_format"):
                 report.require(gone not in o.info["keys_after_prepare"], f"rank {o.rank}: {gone} must be removed by unpack_row_layout")
@@ -98,7 +120,7 @@ def _inkling2_evaluate(case: dict, outputs: list) -> CaseReport:
 
 def _mistral_rank(case: dict, ctx) -> tuple[dict, dict]:
     batch = build_batch(case)
-    original_labels = batch["labels"].clone()
+    snapshot = clone_batch(batch)
     shard_primary = bool(case.get("shard_primary", True))
     ml = ctx.impl.mistral_large4
     chunks = int(case.get("num_chunks", 1))
@@ -111,8 +133,8 @@ def _mistral_rank(case: dict, ctx) -> tuple[dict, dict]:
                "input_ids": local["input_ids"]}
     if "document_ids" in local:
         tensors["document_ids"] = local["document_ids"]
-    info = {"labels_unchanged_in_batch": bool(torch.equal(batch["labels"], original_labels)),
-            "local_keys": sorted(local)}
+    info = {"labels_unchanged_in_batch": "labels" not in _content_changes(batch, snapshot),
+            "caller_content_changed": _content_changes(batch, snapshot), "local_keys": sorted(local)}
     return info, tensors
 
 
@@ -136,6 +158,8 @@ def _mistral_evaluate(case: dict, outputs: list) -> CaseReport:
             report.add(compare("document_ids", stack_ranks(outputs, "document_ids"), docs.numpy(), mode="exact", grid=grid))
     for o in outputs:
         report.require(o.info["labels_unchanged_in_batch"], f"rank {o.rank}: the caller's labels changed")
+        report.require(not o.info.get("caller_content_changed"),
+                       f"rank {o.rank}: the hooks changed the caller's {o.info.get('caller_content_changed')} in place")
     _common(report, case, outputs, keep, layout, pad_sequence(labels, S_pad, IGNORE_INDEX), S_pad)
     if bool(case.get("shard_primary", True)):
         report.add(compare("input_ids (sharded)", stack_ranks(outputs, "input_ids")[:, :S], batch["input_ids"].numpy(),

@@ -41,6 +41,36 @@ def loss_inputs(case: dict):
     return logits, labels, keep, S
 
 
+def per_position_ce(logits: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor, *, shifted: bool) -> torch.Tensor:
+    """Cross-entropy of every counted position in float64, zero elsewhere: ``[B, S]``.
+
+    ``shifted``: position ``t`` predicts ``labels[t+1]`` (Hugging Face); else ``labels[t]``.
+    ``counted [B, S]`` says which positions count (decided by the caller from the layout).
+    Used to split a global loss into the per-rank sums that each rank's loss must carry.
+    """
+    logp = torch.log_softmax(logits.detach().to(torch.float64), dim=-1)
+    target = torch.full_like(labels, 0)
+    if shifted:
+        target[:, :-1] = labels[:, 1:]
+    else:
+        target = labels.clone()
+    picked = -logp.gather(-1, target.clamp(min=0)[..., None])[..., 0]
+    return torch.where(counted, picked, torch.zeros_like(picked))
+
+
+def compare_rank_losses(report: CaseReport, outputs: list, per_position: torch.Tensor, count: int, budget,
+                        ulp_dtype: str) -> None:
+    """Each rank's loss must be its own sum x N / global count (SPEC), not only their mean: a rank
+    returning the global mean everywhere has the right mean and the wrong per-rank gradient scale."""
+    n = len(outputs)
+    L = per_position.shape[1] // n
+    for o in outputs:
+        local_sum = per_position[:, o.rank * L:(o.rank + 1) * L].sum()
+        expected = local_sum * n / count if count > 0 else torch.zeros((), dtype=torch.float64)
+        report.add(compare(f"loss@rank{o.rank} (local sum x N / global count)", o.tensors["loss"], expected.numpy(),
+                           mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction, ulp_dtype=ulp_dtype))
+
+
 def _rank(case: dict, ctx) -> tuple[dict, dict]:
     n = int(case["world_size"])
     logits, labels, keep, _ = loss_inputs(case)
@@ -78,6 +108,10 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
                        grid=TokenGrid(L, n), ulp_dtype=case.get("dtype", "float64")))
     if int(count) == 0:
         report.add(compare("loss when nothing counts", losses, np.zeros(n), mode="exact"))
+    counted = torch.zeros_like(keep)
+    counted[:, :-1] = keep[:, :-1] & keep[:, 1:] & (labels[:, 1:] != IGNORE_INDEX)
+    compare_rank_losses(report, outputs, per_position_ce(logits, labels, counted, shifted=True), int(count), budget,
+                        case.get("dtype", "float64"))
     # Positions that predict nothing must get exactly zero gradient.
     predicts = torch.zeros_like(keep)
     predicts[:, :-1] = keep[:, :-1] & keep[:, 1:] & (labels[:, 1:] != IGNORE_INDEX)

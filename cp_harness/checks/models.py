@@ -23,8 +23,10 @@ import numpy as np
 import torch
 
 from cp_harness.budgets import budget_for
-from cp_harness.cases import build_batch, dtype_of, padded_length
+from cp_harness.cases import IGNORE_INDEX, build_batch, dtype_of, padded_length
 from cp_harness.checks import CaseReport, register, stack_ranks
+from cp_harness.checks.layout import pad_sequence
+from cp_harness.checks.loss import compare_rank_losses, per_position_ce
 from cp_harness.compare import TokenGrid, compare
 from cp_harness import cp_models
 from oracle import models as oracle_models
@@ -125,6 +127,21 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     if pad_mask.any():
         report.add(compare("logits at padding (exactly zero)", logits, np.zeros_like(logits), mode="exact",
                            mask=pad_mask, grid=grid))
+
+    # Each rank's loss as the recipe (inkling2) or shifted_cp_loss (mistral_large4) must scale it.
+    labels = pad_sequence(build_batch(case)["labels"], S_pad, IGNORE_INDEX)
+    keep_pad = pad_sequence(layout.keep, S_pad, False)
+    logits_pad = pad_sequence(out.logits.detach(), S_pad, 0.0)
+    if case["model"] == "inkling2":
+        counted = keep_pad & (labels != IGNORE_INDEX)
+        per_position = per_position_ce(logits_pad, labels, counted, shifted=False)
+    else:
+        docs = pad_sequence(layout.document_ids, S_pad, -1)
+        counted = torch.zeros_like(keep_pad)
+        counted[:, :-1] = (keep_pad[:, :-1] & keep_pad[:, 1:] & (labels[:, 1:] != IGNORE_INDEX)
+                           & (docs[:, :-1] == docs[:, 1:]))
+        per_position = per_position_ce(logits_pad, labels, counted, shifted=True)
+    compare_rank_losses(report, outputs, per_position, int(out.count), budget, ulp_dtype)
 
     loss = np.array(sum(float(o.tensors["loss"]) for o in outputs) / n)
     report.add(compare("loss (mean over ranks)", loss, out.loss.detach().numpy(), mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
