@@ -78,8 +78,10 @@ class PoolConfig:
 
 
 def _looks_like_timeout(message: str | None) -> bool:
+    """Whether a rank's error is a consequence of a peer's failure (it gave up waiting, or lost the peer)."""
     text = (message or "").lower()
-    return "timed out" in text or "timeout" in text or "connection closed by peer" in text
+    return any(sign in text for sign in ("timed out", "timeout", "connection closed by peer", "connection reset by peer",
+                                         "broken pipe"))
 
 
 class RankPool:
