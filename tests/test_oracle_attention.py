@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracle_strategies import packed_lengths
 
 from oracle.attention import allowed_keys, attention, rotary_embedding
 from oracle.layout import FILLER, layout_from_attention_mask, layout_from_lengths
@@ -188,14 +189,7 @@ def test_gradcheck(window, softcap):
 
 @st.composite
 def attention_cases(draw):
-    sequence = draw(st.integers(1, 9))
-    lens, padded, budget = [], [], sequence
-    for _ in range(draw(st.integers(0, 3))):
-        p = draw(st.integers(0, budget))
-        r = draw(st.integers(0, p))
-        budget -= p
-        lens.append(r)
-        padded.append(p)
+    sequence, lens, padded = draw(packed_lengths(9))
     kv_heads = draw(st.integers(1, 2))
     group = draw(st.integers(1, 2))
     window = draw(st.one_of(st.none(), st.integers(1, 4)))

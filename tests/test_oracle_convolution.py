@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracle_strategies import packed_lengths
 
 from oracle.convolution import causal_depthwise_conv
 from oracle.layout import FILLER, layout_from_attention_mask, layout_from_lengths
@@ -117,14 +118,7 @@ def test_errors():
 
 @st.composite
 def conv_cases(draw):
-    sequence = draw(st.integers(1, 10))
-    lens, padded, budget = [], [], sequence
-    for _ in range(draw(st.integers(0, 3))):
-        p = draw(st.integers(0, budget))
-        r = draw(st.integers(0, p))
-        budget -= p
-        lens.append(r)
-        padded.append(p)
+    sequence, lens, padded = draw(packed_lengths(10))
     return sequence, lens, padded, draw(st.integers(1, 5)), draw(st.integers(0, 2**16))
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracle_strategies import packed_lengths
 
 from oracle.layout import FILLER, IGNORE_INDEX, layout_from_attention_mask, layout_from_lengths
 from oracle.loss import aligned_cross_entropy, mean_loss, shifted_cross_entropy
@@ -203,14 +204,7 @@ def test_errors():
 
 @st.composite
 def loss_cases(draw):
-    sequence = draw(st.integers(1, 10))
-    lens, padded, budget = [], [], sequence
-    for _ in range(draw(st.integers(0, 3))):
-        p = draw(st.integers(0, budget))
-        r = draw(st.integers(0, p))
-        budget -= p
-        lens.append(r)
-        padded.append(p)
+    sequence, lens, padded = draw(packed_lengths(10))
     return sequence, lens, padded, draw(st.integers(0, 2**16))
 
 
