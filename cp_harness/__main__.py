@@ -17,13 +17,12 @@ import sys
 
 
 def _world_sizes(text: str) -> tuple[int, ...]:
+    from cp_harness.cases import parse_world_sizes
+
     try:
-        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-    except ValueError:
-        sizes = ()
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated positive integers, e.g. 1,2,3,4,8")
-    return sizes
+        return parse_world_sizes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _positive(text: str) -> int:

@@ -83,13 +83,12 @@ def memory_case(world_size: int, seq_len: int, dtype: str) -> dict:
 
 # ------------------------------------------------------------------ command line
 def _sizes(text: str) -> tuple[int, ...]:
+    from cp_harness.cases import parse_world_sizes
+
     try:
-        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-    except ValueError:
-        sizes = ()
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated positive integers, e.g. 2,4,8")
-    return sizes
+        return parse_world_sizes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -77,6 +77,17 @@ def dtype_of(case: dict) -> torch.dtype:
     return DTYPES[name]
 
 
+def parse_world_sizes(text: str) -> tuple[int, ...]:
+    """``"1,2,3,4,8"`` as sorted unique CP sizes; ``ValueError`` saying what to give otherwise."""
+    try:
+        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"{text!r}: give comma-separated positive integers, e.g. 1,2,3,4,8")
+    return sizes
+
+
 def padded_length(seq_len: int, cp_size: int) -> int:
     """Sequence length after right-padding to a multiple of the CP size."""
     return int(math.ceil(seq_len / cp_size) * cp_size)

@@ -71,14 +71,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _world_sizes(config: pytest.Config) -> tuple[int, ...]:
+    from cp_harness.cases import parse_world_sizes
+
     raw = config.getoption("--cp-world-sizes")
     try:
-        sizes = tuple(sorted({int(x) for x in raw.split(",") if x.strip()}))
+        return parse_world_sizes(raw)
     except ValueError as exc:
         raise pytest.UsageError(f"--cp-world-sizes={raw!r}: give {_WORLD_SIZES_HELP}") from exc
-    if not sizes or min(sizes) < 1:
-        raise pytest.UsageError(f"--cp-world-sizes={raw!r}: give {_WORLD_SIZES_HELP}")
-    return sizes
 
 
 def _is_cp_run(config: pytest.Config) -> bool:
