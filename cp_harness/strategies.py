@@ -297,3 +297,16 @@ def sharder_cases(draw, allowed_sizes=None) -> dict:
     if n == 1 and draw(st.booleans()):
         case["mesh"] = "none"
     return case
+
+
+@st.composite
+def position_cases(draw, allowed_sizes=None) -> dict:
+    """``validate_document_positions`` cases: a layout's positions, valid or corrupted in one place."""
+    kind = draw(st.sampled_from(("none", "offset_start", "negative", "jump", "resume")))
+    spec = draw(layouts(min_len=1, max_len=24, max_rows=3))
+    case = {"check": "validate_document_positions", "world_size": draw(world_sizes(allowed_sizes)),
+            "seed": draw(seeds), "model": "inkling2", "batch": spec}
+    if kind != "none":
+        case["corruption"] = {"kind": kind, "row": draw(st.integers(min_value=0, max_value=3)),
+                              "nth": draw(st.integers(min_value=0, max_value=7))}
+    return case

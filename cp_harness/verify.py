@@ -95,6 +95,8 @@ def default_rows() -> list[Row]:
         Row("inkling2.prepare_cp_inputs + unpack_row_layout",
             lambda s: strategies.layout_cases(s).filter(lambda c: c["model"] == "inkling2"),
             ("inkling2.prepare_cp_inputs", "inkling2.unpack_row_layout", "sharder.bind", "sharder.shard")),
+        Row("inkling2.validate_document_positions", lambda s: strategies.position_cases(s),
+            ("inkling2.validate_document_positions",)),
         Row("mistral_large4.gather_tokens", _filtered("gather_tokens"), ("mistral_large4.gather_tokens",)),
         Row("mistral_large4.prepare_cp_inputs (BSHD/THD)",
             lambda s: strategies.layout_cases(s).filter(lambda c: c["model"] == "mistral_large4"),
