@@ -86,6 +86,14 @@ def _local_attention(q, k_all, v_all, keep, positions, first_global, *, window=N
     return out * keep[:, :, None, None].to(out.dtype)
 
 
+def _masked_input(x0: torch.Tensor, local: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Retain the gradient of the local input embeddings ``x0 [B,L,D]``; return the implementation's
+    local ``keep`` and ``position_ids [B,L]`` and ``x0`` with padding rows zeroed."""
+    x0.retain_grad()
+    keep = ~local["padding_mask"]
+    return keep, local["position_ids"], x0 * keep[..., None].to(x0.dtype)
+
+
 def _global_embeddings(params, config, batch) -> torch.Tensor:
     """Token embeddings of the global ``input_ids [B,S]`` with image features spliced in: ``[B,S,D]``."""
     embeds = params["embed"][batch["input_ids"]]
@@ -119,11 +127,8 @@ def inkling2_cp_forward(impl, params: dict[str, torch.Tensor], config, batch: di
     rank, size = _mesh_rank_size(mesh)
     with ctx_factory():
         x0 = sharder.shard_token_tensor(_global_embeddings(params, config, local))
-        x0.retain_grad()
-        keep = ~local["padding_mask"]
-        positions = local["position_ids"]
+        keep, positions, x = _masked_input(x0, local)
         L = x0.shape[1]
-        x = x0 * keep[..., None].to(x0.dtype)
 
         W = config.conv_width
         history = ink.convolution_history(x, mesh, W)  # [B, L + W - 1, D]
@@ -179,11 +184,8 @@ def mistral_large4_cp_forward(impl, params: dict[str, torch.Tensor], config, bat
                 x0 = torch.where(local_mask[..., None], features[local_index], x0)
         else:
             x0 = sharder.shard_token_tensor(_global_embeddings(params, config, local))
-        x0.retain_grad()
-        keep = ~local["padding_mask"]
-        positions = local["position_ids"]
+        keep, positions, x = _masked_input(x0, local)
         L = x0.shape[1]
-        x = x0 * keep[..., None].to(x0.dtype)
         for i in range(2):
             p = f"blocks.{i}."
             a = oracle_models.rms_norm(x, params[p + "norm"])

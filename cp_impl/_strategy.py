@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import MutableMapping
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -18,14 +18,16 @@ from ._layout import (
     IGNORE_INDEX,
     PACKED_KEYS,
     DerivedLayout,
+    check_images,
     check_num_chunks,
     check_token_tensor,
     batch_dims,
+    derive_layout,
     primary_key,
 )
 from .sharder import ContextParallelSharder, TokenKey, shard_batch_tokens
 
-__all__ = ["check_batch", "write_layout", "make_sharder", "mask_first_document_labels"]
+__all__ = ["check_batch", "write_layout", "make_sharder", "mask_first_document_labels", "prepare"]
 
 _LAYOUT_MARKER = "qkv_format"
 
@@ -125,3 +127,25 @@ def make_sharder(*, api: str, num_chunks: int, allow_embeds: bool, shard_primary
         packed=packed,
     )
     return ContextParallelSharder(strategy)
+
+
+def prepare(batch: MutableMapping[str, Any], *, api: str, sharder_api: str, num_chunks: Any, allow_embeds: bool,
+            single_image: bool, shard_primary: bool, packed: bool,
+            check_more: Callable[[int, int], None] | None = None) -> dict[str, ContextParallelSharder]:
+    """The body every ``prepare_*`` hook shares: validate all of the batch, then normalise its layout in place.
+
+    ``batch [B, S]`` is checked (primary token tensor, ``num_chunks`` dividing
+    ``B`` or, for ``packed``, equal to it, ``check_more(B, S)``, images) before
+    anything is written, so an error leaves it exactly as it was. Returns
+    ``{"cp_sharder": sharder}``, unbound.
+    """
+    primary = primary_key(batch, api, allow_embeds=allow_embeds)
+    b, s = batch_dims(batch, primary, api)
+    check_num_chunks(num_chunks, b, api, exact=packed)
+    if check_more is not None:
+        check_more(b, s)
+    check_images(batch, b, s, api, single_image=single_image)
+    write_layout(batch, derive_layout(batch, primary, api), document_ids=packed)
+    sharder = make_sharder(api=sharder_api, num_chunks=num_chunks, allow_embeds=allow_embeds,
+                           shard_primary=shard_primary, packed=packed)
+    return {"cp_sharder": sharder}

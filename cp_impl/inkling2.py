@@ -203,13 +203,5 @@ def prepare_cp_inputs(batch: CPBatch, num_chunks: int = 1) -> dict[str, ContextP
     """
     api = "inkling2.prepare_cp_inputs"
     _strategy.check_batch(batch, api)
-    primary = _layout.primary_key(batch, api, allow_embeds=False)
-    b, s = _layout.batch_dims(batch, primary, api)
-    _layout.check_num_chunks(num_chunks, b, api)
-    _layout.check_images(batch, b, s, api, single_image=False)
-    derived = _layout.derive_layout(batch, primary, api)
-    _strategy.write_layout(batch, derived, document_ids=False)
-    sharder = _strategy.make_sharder(
-        api="inkling2 shard_batch", num_chunks=num_chunks, allow_embeds=False, shard_primary=False, packed=False
-    )
-    return {"cp_sharder": sharder}
+    return _strategy.prepare(batch, api=api, sharder_api="inkling2 shard_batch", num_chunks=num_chunks,
+                             allow_embeds=False, single_image=False, shard_primary=False, packed=False)

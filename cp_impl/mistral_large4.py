@@ -100,16 +100,8 @@ def prepare_cp_inputs(batch: CPBatch, num_chunks: int = 1, shard_primary: bool =
     api = "mistral_large4.prepare_cp_inputs"
     _strategy.check_batch(batch, api)
     _check_shard_primary(shard_primary, api)
-    primary = _layout.primary_key(batch, api, allow_embeds=True)
-    b, s = _layout.batch_dims(batch, primary, api)
-    _layout.check_num_chunks(num_chunks, b, api)
-    _layout.check_images(batch, b, s, api, single_image=True)
-    derived = _layout.derive_layout(batch, primary, api)
-    _strategy.write_layout(batch, derived, document_ids=False)
-    sharder = _strategy.make_sharder(
-        api="mistral_large4 shard_batch", num_chunks=num_chunks, allow_embeds=True, shard_primary=shard_primary, packed=False
-    )
-    return {"cp_sharder": sharder}
+    return _strategy.prepare(batch, api=api, sharder_api="mistral_large4 shard_batch", num_chunks=num_chunks,
+                             allow_embeds=True, single_image=True, shard_primary=shard_primary, packed=False)
 
 
 def prepare_packed_cp_inputs(batch: CPBatch, num_chunks: int, shard_primary: bool) -> dict[str, ContextParallelSharder]:
@@ -152,18 +144,14 @@ def prepare_packed_cp_inputs(batch: CPBatch, num_chunks: int, shard_primary: boo
     missing = [k for k in _layout.PACKED_KEYS if batch.get(k) is None]
     if missing and not _is_normalised_pack(batch):
         raise ValueError(f"{api}: {missing[0]}: missing; a packed batch needs seq_lens and seq_lens_padded [chunks, documents]")
-    primary = _layout.primary_key(batch, api, allow_embeds=True)
-    b, s = _layout.batch_dims(batch, primary, api)
-    _layout.check_num_chunks(num_chunks, b, api, exact=True)
-    if missing:  # normalised before: its document_ids are reused
-        _layout.check_token_tensor(batch, "document_ids", b, s, "int", api)
-    _layout.check_images(batch, b, s, api, single_image=True)
-    derived = _layout.derive_layout(batch, primary, api)
-    _strategy.write_layout(batch, derived, document_ids=True)
-    sharder = _strategy.make_sharder(
-        api="mistral_large4 packed shard_batch", num_chunks=num_chunks, allow_embeds=True, shard_primary=shard_primary, packed=True
-    )
-    return {"cp_sharder": sharder}
+
+    def reused_document_ids(b: int, s: int) -> None:
+        if missing:  # normalised before: its document_ids are reused
+            _layout.check_token_tensor(batch, "document_ids", b, s, "int", api)
+
+    return _strategy.prepare(batch, api=api, sharder_api="mistral_large4 packed shard_batch", num_chunks=num_chunks,
+                             allow_embeds=True, single_image=True, shard_primary=shard_primary, packed=True,
+                             check_more=reused_document_ids)
 
 
 # ----------------------------------------------------------------- loss
