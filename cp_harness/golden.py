@@ -57,7 +57,7 @@ from cp_harness.budgets import budget_for
 from cp_harness.cases import GENERATOR_VERSION, IGNORE_INDEX, canonical, case_id, padded_length
 from cp_harness.compare import TensorComparison, TokenGrid, compare
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifests record the numerics platform (float results differ in their last bits across CPUs)
 GOLDEN_DIR = Path(os.environ.get("CP_HARNESS_GOLDEN_DIR") or Path(__file__).resolve().parent.parent / "golden")
 MANIFEST = "manifest.json"
 ORACLE_FILE = "oracle.npz"
@@ -65,6 +65,27 @@ IMPL_FILE = "impl.npz"
 ARRAY_FILES = (ORACLE_FILE, IMPL_FILE)
 REGENERATE = "./scripts/test tests/test_golden.py --update-golden  (or: python -m cp_harness golden update)"
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
+
+
+
+def numerics_platform() -> dict[str, str]:
+    """What decides the last bits of a float64 result on CPU: the PyTorch build, the SIMD kernels ATen
+    dispatches to, and the processor (MKL picks its code path per CPU). Regenerating reproduces golden
+    files byte for byte only where all of these match; elsewhere results agree within the budgets."""
+    vendor = model = "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() == "vendor_id" and vendor == "unknown":
+                    vendor = value.strip()
+                elif key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+    except OSError:
+        pass
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu": f"{vendor} {model}".strip()}
+
 
 # Checks whose every output is pure data movement: compared bit for bit. The others are arithmetic:
 # their floating-point arrays are compared within cp_harness.budgets, their integer arrays bit for bit.
@@ -370,6 +391,7 @@ def build_files(name: str, case: dict, oracle: dict[str, np.ndarray], impl: dict
         "generator_version": GENERATOR_VERSION,
         "format_version": FORMAT_VERSION,
         "torch_version": torch_version or torch.__version__,
+        "numerics_platform": numerics_platform(),
         "produced_by": {"implementation": implementation, "backend": backend},
         "rank_info": _jsonable(rank_info),
         "files": {
@@ -406,7 +428,7 @@ class Golden:
 
 
 _REQUIRED_KEYS = ("name", "case", "check", "dtype", "generator_version", "format_version", "torch_version",
-                  "produced_by", "rank_info", "files", "manifest_sha256")
+                  "numerics_platform", "produced_by", "rank_info", "files", "manifest_sha256")
 
 
 def _read_manifest(path: Path) -> dict:
@@ -419,6 +441,8 @@ def _read_manifest(path: Path) -> dict:
         raise _fail(path, f"not valid JSON ({exc}); truncated or edited by hand") from None
     if not isinstance(manifest, dict):
         raise _fail(path, "not a JSON object; edited by hand")
+    if "format_version" in manifest and manifest["format_version"] != FORMAT_VERSION:
+        raise _fail(path, f"format version {manifest['format_version']}, this harness reads {FORMAT_VERSION}")
     missing = [k for k in _REQUIRED_KEYS if k not in manifest]
     if missing:
         raise _fail(path, f"lacks {', '.join(missing)}; edited by hand or written by another tool")
@@ -640,6 +664,9 @@ def verify(golden: Golden, outputs: list | None, *, implementation: str = "cp_im
     recorded = golden.manifest["torch_version"]
     if recorded != torch.__version__:
         verdict.notes.append(f"the golden files were made with PyTorch {recorded}; this run uses PyTorch {torch.__version__}")
+    elif golden.manifest["numerics_platform"] != numerics_platform():
+        verdict.notes.append(f"the golden files were made on {golden.manifest['numerics_platform']}; this run is on "
+                             f"{numerics_platform()}: float results may differ in their last bits (compared within budgets)")
     made_by = golden.manifest["produced_by"]
     if backend != made_by.get("backend") or implementation != made_by.get("implementation"):
         verdict.notes.append(f"the golden implementation results come from {made_by.get('implementation')!r} on "
