@@ -25,9 +25,10 @@ from ._layout import (
     derive_layout,
     primary_key,
 )
-from .sharder import ContextParallelSharder, TokenKey, shard_batch_tokens
+from ._mesh import resolve_mesh
+from .sharder import LAYOUTS, ContextParallelSharder, TokenKey, TokenLayout, shard_batch_tokens, unresolved
 
-__all__ = ["check_batch", "write_layout", "make_sharder", "mask_first_document_labels", "prepare"]
+__all__ = ["check_batch", "write_layout", "make_sharder", "mask_first_document_labels", "prepare", "relayout"]
 
 _LAYOUT_MARKER = "qkv_format"
 
@@ -74,9 +75,11 @@ def _shard_prepared(
     allow_embeds: bool,
     shard_primary: bool,
     packed: bool,
+    layout: TokenLayout,
 ) -> tuple[Any, dict[str, Any], Any]:
-    """``shard_batch`` strategy over a batch prepared by the matching hook."""
+    """``shard_batch`` strategy over a batch prepared by the matching hook, cut by ``layout``."""
     del tp_mesh  # the models shard nothing over TP here
+    resolve_mesh(cp_mesh, "cp_mesh")  # a mesh that is not the 1-D CP mesh: an error before anything is read
     if not isinstance(batch, Mapping):
         raise TypeError(f"{api}: batch: expected a dict of named tensors, got {type(batch).__name__}")
     primary = primary_key(batch, api, allow_embeds=allow_embeds)
@@ -111,13 +114,12 @@ def _shard_prepared(
             raise ValueError(f"{api}: loss_mask: expected a tensor [batch, sequence] = {[b, s]}")
         plan["loss_mask"] = TokenKey(False if loss_mask.dtype == torch.bool else 0)
         replace["loss_mask"] = loss_mask
-    return shard_batch_tokens(
-        cp_mesh, batch, plan, seq_len=s, batch_size=b, num_chunks=num_chunks, drop=("attention_mask",), replace=replace
-    )
+    return shard_batch_tokens(cp_mesh, batch, plan, layout=layout, seq_len=s, drop=("attention_mask",), replace=replace)
 
 
-def make_sharder(*, api: str, num_chunks: int, allow_embeds: bool, shard_primary: bool, packed: bool) -> ContextParallelSharder:
-    """An unbound sharder whose strategy shards batches prepared by ``api``."""
+def make_sharder(*, api: str, num_chunks: int, allow_embeds: bool, shard_primary: bool, packed: bool,
+                 layout: TokenLayout = LAYOUTS["contiguous"]) -> ContextParallelSharder:
+    """An unresolved sharder whose strategy shards batches prepared by ``api`` with ``layout``."""
     strategy = functools.partial(
         _shard_prepared,
         api=api,
@@ -125,8 +127,14 @@ def make_sharder(*, api: str, num_chunks: int, allow_embeds: bool, shard_primary
         allow_embeds=allow_embeds,
         shard_primary=shard_primary,
         packed=packed,
+        layout=layout,
     )
-    return ContextParallelSharder(strategy)
+    return unresolved(strategy, layout)
+
+
+def relayout(sharder: ContextParallelSharder, layout: TokenLayout) -> ContextParallelSharder:
+    """The same strategy as ``sharder`` (one that :func:`make_sharder` built), cutting with ``layout`` instead."""
+    return unresolved(functools.partial(sharder.shard_batch, layout=layout), layout)
 
 
 def prepare(batch: MutableMapping[str, Any], *, api: str, sharder_api: str, num_chunks: Any, allow_embeds: bool,
@@ -137,7 +145,7 @@ def prepare(batch: MutableMapping[str, Any], *, api: str, sharder_api: str, num_
     ``batch [B, S]`` is checked (primary token tensor, ``num_chunks`` dividing
     ``B`` or, for ``packed``, equal to it, ``check_more(B, S)``, images) before
     anything is written, so an error leaves it exactly as it was. Returns
-    ``{"cp_sharder": sharder}``, unbound.
+    ``{"cp_sharder": sharder}``, unresolved (the framework resolves it with its mesh).
     """
     primary = primary_key(batch, api, allow_embeds=allow_embeds)
     b, s = batch_dims(batch, primary, api)

@@ -189,8 +189,10 @@ def prepare_cp_inputs(batch: CPBatch, num_chunks: int = 1) -> dict[str, ContextP
         num_chunks: positive number of pipeline micro-batches; divides ``B``.
 
     Returns:
-        ``{"cp_sharder": sharder}``, unbound.  After
-        ``ctx_factory, local = sharder.bind(cp_mesh).shard(batch)``, ``local``
+        ``{"cp_sharder": sharder}``, unresolved.  Resolved with the CP mesh
+        (``ContextParallelSharder(device_mesh=mesh, shard_batch=sharder.shard_batch,
+        local_token_global_indices=sharder.local_token_global_indices, ...)``),
+        ``ctx_factory, local = resolved.shard(batch)``, ``local``
         is a new dict: ``labels`` (``-100`` in divisibility padding),
         ``position_ids`` (counting on past the end) and ``padding_mask``
         (``True`` in divisibility padding) are local ``[B, L]``;

@@ -82,8 +82,10 @@ def prepare_cp_inputs(batch: CPBatch, num_chunks: int = 1, shard_primary: bool =
             sharding in forward (``sharder.shard_token_tensor``).
 
     Returns:
-        ``{"cp_sharder": sharder}``, unbound.  After
-        ``ctx_factory, local = sharder.bind(cp_mesh).shard(batch)``: ``labels``
+        ``{"cp_sharder": sharder}``, unresolved.  Resolved with the CP mesh
+        (``ContextParallelSharder(device_mesh=mesh, shard_batch=sharder.shard_batch,
+        local_token_global_indices=sharder.local_token_global_indices, ...)``),
+        ``ctx_factory, local = resolved.shard(batch)``: ``labels``
         (``-100`` in divisibility padding), ``position_ids`` (counting on),
         ``padding_mask`` (``True`` in divisibility padding) and, with
         ``shard_primary``, ``input_ids`` (``padding_token_id``) or
@@ -126,7 +128,7 @@ def prepare_packed_cp_inputs(batch: CPBatch, num_chunks: int, shard_primary: boo
         shard_primary: ``True`` shards the text IDs here; ``False`` keeps them global.
 
     Returns:
-        ``{"cp_sharder": sharder}``, unbound; its local batch holds local
+        ``{"cp_sharder": sharder}``, unresolved; its local batch holds local
         ``[B, L]`` ``labels`` (with ``-100`` at the first token of every
         document, so the shifted loss never predicts one document from another,
         and in divisibility padding; the caller's labels tensor is not

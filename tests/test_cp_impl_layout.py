@@ -266,5 +266,5 @@ def test_prepare_is_idempotent():
         assert set(batch) == set(first)
         for key in first:
             assert torch.equal(batch[key], first[key]), key
-        _, local = sharder.bind(None).shard(batch)
+        _, local = sharder.shard(batch)  # unresolved: one rank
         assert local["padding_mask"].tolist() == [[False] * 3 + [True] + [False] * 2 + [True] * 2]
