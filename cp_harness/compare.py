@@ -40,15 +40,61 @@ FLOOR_FRACTION = 1.0 / 1024.0
 
 @dataclasses.dataclass(frozen=True)
 class TokenGrid:
-    """How a tensor maps onto CP shards: ``[batch, padded_sequence, ...]``, ``local_len`` tokens per rank."""
+    """How a ``[batch, padded_sequence, ...]`` tensor in global order maps onto CP shards.
+
+    ``local_len`` tokens per rank, ``cp_size`` ranks; ``owners``: the owning rank of
+    every global position (any index map: contiguous, load-balanced, ...);
+    ``None`` means contiguous (rank ``r`` owns ``[r*L, (r+1)*L)``). A shard
+    boundary is where the owner changes.
+    """
 
     local_len: int
     cp_size: int
+    owners: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_index_maps(cls, index_maps: list) -> "TokenGrid":
+        """The grid of a layout given each rank's ``local_token_global_indices`` (rank order)."""
+        local_len = len(index_maps[0]) if index_maps else 0
+        total = sum(len(m) for m in index_maps)
+        owners = [0] * total
+        for rank, indices in enumerate(index_maps):
+            for g in np.asarray(indices).reshape(-1).tolist():
+                if 0 <= g < total:
+                    owners[g] = rank
+        return cls(local_len, len(index_maps), tuple(owners))
+
+    def owner(self, position: int) -> int:
+        if self.owners is not None:
+            return self.owners[position] if 0 <= position < len(self.owners) else self.cp_size - 1
+        return min(position // self.local_len, self.cp_size - 1) if self.local_len else 0
+
+    def segments(self, length: int | None = None) -> list[tuple[int, int, int]]:
+        """``(start, end, rank)`` of every maximal run of positions one rank owns, in global order."""
+        length = length if length is not None else (len(self.owners) if self.owners is not None
+                                                   else self.local_len * self.cp_size)
+        out: list[tuple[int, int, int]] = []
+        for p in range(length):
+            r = self.owner(p)
+            if out and out[-1][2] == r and out[-1][1] == p:
+                out[-1] = (out[-1][0], p + 1, r)
+            else:
+                out.append((p, p + 1, r))
+        return out
 
     def describe(self, row: int, position: int) -> dict[str, Any]:
-        owner = position // self.local_len if self.local_len else 0
-        offset = position - owner * self.local_len
-        to_boundary = min(offset, self.local_len - 1 - offset)
+        owner = self.owner(position)
+        if self.owners is None:
+            start = owner * self.local_len
+            end = start + self.local_len
+        else:
+            start = end = position
+            while start > 0 and self.owner(start - 1) == owner:
+                start -= 1
+            while end < len(self.owners) and self.owner(end) == owner:
+                end += 1
+        offset = position - start
+        to_boundary = min(offset, end - 1 - position)
         return {"row": row, "position": position, "owning_rank": owner,
                 "offset_in_shard": offset, "distance_to_shard_boundary": to_boundary,
                 "at_shard_boundary": to_boundary == 0 and self.cp_size > 1}

@@ -9,6 +9,16 @@ the implementation under test (``impl``); the element-wise pieces (norm,
 rotary embedding, patch projection) are shared with the oracle because they
 are not what CP changes.
 
+The sharder a hook returns is resolved the framework's way
+(``cp_harness.sharding``), and where each local token sits is read from its
+index map, so any layout works: attention masks use the global positions of
+queries and (gathered) keys. ``convolution_history`` and ``shifted_cp_loss``
+are defined for contiguous shards in rank order (the halo is "the ``W-1`` rows
+before this shard"; "the target of a shard's last position comes from the
+next rank"): the models call them when the layout is contiguous, and for any
+other index map build the halo and the shifted targets from differentiable
+gathers in global order, as a model on such a layout would.
+
 Shapes: ``B`` batch, ``S`` global sequence, ``L`` local sequence
 (``S_padded / N``), ``D`` hidden, ``V`` vocabulary.
 """
@@ -22,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from cp_harness.sharding import hook_sharder, local_token_indices
 from oracle import models as oracle_models
 from oracle.attention import rotary_embedding
 
@@ -33,7 +44,8 @@ class CPModelOutput:
     ``inputs_embeds``: local input embeddings ``[B, L, D]`` (gradients retained),
     ``logits``: local ``[B, L, V]``, ``loss``: this rank's loss, already scaled
     so that averaging gradients over the CP ranks gives the gradient of the
-    global mean loss, ``local_batch``: the sharded batch.
+    global mean loss, ``local_batch``: the sharded batch, ``sharder``: the
+    resolved sharder, ``positions``: the :class:`TokenPositions` of the layout.
     """
 
     inputs_embeds: torch.Tensor
@@ -43,6 +55,33 @@ class CPModelOutput:
     cp_size: int
     cp_rank: int
     local_len: int
+    sharder: Any
+    positions: "TokenPositions"
+
+
+@dataclasses.dataclass
+class TokenPositions:
+    """Where tokens sit: ``local [L]`` global positions of this rank's tokens, ``gathered [N*L]`` those of every
+    rank's tokens in rank order (what a gather returns), ``order [N*L]`` the permutation that puts gathered
+    tokens in global order, ``contiguous``: rank ``r`` owns ``[r*L, (r+1)*L)`` (the same answer on every rank)."""
+
+    local: torch.Tensor
+    gathered: torch.Tensor
+    order: torch.Tensor
+    contiguous: bool
+
+    def global_order(self, gathered: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """A gathered ``[.., N*L, ..]`` tensor (rank order) in global token order."""
+        return gathered.index_select(dim, self.order)
+
+
+def _token_positions(sharder, mesh, local_len: int, gather_1d, device) -> TokenPositions:
+    """The layout's index map on this rank and, through the implementation's gather (no autograd), on all."""
+    local = local_token_indices(sharder, mesh, local_len, device)
+    gathered = gather_1d(local)
+    order = torch.argsort(gathered)
+    contiguous = bool(torch.equal(gathered, torch.arange(gathered.numel(), device=gathered.device)))
+    return TokenPositions(local, gathered, order, contiguous)
 
 
 def _mesh_rank_size(mesh) -> tuple[int, int]:
@@ -51,28 +90,23 @@ def _mesh_rank_size(mesh) -> tuple[int, int]:
     return mesh.get_local_rank(), mesh.size()
 
 
-def _bind(sharder, mesh):
-    """The one documented way to bind a sharder returned by a hook to a CP mesh."""
-    return sharder.bind(mesh)
+def _local_attention(q, k_all, v_all, keep, positions, token_positions: TokenPositions, *, window=None):
+    """Local queries ``[B,L,Hq,Dh]`` against gathered keys/values ``[B,N*L,Hkv,Dh]`` (rank order).
 
-
-def _local_attention(q, k_all, v_all, keep, positions, first_global, *, window=None):
-    """Local queries ``[B,L,Hq,Dh]`` against gathered keys/values ``[B,S_pad,Hkv,Dh]``.
-
-    Query ``i`` (global index ``first_global + t``) attends key ``j`` iff it is
-    kept, ``i - positions[i] <= j <= i`` and, with a window, ``i - j < window``.
+    Query ``i`` (global index ``token_positions.local[t]``) attends key ``j``
+    (global index ``token_positions.gathered[s]``) iff it is kept,
+    ``i - positions[i] <= j <= i`` and, with a window, ``i - j < window``.
     In a validated row the tokens from a document's start to ``i`` are all real
     and of ``i``'s document, so no key-side mask (and no gather of one) is
     needed; wrong positions from the implementation show as wrong outputs.
     Padding query rows give exactly zero.
     """
     B, L, Hq, Dh = q.shape
-    S = k_all.shape[1]
     groups = Hq // k_all.shape[2]
     k_all = k_all.repeat_interleave(groups, dim=2)
     v_all = v_all.repeat_interleave(groups, dim=2)
-    i = first_global + torch.arange(L, device=q.device)
-    j = torch.arange(S, device=q.device)
+    i = token_positions.local
+    j = token_positions.gathered
     allowed = (j[None, None, :] <= i[None, :, None]) & (j[None, None, :] >= (i[None, :] - positions)[:, :, None])
     allowed = allowed & keep[:, :, None]
     if window is not None:
@@ -118,24 +152,56 @@ def _count_all_reduce(count: torch.Tensor, mesh) -> torch.Tensor:
     return count
 
 
+def _recipe_loss(logits: torch.Tensor, targets: torch.Tensor, counted: torch.Tensor, mesh, size: int) -> torch.Tensor:
+    """The training recipe's loss on aligned targets: local sum of cross-entropy over ``counted [B,L]`` x N / global count."""
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    picked = logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    local_sum = -(picked * counted.to(picked.dtype)).sum()
+    count = _count_all_reduce(counted.sum().to(torch.int64), mesh)
+    return local_sum * size / count if int(count) > 0 else local_sum * 0.0
+
+
+def _next_token_targets(labels: torch.Tensor, keep: torch.Tensor, where: TokenPositions, gather_rows
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF shifted targets on any layout: the label and keep flag at global position ``p+1`` for each local token.
+
+    ``labels``/``keep [B,L]`` local; ``gather_rows``: ``[B,L]`` to ``[B,N*L]`` in rank order (no autograd).
+    Returns ``(targets [B,L], next_kept [B,L])``; the global last position has no target.
+    """
+    glabels = where.global_order(gather_rows(labels))
+    gkeep = where.global_order(gather_rows(keep.to(torch.int64))).bool()
+    nxt = where.local + 1
+    has_next = nxt < glabels.shape[1]
+    nxt = nxt.clamp(max=glabels.shape[1] - 1)
+    targets = torch.where(has_next, glabels.index_select(1, nxt), torch.full_like(labels, -100))
+    next_kept = gkeep.index_select(1, nxt) & has_next
+    return targets, next_kept
+
+
 def inkling2_cp_forward(impl, params: dict[str, torch.Tensor], config, batch: dict[str, Any], mesh, *,
                         num_chunks: int = 1) -> CPModelOutput:
     """Inkling2-mini on one CP rank. ``batch`` is the global batch (every rank gets the same); it is normalised in place as the hooks document."""
     ink = impl.inkling2
-    sharder = _bind(ink.prepare_cp_inputs(batch, num_chunks=num_chunks)["cp_sharder"], mesh)
+    sharder = hook_sharder(ink.prepare_cp_inputs(batch, num_chunks=num_chunks), mesh)
     ctx_factory, local = sharder.shard(batch)
     rank, size = _mesh_rank_size(mesh)
     with ctx_factory():
-        x0 = sharder.shard_token_tensor(_global_embeddings(params, config, local))
+        x0 = sharder.shard_token_tensor(_global_embeddings(params, config, local), fill=0)
         keep, positions, x = _masked_input(x0, local)
         L = x0.shape[1]
+        where = _token_positions(sharder, mesh, L, lambda t: ink.gather_sequence(t[None], mesh, False)[0], x.device)
 
         W = config.conv_width
-        history = ink.convolution_history(x, mesh, W)  # [B, L + W - 1, D]
+        if where.contiguous:
+            history = ink.convolution_history(x, mesh, W)  # [B, L + W - 1, D]
+            tap = lambda k: history[:, W - 1 - k: W - 1 - k + L]  # noqa: E731 - input at global position p - k
+        else:  # the halo of each local token from the whole sequence, gathered in global order
+            x_global = where.global_order(ink.gather_sequence(x, mesh, True))
+            tap = lambda k: x_global.index_select(1, (where.local - k).clamp(min=0))  # noqa: E731
         conv = torch.zeros_like(x)
         for k in range(W):
             tap_ok = (k <= positions) & keep  # same document and kept, for a validated row
-            conv = conv + params["conv_weight"][k] * history[:, W - 1 - k: W - 1 - k + L] * tap_ok[..., None].to(x.dtype)
+            conv = conv + params["conv_weight"][k] * tap(k) * tap_ok[..., None].to(x.dtype)
         x = x + F.silu(conv) @ params["conv_out"]
 
         a = oracle_models.rms_norm(x, params["norm1"])
@@ -143,19 +209,14 @@ def inkling2_cp_forward(impl, params: dict[str, torch.Tensor], config, batch: di
         k = rotary_embedding((a @ params["wk"]).unflatten(-1, (config.num_kv_heads, config.head_dim)), positions, config.rope_base)
         v = (a @ params["wv"]).unflatten(-1, (config.num_kv_heads, config.head_dim))
         k_all, v_all = _gather_kv(lambda t: ink.gather_sequence(t, mesh, True), k, v)
-        attn = _local_attention(q, k_all, v_all, keep, positions, rank * L)
+        attn = _local_attention(q, k_all, v_all, keep, positions, where)
         x = x + attn.flatten(-2) @ params["wo"]
         logits = (oracle_models.rms_norm(x, params["norm2"]) @ params["lm_head"]) * keep[..., None].to(x.dtype)
 
     # The recipe's loss: aligned labels, local sum x N / global count.
     labels = local["labels"]
-    counted = keep & (labels != -100)
-    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    picked = logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0]
-    local_sum = -(picked * counted.to(picked.dtype)).sum()
-    count = _count_all_reduce(counted.sum().to(torch.int64), mesh)
-    loss = local_sum * size / count if int(count) > 0 else local_sum * 0.0
-    return CPModelOutput(x0, logits, loss, local, size, rank, L)
+    loss = _recipe_loss(logits, labels, keep & (labels != -100), mesh, size)
+    return CPModelOutput(x0, logits, loss, local, size, rank, L, sharder, where)
 
 
 def _gather_tokens_bshd(gather_tokens, value: torch.Tensor, mesh, differentiable: bool) -> torch.Tensor:
@@ -167,7 +228,7 @@ def mistral_large4_cp_forward(impl, params: dict[str, torch.Tensor], config, bat
                               num_chunks: int = 1, shard_primary: bool = True) -> CPModelOutput:
     """MistralLarge4-mini on one CP rank; packed batches go through the same hook (it dispatches to the packed path)."""
     ml = impl.mistral_large4
-    sharder = _bind(ml.prepare_cp_inputs(batch, num_chunks=num_chunks, shard_primary=shard_primary)["cp_sharder"], mesh)
+    sharder = hook_sharder(ml.prepare_cp_inputs(batch, num_chunks=num_chunks, shard_primary=shard_primary), mesh)
     ctx_factory, local = sharder.shard(batch)
     rank, size = _mesh_rank_size(mesh)
     with ctx_factory():
@@ -179,13 +240,14 @@ def mistral_large4_cp_forward(impl, params: dict[str, torch.Tensor], config, bat
                 features = oracle_models.image_features(params, config, local["pixel_values"])
                 image_mask = local["image_mask"]
                 index = (torch.cumsum(image_mask.flatten().to(torch.int64), 0) - 1).view_as(image_mask)
-                local_mask = sharder.shard_token_tensor(image_mask, pad_value=False)
-                local_index = sharder.shard_token_tensor(index.clamp(min=0))
+                local_mask = sharder.shard_token_tensor(image_mask, fill=False)
+                local_index = sharder.shard_token_tensor(index.clamp(min=0), fill=0)
                 x0 = torch.where(local_mask[..., None], features[local_index], x0)
         else:
-            x0 = sharder.shard_token_tensor(_global_embeddings(params, config, local))
+            x0 = sharder.shard_token_tensor(_global_embeddings(params, config, local), fill=0)
         keep, positions, x = _masked_input(x0, local)
         L = x0.shape[1]
+        where = _token_positions(sharder, mesh, L, lambda t: ml.gather_tokens(t, mesh, False), x.device)
         for i in range(2):
             p = f"blocks.{i}."
             a = oracle_models.rms_norm(x, params[p + "norm"])
@@ -194,10 +256,15 @@ def mistral_large4_cp_forward(impl, params: dict[str, torch.Tensor], config, bat
             v = (a @ params[p + "wv"]).unflatten(-1, (config.num_kv_heads, config.head_dim))
             k_all, v_all = _gather_kv(lambda t: _gather_tokens_bshd(ml.gather_tokens, t, mesh, True), k, v)
             window = None if i == 0 else config.sliding_window
-            attn = _local_attention(q, k_all, v_all, keep, positions, rank * L, window=window)
+            attn = _local_attention(q, k_all, v_all, keep, positions, where, window=window)
             x = x + attn.flatten(-2) @ params[p + "wo"]
         raw = oracle_models.rms_norm(x, params["final_norm"]) @ params["lm_head"]
         cap = config.logit_softcap
         logits = cap * torch.tanh(raw / cap) * keep[..., None].to(raw.dtype)
-    loss = ml.shifted_cp_loss(logits, local["labels"], keep.flatten(), mesh)
-    return CPModelOutput(x0, logits, loss, local, size, rank, L)
+    if where.contiguous:
+        loss = ml.shifted_cp_loss(logits, local["labels"], keep.flatten(), mesh)
+    else:
+        gather_rows = lambda t: _gather_tokens_bshd(ml.gather_tokens, t, mesh, False)  # noqa: E731
+        targets, next_kept = _next_token_targets(local["labels"], keep, where, gather_rows)
+        loss = _recipe_loss(logits, targets, keep & next_kept & (targets != -100), mesh, size)
+    return CPModelOutput(x0, logits, loss, local, size, rank, L, sharder, where)

@@ -122,12 +122,14 @@ def _fmt(x: float) -> str:
 
 
 def render(error_map: np.ndarray, local_len: int, cp_size: int, *, title: list[str] | None = None,
-           unit: str = "error") -> np.ndarray:
+           unit: str = "error", segments: list[tuple[int, int, int]] | None = None) -> np.ndarray:
     """``[batch, sequence]`` errors (0 = right, ``inf``/NaN = not finite) to an RGB picture.
 
     ``local_len``/``cp_size``: the shard grid (boundaries at multiples of
-    ``local_len``); ``title``: lines written above the map; ``unit``: what the
-    numbers in the legend measure.
+    ``local_len``), or ``segments``: ``(start, end, rank)`` runs of global
+    positions each rank owns (any index map, e.g. load-balanced chunks);
+    ``title``: lines written above the map; ``unit``: what the numbers in the
+    legend measure.
     """
     err = np.asarray(error_map, dtype=np.float64)
     if err.ndim != 2:
@@ -193,23 +195,24 @@ def render(error_map: np.ndarray, local_len: int, cp_size: int, *, title: list[s
         _draw_text(img, 2, gy + b * cell_h + max(0, (cell_h - 5 * FONT_SCALE) // 2), label, DIM_TEXT)
 
     # Shard boundaries and rank labels (in pooled columns).
-    if local_len > 0:
-        shard_px = local_len / col_factor * cell_w
-        for r in range(max(cp_size, 1)):
-            x0 = gx + int(round(r * shard_px))
-            if x0 >= gx + grid_w:  # the tensor ends before this shard (e.g. a local tensor, or no padding shown)
-                break
-            if r > 0:
-                xs = slice(max(x0 - 1, 0), x0 + 1)
-                img[gy - 4:gy, xs] = BOUNDARY
-                img[gy + grid_h:gy + grid_h + 4, xs] = BOUNDARY
-                inside = img[gy:gy + grid_h, xs]
-                free = (inside.max(axis=-1) <= max(ROW_SEPARATOR))  # never paint over an error
-                inside[free] = BOUNDARY
-            label = f"R{r}"
-            room = min(int(round(shard_px)), gx + grid_w - x0)  # the visible part of this shard
-            if room >= _text_width(label) + 2:
-                _draw_text(img, x0 + (room - _text_width(label)) // 2, gy - line_h, label, BOUNDARY)
+    if segments is None:
+        segments = [(r * local_len, (r + 1) * local_len, r) for r in range(max(cp_size, 1))] if local_len > 0 else []
+    px_per_position = cell_w / col_factor
+    for start, end, rank in segments:
+        x0 = gx + int(round(start * px_per_position))
+        if x0 >= gx + grid_w:  # the tensor ends before this shard (e.g. a local tensor, or no padding shown)
+            break
+        if start > 0:
+            xs = slice(max(x0 - 1, 0), x0 + 1)
+            img[gy - 4:gy, xs] = BOUNDARY
+            img[gy + grid_h:gy + grid_h + 4, xs] = BOUNDARY
+            inside = img[gy:gy + grid_h, xs]
+            free = (inside.max(axis=-1) <= max(ROW_SEPARATOR))  # never paint over an error
+            inside[free] = BOUNDARY
+        label = f"R{rank}"
+        room = min(int(round((end - start) * px_per_position)), gx + grid_w - x0)  # the visible part of this shard
+        if room >= _text_width(label) + 2:
+            _draw_text(img, x0 + (room - _text_width(label)) // 2, gy - line_h, label, BOUNDARY)
 
     # Legend: the colour ramp and what it means.
     ly = gy + grid_h + 8
@@ -251,6 +254,8 @@ def write_error_maps(report, directory: str | None = None) -> list[str]:
         name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{case_id(report.case)}-{comp.name}")[:120] + ".png"
         path = os.path.join(directory, name)
         unit = "error (ULP)" if comp.mode == "ulp" else "absolute difference"
-        _png(path, render(comp.error_map, comp.grid.local_len, comp.grid.cp_size, title=_titles(report, comp), unit=unit))
+        segments = comp.grid.segments(comp.error_map.shape[1]) if comp.grid.owners is not None else None
+        _png(path, render(comp.error_map, comp.grid.local_len, comp.grid.cp_size, title=_titles(report, comp), unit=unit,
+                          segments=segments))
         paths.append(path)
     return paths

@@ -3,7 +3,11 @@
 Any importable module that exposes ``inkling2`` and ``mistral_large4`` (as
 submodules or plain attributes) with the documented functions can be judged.
 The choice comes from ``--cp-impl`` / ``--impl``, else the ``CP_IMPL``
-environment variable, else the bundled ``cp_impl``.
+environment variable, else the bundled ``cp_impl``. A comma-separated list
+(``cp_impl,cp_impl.variants.load_balanced``) judges several implementations
+in one run: the ranks load each, and every case that goes through a sharder
+draws one of them (the case's ``"impl"`` key); the first is the primary one,
+used where a case names none.
 """
 
 from __future__ import annotations
@@ -22,16 +26,35 @@ REQUIRED = {
 
 
 def selected_impl_name(explicit: str | None = None) -> str:
-    """The module name to judge: ``explicit``, else ``$CP_IMPL``, else ``cp_impl``."""
+    """The module name(s) to judge: ``explicit``, else ``$CP_IMPL``, else ``cp_impl`` (comma-separated when several)."""
     return explicit or os.environ.get("CP_IMPL") or DEFAULT_IMPL
+
+
+def impl_names(selection: str) -> tuple[str, ...]:
+    """The module names of a selection (``"a,b"`` -> ``("a", "b")``); ``ValueError`` when it names none."""
+    names = tuple(dict.fromkeys(part.strip() for part in selection.split(",") if part.strip()))
+    if not names:
+        raise ValueError(f"{selection!r}: name at least one implementation module, e.g. cp_impl")
+    return names
+
+
+def primary_impl(selection: str) -> str:
+    """The first module of a selection: the one a case without an ``"impl"`` key runs."""
+    return impl_names(selection)[0]
+
+
+def case_impl(case: dict, selection: str) -> str:
+    """The implementation a case runs: its ``"impl"`` key, else the selection's primary module."""
+    return case.get("impl") or primary_impl(selection)
 
 
 def load_impl(name: str | None = None) -> types.SimpleNamespace:
     """Import the implementation and return ``namespace(name, inkling2, mistral_large4)``.
 
-    Raises ``ImportError`` naming the missing module or function.
+    ``name``: one module (of a selection, the primary one). Raises
+    ``ImportError`` naming the missing module or function.
     """
-    name = selected_impl_name(name)
+    name = primary_impl(selected_impl_name(name))
     root = importlib.import_module(name)
     found = {}
     for part, functions in REQUIRED.items():

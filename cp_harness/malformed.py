@@ -114,9 +114,10 @@ BASES: dict[str, Callable[[int, int, Any], dict]] = {
 
 
 def _shard_with_mesh(impl, a):
-    """Prepare (outside the timed call), then bind to ``mesh`` and shard: the sharder's mesh check."""
+    """Prepare (outside the timed call), then run the returned strategy ``shard_batch(cp_mesh, tp_mesh, batch)``
+    with ``mesh`` as its CP mesh: the strategy's mesh check (the framework hands it the 1-D ``"cp"`` sub-mesh)."""
     sharder = a.pop("_sharder")
-    return sharder.bind(a["mesh"]).shard(a["batch"])
+    return sharder.shard_batch(a["mesh"], None, a["batch"])
 
 
 def _prepare_sharder(impl, a):
@@ -142,7 +143,7 @@ FUNCTIONS: dict[str, tuple[Callable | None, Callable[[Any, dict], Any]]] = {
         a["value"], a["mesh"], a["differentiable"])),
     "mistral_large4.shifted_cp_loss": (None, lambda impl, a: impl.mistral_large4.shifted_cp_loss(
         a["logits"], a["labels"], a["valid"], a["mesh"])),
-    "sharder.shard": (_prepare_sharder, _shard_with_mesh),
+    "sharder.shard_batch": (_prepare_sharder, _shard_with_mesh),
 }
 
 # --------------------------------------------------------------------------------------- mutations
@@ -617,8 +618,8 @@ CATALOGUE: tuple[Malformed, ...] = (
     _M("shifted_cp_loss/mesh_two_dimensional", LOSS, "loss_shard", (_op("mesh", kind="2d"),), ("mesh",),
        "a (dp=1, cp=N) 2-D mesh", errors=BOTH),
     # ---- the sharder -------------------------------------------------------------------------------------------
-    _M("sharder/bind_two_dimensional_mesh", "sharder.shard", "inkling2_bshd_mesh",
-       (_op("mesh", kind="2d"),), ("mesh",), "binding the sharder to a (dp=1, cp=N) 2-D mesh", errors=BOTH),
+    _M("sharder/shard_batch_two_dimensional_mesh", "sharder.shard_batch", "inkling2_bshd_mesh",
+       (_op("mesh", kind="2d"),), ("mesh",), "shard_batch given a (dp=1, cp=N) 2-D mesh as its CP mesh", errors=BOTH),
 )
 
 BY_NAME: dict[str, Malformed] = {m.name: m for m in CATALOGUE}

@@ -42,6 +42,7 @@ class RankOutput:
     error_type: str | None = None
     message: str | None = None
     traceback: str | None = None
+    called: list[str] = dataclasses.field(default_factory=list)  # documented functions the case called (coverage)
 
 
 class RankFailure(AssertionError):
@@ -271,7 +272,7 @@ class RankPool:
                 outputs[rank] = RankOutput(rank=rank, ok=bool(body["ok"]), info=body.get("info", {}), tensors=arrays,
                                            comm=body.get("comm", []), seconds=float(body.get("seconds", 0.0)),
                                            error_type=body.get("error_type"), message=body.get("message"),
-                                           traceback=body.get("traceback"))
+                                           traceback=body.get("traceback"), called=body.get("called", []))
                 pending.discard(rank)
                 if not body["ok"] and grace_deadline is None:
                     # Peers of a rank that raised may be waiting in a collective; give them a moment.

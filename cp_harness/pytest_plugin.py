@@ -7,7 +7,9 @@ repository gates its own implementation with::
 
 Options:
 
-- ``--cp-impl MODULE``: implementation under test (else ``$CP_IMPL``, else ``cp_impl``).
+- ``--cp-impl MODULE``: implementation under test (else ``$CP_IMPL``, else ``cp_impl``);
+  ``MODULE,MODULE,...`` judges several in one run (each sharder-using case
+  draws one; the first is the primary one).
 - ``--cp-world-sizes 1,2,3,4,8``: CP sizes the generated cases use; the pool
   starts ``max`` ranks. Explicit examples of a larger size are skipped.
 - ``--cp-backend gloo|nccl``: gloo on CPU; nccl with one GPU per rank (a pool
@@ -46,7 +48,7 @@ import pytest
 from hypothesis import settings
 
 from cp_harness import profiles, stats
-from cp_harness.impl import load_impl, selected_impl_name
+from cp_harness.impl import impl_names, load_impl, primary_impl, selected_impl_name
 
 profiles.register()
 
@@ -59,7 +61,8 @@ _ERROR_MAP_LINE = re.compile(r"^E?\s*error maps?: (.+)$", re.MULTILINE)
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("cp_harness", "context-parallel correctness harness")
     group.addoption("--cp-impl", default=None, metavar="MODULE",
-                    help="module exposing inkling2 and mistral_large4 (default: $CP_IMPL or cp_impl)")
+                    help="module exposing inkling2 and mistral_large4 (default: $CP_IMPL or cp_impl); "
+                         "a comma-separated list judges several in one run")
     group.addoption("--cp-world-sizes", default="1,2,3,4,8", metavar="SIZES",
                     help="comma-separated CP sizes to exercise (default 1,2,3,4,8); the pool starts max(SIZES) ranks")
     group.addoption("--cp-backend", default="gloo", choices=("gloo", "nccl"),
@@ -111,7 +114,12 @@ def pytest_configure(config: pytest.Config) -> None:
     strategies.configure_world_sizes(sizes)
     if cp_run:
         # Ranks and in-process checks must judge the same module (xdist workers inherit it too).
-        os.environ["CP_IMPL"] = selected_impl_name(config.getoption("--cp-impl"))
+        selection = selected_impl_name(config.getoption("--cp-impl"))
+        try:
+            strategies.configure_impls(impl_names(selection))
+        except ValueError as exc:
+            raise pytest.UsageError(f"--cp-impl: {exc}") from exc
+        os.environ["CP_IMPL"] = selection
     if config.getoption("--cp-backend") == "nccl":
         _configure_gpus(config, max(sizes))
 
@@ -157,8 +165,15 @@ def cp_world_sizes(pytestconfig: pytest.Config) -> tuple[int, ...]:
 
 
 @pytest.fixture(scope="session")
-def cp_impl_name(pytestconfig: pytest.Config) -> str:
+def cp_impl_selection(pytestconfig: pytest.Config) -> str:
+    """Every implementation of the run, comma-separated (what the ranks load)."""
     return selected_impl_name(pytestconfig.getoption("--cp-impl"))
+
+
+@pytest.fixture(scope="session")
+def cp_impl_name(cp_impl_selection: str) -> str:
+    """The primary implementation (single-rank checks judge it; cases without an ``"impl"`` key run it)."""
+    return primary_impl(cp_impl_selection)
 
 
 @pytest.fixture(scope="session")
@@ -203,17 +218,18 @@ def _plugin_runner_class():
 
 
 @pytest.fixture(scope="session")
-def cp_runner(pytestconfig: pytest.Config, cp_world_sizes, cp_impl_name):
+def cp_runner(pytestconfig: pytest.Config, cp_world_sizes, cp_impl_selection):
     from cp_harness.pool import PoolConfig
 
-    try:  # a module that does not import fails every CP test at once, with this message, before any rank starts
-        load_impl(cp_impl_name)
-    except Exception as exc:  # noqa: BLE001
-        raise pytest.UsageError(f"--cp-impl {cp_impl_name}: the implementation does not import here: "
-                                f"{type(exc).__name__}: {exc}") from exc
+    for name in impl_names(cp_impl_selection):
+        try:  # a module that does not import fails every CP test at once, with this message, before any rank starts
+            load_impl(name)
+        except Exception as exc:  # noqa: BLE001
+            raise pytest.UsageError(f"--cp-impl {name}: the implementation does not import here: "
+                                    f"{type(exc).__name__}: {exc}") from exc
     timeout = pytestconfig.getoption("--cp-case-timeout")
     runner = _plugin_runner_class()(PoolConfig(world_size=max(cp_world_sizes), backend=pytestconfig.getoption("--cp-backend"),
-                                               impl=cp_impl_name, case_timeout=timeout,
+                                               impl=cp_impl_selection, case_timeout=timeout,
                                                collective_timeout=max(10.0, timeout / 2)))
     try:
         yield runner
@@ -221,6 +237,9 @@ def cp_runner(pytestconfig: pytest.Config, cp_world_sizes, cp_impl_name):
         runner.close()
         for size, n in runner.counts.items():
             stats.count(f"cp examples at world size {size}", n)
+        if len(impl_names(cp_impl_selection)) > 1:
+            for name, n in runner.by_impl.items():
+                stats.count(f"cp examples of implementation {name}", n)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -237,6 +256,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker: hand the counters and error maps to the controller
         workeroutput["cp_harness_stats"] = dict(stats.COUNTERS)
+        workeroutput["cp_harness_notes"] = list(stats.NOTES)
         workeroutput["cp_harness_error_maps"] = list(ERROR_MAPS)
 
 
@@ -245,11 +265,13 @@ def pytest_testnodedown(node, error) -> None:
     output = getattr(node, "workeroutput", None) or {}
     for key, value in output.get("cp_harness_stats", {}).items():
         stats.count(key, value)
+    for text in output.get("cp_harness_notes", []):
+        stats.note(text)
     ERROR_MAPS.extend(output.get("cp_harness_error_maps", []))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
-    if getattr(config, "workerinput", None) is not None or not (stats.COUNTERS or ERROR_MAPS):
+    if getattr(config, "workerinput", None) is not None or not (stats.COUNTERS or stats.NOTES or ERROR_MAPS):
         return
     counters = collections.OrderedDict(sorted(stats.COUNTERS.items()))
     terminalreporter.section("cp_harness")
@@ -264,6 +286,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     for key, value in counters.items():
         if key not in examples:
             terminalreporter.write_line(f"{key}: {value}")
+    for text in stats.NOTES:
+        terminalreporter.write_line(text)
     if ERROR_MAPS:
         unique = list(dict.fromkeys(ERROR_MAPS))
         terminalreporter.write_line(f"error maps of the failing cases ({len(unique)}):")

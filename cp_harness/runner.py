@@ -15,12 +15,13 @@ import time
 from cp_harness import checks
 from cp_harness.cases import canonical, case_id
 from cp_harness.checks import CaseReport
+from cp_harness.impl import case_impl, primary_impl
 from cp_harness.pool import PoolConfig, RankFailure, RankPool
 
 
 def repro_command(case: dict, impl: str, backend: str = "gloo") -> str:
-    """A shell command that runs exactly this case again and prints its report."""
-    parts = ["python", "-m", "cp_harness", "run-case", "--impl", impl]
+    """A shell command that runs exactly this case again and prints its report (``impl``: the run's selection)."""
+    parts = ["python", "-m", "cp_harness", "run-case", "--impl", case_impl(case, impl)]
     if backend != "gloo":
         parts += ["--backend", backend]
     return " ".join(shlex.quote(p) for p in parts + [canonical(case)])
@@ -28,7 +29,7 @@ def repro_command(case: dict, impl: str, backend: str = "gloo") -> str:
 
 def failure_message(case: dict, report: CaseReport | None, impl: str, *, backend: str = "gloo",
                     error: BaseException | None = None) -> str:
-    lines = [f"CP case {case_id(case)} failed against implementation {impl!r}",
+    lines = [f"CP case {case_id(case)} failed against implementation {case_impl(case, impl)!r}",
              f"case: {canonical(case)}",
              f"reproduce: {repro_command(case, impl, backend)}"]
     if error is not None:
@@ -46,13 +47,15 @@ class CaseRunner:
         self.pool = RankPool(config)
         self.counts: collections.Counter[int] = collections.Counter()
         self.by_check: collections.Counter[str] = collections.Counter()
+        self.by_impl: collections.Counter[str] = collections.Counter()
         self.failures = 0
         self.seconds = 0.0
         self.error_maps: list[str] = []
 
     @property
     def impl(self) -> str:
-        return self.config.impl
+        """The primary implementation (the one cases without an ``"impl"`` key run)."""
+        return primary_impl(self.config.impl)
 
     def run_outputs(self, case: dict, *, timeout: float | None = None):
         """The raw per-rank outputs (``RankFailure`` on a rank fault)."""
@@ -63,6 +66,7 @@ class CaseRunner:
             self.seconds += time.perf_counter() - started
             self.counts[int(case["world_size"])] += 1
             self.by_check[case["check"]] += 1
+            self.by_impl[case_impl(case, self.config.impl)] += 1
 
     def run(self, case: dict, *, timeout: float | None = None) -> CaseReport:
         """Run and evaluate ``case``; a rank fault becomes a failed report naming the rank."""
@@ -86,7 +90,7 @@ class CaseRunner:
 
             paths = write_error_maps(report)
             self.error_maps.extend(paths)
-            message = failure_message(case, report, self.impl, backend=self.config.backend)
+            message = failure_message(case, report, self.config.impl, backend=self.config.backend)
             if paths:
                 message += "\nerror maps: " + ", ".join(paths)
             raise AssertionError(message)

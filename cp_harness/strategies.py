@@ -25,6 +25,24 @@ def configure_world_sizes(sizes) -> None:
     _active_world_sizes = tuple(sizes)
 
 
+_active_impls: tuple[str, ...] = ()
+
+
+def configure_impls(names) -> None:
+    """Set the implementations a run judges (the plugin's ``--cp-impl a,b``); with more than one, every case
+    that goes through a sharder draws one of them into its ``"impl"`` key (shrinking towards the first)."""
+    global _active_impls
+    _active_impls = tuple(names)
+
+
+@st.composite
+def with_impl(draw, case: dict) -> dict:
+    """``case`` with an ``"impl"`` drawn from the configured implementations (unchanged when one is judged)."""
+    if len(_active_impls) > 1:
+        case = {**case, "impl": draw(st.sampled_from(_active_impls))}
+    return case
+
+
 def world_sizes(allowed=None) -> st.SearchStrategy[int]:
     """A CP size from ``allowed`` (default: the configured sizes, read when drawn)."""
     if allowed is not None:
@@ -259,7 +277,7 @@ def layout_cases(draw, allowed_sizes=None) -> dict:
         case["shard_primary"] = draw(st.booleans())
         if spec["format"] == "thd" and draw(st.booleans()):
             case["direct_packed"] = True
-    return case
+    return draw(with_impl(case))
 
 
 @st.composite
@@ -283,7 +301,7 @@ def model_cases(draw, allowed_sizes=None, dtypes=("float64",), max_len: int = 24
         case["shard_primary"] = draw(st.booleans())
     if n == 1 and draw(st.booleans()):
         case["mesh"] = "none"
-    return case
+    return draw(with_impl(case))
 
 
 @st.composite
@@ -296,7 +314,7 @@ def sharder_cases(draw, allowed_sizes=None) -> dict:
                       draw(st.integers(min_value=1, max_value=3))]}
     if n == 1 and draw(st.booleans()):
         case["mesh"] = "none"
-    return case
+    return draw(with_impl(case))
 
 
 @st.composite

@@ -26,10 +26,10 @@ import time
 import traceback
 from typing import Any, Callable
 
-from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
+from hypothesis import HealthCheck, Phase, example, given, seed as hypothesis_seed, settings
 from hypothesis import strategies as st
 
-from cp_harness import comm_minimum, strategies
+from cp_harness import comm_minimum, coverage, strategies
 from cp_harness.cases import canonical
 from cp_harness.errormap import error_map_dir, write_error_maps
 from cp_harness.pool import PoolConfig
@@ -42,7 +42,9 @@ class Row:
 
     name: str
     strategy: Callable[[tuple[int, ...]], st.SearchStrategy[dict]]
-    functions: tuple[str, ...] = ()  # the documented functions this row exercises
+    functions: tuple[str, ...] = ()  # the documented functions this row claims to exercise (each must run)
+    explicit: tuple[dict, ...] = ()  # cases run before the generated ones (the claims' witnesses, regressions)
+    called: set = dataclasses.field(default_factory=set)  # documented functions its cases called on the ranks
     examples: int = 0
     passed: int = 0
     failed: int = 0
@@ -71,8 +73,10 @@ class Row:
 
     def as_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("strategy", "failing_report")}
+                if f.name not in ("strategy", "failing_report", "explicit", "called")}
         data["functions"] = list(self.functions)
+        data["called"] = sorted(self.called)
+        data["claimed_but_never_called"] = coverage.covered(self.functions, self.called)
         report = self.failing_report
         data["failing_tensors"] = [c.as_dict() for c in report.failures()] if report is not None else []
         data["ok"] = self.ok
@@ -87,30 +91,48 @@ def _filtered(check: str):
     return make
 
 
+# Witnesses that the rows' claims are exercised whatever Hypothesis draws: a packed batch whose EOS equals the pad id
+# (inkling2.unpack_row_layout is called on it), the packed hook called directly, an image across a shard boundary.
+_INKLING2_PACKED = {"check": "inkling2_layout", "world_size": 2, "seed": 1, "model": "inkling2", "num_chunks": 1,
+                    "batch": {"format": "thd", "seq_len": 9, "docs": [[[3, 4], [4, 4]], [[2, 2], [5, 6]]],
+                              "eos_is_pad": True}}
+_MISTRAL_DIRECT_PACKED = {"check": "mistral_large4_layout", "world_size": 3, "seed": 2, "model": "mistral_large4",
+                          "num_chunks": 1, "shard_primary": True, "direct_packed": True,
+                          "batch": {"format": "thd", "seq_len": 8, "docs": [[[3, 3], [4, 5]]], "eos_is_pad": True}}
+_MISTRAL_BSHD = {"check": "mistral_large4_layout", "world_size": 2, "seed": 3, "model": "mistral_large4", "num_chunks": 1,
+                 "shard_primary": False, "batch": {"format": "bshd", "seq_len": 7, "rows": [[2, 5], [0, 7]]}}
+
+_SHARDER = ("sharder.shard", "sharder.shard_token_tensor", "sharder.local_token_global_indices")
+
+
 def default_rows() -> list[Row]:
-    """The report's rows: every documented function (grouped as they are called), the sharder, both models."""
+    """The report's rows: every documented function (grouped as they are called), the sharder, both models.
+
+    Each row's ``functions`` are claims: ``verify`` fails a row whose cases never called one of them through
+    the documented API (``cp_harness.coverage``).
+    """
     return [
         Row("inkling2.gather_sequence", _filtered("gather_sequence"), ("inkling2.gather_sequence",)),
         Row("inkling2.convolution_history", lambda s: strategies.history_cases(s), ("inkling2.convolution_history",)),
         Row("inkling2.prepare_cp_inputs + unpack_row_layout",
             lambda s: strategies.layout_cases(s).filter(lambda c: c["model"] == "inkling2"),
-            ("inkling2.prepare_cp_inputs", "inkling2.unpack_row_layout", "sharder.bind", "sharder.shard")),
+            ("inkling2.prepare_cp_inputs", "inkling2.unpack_row_layout", *_SHARDER), explicit=(_INKLING2_PACKED,)),
         Row("inkling2.validate_document_positions", lambda s: strategies.position_cases(s),
             ("inkling2.validate_document_positions",)),
         Row("mistral_large4.gather_tokens", _filtered("gather_tokens"), ("mistral_large4.gather_tokens",)),
         Row("mistral_large4.prepare_cp_inputs (BSHD/THD)",
             lambda s: strategies.layout_cases(s).filter(lambda c: c["model"] == "mistral_large4"),
-            ("mistral_large4.prepare_cp_inputs", "mistral_large4.prepare_packed_cp_inputs", "sharder.bind",
-             "sharder.shard")),
+            ("mistral_large4.prepare_cp_inputs", "mistral_large4.prepare_packed_cp_inputs", *_SHARDER),
+            explicit=(_MISTRAL_DIRECT_PACKED, _MISTRAL_BSHD)),
         Row("mistral_large4.shifted_cp_loss", lambda s: strategies.loss_cases(s), ("mistral_large4.shifted_cp_loss",)),
         Row("sharder.shard_token_tensor + gather_token_tensor", lambda s: strategies.sharder_cases(s),
-            ("sharder.shard_token_tensor", "sharder.gather_token_tensor")),
+            (*_SHARDER, "sharder.gather_token_tensor")),
         Row("model: Inkling2-mini (float64)",
             lambda s: strategies.model_cases(s, dtypes=("float64",)).filter(lambda c: c["model"] == "inkling2"),
-            ("inkling2.*", "sharder.*")),
+            ("inkling2.prepare_cp_inputs", "inkling2.gather_sequence", *_SHARDER)),
         Row("model: MistralLarge4-mini (float64)",
             lambda s: strategies.model_cases(s, dtypes=("float64",)).filter(lambda c: c["model"] == "mistral_large4"),
-            ("mistral_large4.*", "sharder.*")),
+            ("mistral_large4.prepare_cp_inputs", "mistral_large4.gather_tokens", *_SHARDER)),
     ]
 
 
@@ -155,7 +177,8 @@ def _run_row(row: Row, runner: CaseRunner, sizes, examples: int, seed: int, prog
     shrink_started: list[float] = []
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
-              suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink], report_multiple_bugs=False)
+              suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate, Phase.shrink],
+              report_multiple_bugs=False)
     @hypothesis_seed(seed)
     @given(case=row.strategy(sizes))
     def property_(case):
@@ -166,6 +189,7 @@ def _run_row(row: Row, runner: CaseRunner, sizes, examples: int, seed: int, prog
                 # Shrinking budget spent: the smallest failure found so far is reported (it really failed).
                 return
             report = runner.run(case)
+            row.called |= report.called
             row.examples += 1
             progress.step(row.name if not shrink_started else f"{row.name}: shrinking a failure")
             moved, minimum = comm_minimum.moved_and_minimum(case, report)
@@ -184,8 +208,17 @@ def _run_row(row: Row, runner: CaseRunner, sizes, examples: int, seed: int, prog
         last_failure["case"], last_failure["report"] = case, report
         raise AssertionError(report.format())  # one raise site: Hypothesis tells failures apart by where they rise
 
+    for case in row.explicit:
+        if int(case["world_size"]) <= max(sizes):
+            property_ = example(case=case)(property_)
     try:
         property_()
+        never = coverage.covered(row.functions, row.called)
+        if never and row.failure is None and row.examples:
+            row.failed = max(row.failed, 1)
+            row.failure = (f"  PROBLEM: the row claims {', '.join(never)}, but none of its {row.examples} cases called "
+                           f"{'it' if len(never) == 1 else 'them'} through the documented API (called: "
+                           f"{', '.join(sorted(row.called)) or 'nothing'})")
     except AssertionError:
         if "report" not in last_failure:  # Hypothesis itself complained (e.g. a flaky failure)
             row.failed = max(row.failed, 1)
@@ -287,17 +320,19 @@ def report_dict(*, impl: str, backend: str, world_sizes, seed: int, examples: in
 def _preflight(impl: str, backend: str, world_size: int) -> str | None:
     """Why the run cannot start (``None`` when it can): the implementation must import, the devices must fit."""
     from cp_harness.devices import DeviceError, check_backend
-    from cp_harness.impl import load_impl
+    from cp_harness.impl import impl_names, load_impl
 
     try:
         check_backend(backend, world_size)
-    except DeviceError as exc:
+        names = impl_names(impl)
+    except (DeviceError, ValueError) as exc:
         return str(exc)
-    try:
-        load_impl(impl)
-    except Exception as exc:  # noqa: BLE001 - any import failure is reported as such
-        return (f"implementation {impl!r} does not import here: {type(exc).__name__}: {exc}\n"
-                f"(is it installed, or on PYTHONPATH? sys.path[0] is {sys.path[0]!r})")
+    for name in names:
+        try:
+            load_impl(name)
+        except Exception as exc:  # noqa: BLE001 - any import failure is reported as such
+            return (f"implementation {name!r} does not import here: {type(exc).__name__}: {exc}\n"
+                    f"(is it installed, or on PYTHONPATH? sys.path[0] is {sys.path[0]!r})")
     return None
 
 
@@ -312,6 +347,9 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
     if problem:
         print(f"cp_harness verify: cannot run: {problem}", file=sys.stderr)
         return 2
+    from cp_harness.impl import impl_names
+
+    strategies.configure_impls(impl_names(impl))
     runner = CaseRunner(PoolConfig(world_size=ranks, backend=backend, impl=impl))
     progress = Progress(total=examples * len(rows), stream=progress_stream)
     started = time.perf_counter()

@@ -29,7 +29,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--connect", required=True, help="host:port of the test process")
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
-    parser.add_argument("--impl", default="cp_impl", help="module exposing inkling2 and mistral_large4")
+    parser.add_argument("--impl", default="cp_impl",
+                        help="module(s) exposing inkling2 and mistral_large4, comma-separated; a case's 'impl' picks one")
     parser.add_argument("--collective-timeout", type=float, default=60.0, help="seconds before a collective gives up")
     parser.add_argument("--idle-timeout", type=float, default=3600.0, help="seconds without a request before the rank exits")
     parser.add_argument("--stack-dir", default=None, help="folder for stack dumps on SIGUSR1")
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from cp_harness import comm, wire
+    from cp_harness import comm, coverage, wire
     from cp_harness.checks import RankContext, run_on_rank
 
     torch.set_num_threads(1)
@@ -68,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank < n:
             meshes[n] = DeviceMesh.from_group(group, device.type, mesh_dim_names=("cp",))
     comm.install()
-    from cp_harness.impl import load_impl
+    from cp_harness.impl import case_impl, impl_names, load_impl
 
-    impl = load_impl(args.impl)
+    # Every one imports, or the rank stops here; calls through the documented API are recorded per case.
+    impls = {name: coverage.instrument(load_impl(name)) for name in impl_names(args.impl)}
 
     host, port = args.connect.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=args.collective_timeout)
@@ -89,14 +91,18 @@ def main(argv: list[str] | None = None) -> int:
             continue
         case = body["case"]
         cp_size = int(case["world_size"])
-        context = RankContext(rank=rank, cp_size=cp_size, mesh=meshes[cp_size], device=device,
-                              backend=args.backend, impl=impl)
         started = time.perf_counter()
         try:
-            with comm.recording() as calls:
+            name = case_impl(case, args.impl)
+            if name not in impls:  # a case naming another module (run-case): loaded on first use
+                impls[name] = coverage.instrument(load_impl(name))
+            context = RankContext(rank=rank, cp_size=cp_size, mesh=meshes[cp_size], device=device,
+                                  backend=args.backend, impl=impls[name])
+            with comm.recording() as calls, coverage.recording() as called:
                 info, tensors = run_on_rank(case, context)
             reply = {"op": "result", "case_id": body["case_id"], "rank": rank, "ok": True, "info": info,
-                     "comm": [c.as_dict() for c in calls], "seconds": time.perf_counter() - started}
+                     "comm": [c.as_dict() for c in calls], "called": sorted(called),
+                     "seconds": time.perf_counter() - started}
         except BaseException as exc:  # noqa: BLE001 - everything is reported, SystemExit included
             tensors = {}
             reply = {"op": "result", "case_id": body["case_id"], "rank": rank, "ok": False,

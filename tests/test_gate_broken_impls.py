@@ -37,6 +37,7 @@ LOSS_ROW = "mistral_large4.shifted_cp_loss"
 MISTRAL_MODEL_ROW = "model: MistralLarge4-mini (float64)"
 HISTORY_ROW = "inkling2.convolution_history"
 INKLING2_MODEL_ROW = "model: Inkling2-mini (float64)"
+INKLING2_LAYOUT_ROW = "inkling2.prepare_cp_inputs + unpack_row_layout"
 
 
 def _run(args: list[str], tmp_path: Path, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -113,6 +114,8 @@ def test_verify_passes_on_the_bundled_implementation(tmp_path):
     assert [r["name"] for r in report["rows"]] == names
     for row in report["rows"]:
         assert row["examples"] >= 1 and row["passed"] == row["examples"] and row["ok"], row
+        assert row["functions"] and row["claimed_but_never_called"] == [], row  # every claim really ran
+        assert set(row["called"]) >= {f for f in row["functions"] if not f.endswith("*")}, row
         assert row["comparison"] in ("exact", "ulp")
         if row["comm_ratio"] is not None:
             assert row["comm_ratio"] >= 1.0, row  # nothing moves less than the minimum the contract needs
@@ -137,6 +140,30 @@ def test_verify_fails_on_a_loss_divided_by_the_local_count(tmp_path):
     assert report["ok"] is False and LOSS_ROW in report["failed_rows"]
     assert loss_row["error_maps"] and loss_row["reproduce"] and loss_row["failing_case"]["world_size"] > 1
     assert {t["name"] for t in loss_row["failing_tensors"]} & {"d loss / d logits", "loss (mean over ranks)"}
+
+
+def test_verify_fails_on_an_unpack_row_layout_that_mistakes_eos_for_padding(tmp_path):
+    """The only defect is the documented ``unpack_row_layout`` deciding padding from token ids: the row that
+    claims that function fails, naming it, and no other row does."""
+    proc, table, report = _verify_broken("broken_gate_unpack_eos", tmp_path)
+    failed = {name for name, bad in table.items() if bad}
+    assert failed == {INKLING2_LAYOUT_ROW}, proc.stdout
+    assert "unpack_row_layout padding_mask@rank" in proc.stdout and "actual True, expected False" in proc.stdout
+    row = next(r for r in report["rows"] if r["name"] == INKLING2_LAYOUT_ROW)
+    assert "inkling2.unpack_row_layout" in row["functions"] and "inkling2.unpack_row_layout" in row["called"]
+    assert row["failing_case"]["batch"].get("eos_is_pad") and row["failing_case"]["batch"]["format"] == "thd"
+
+
+@pytest.mark.slow
+def test_gate_suite_fails_on_an_index_map_that_lies(tmp_path):
+    """A sharder that cuts load-balanced but reports the contiguous index map fails the layout property."""
+    proc = _run(["-m", "pytest", "--pyargs", "cp_harness.tests", "--cp-impl", "broken_gate_index_map",
+                 "-k", "test_sharded_layout_matches_oracle", "-x", "-q", "-p", "no:cacheprovider",
+                 "--cp-world-sizes", "2,3", "--hypothesis-profile", "dev"], tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "against implementation 'broken_gate_index_map'" in out
+    assert re.search(r"FAIL (labels|padding_mask|position_ids)", out), out
 
 
 @pytest.mark.slow

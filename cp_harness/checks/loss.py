@@ -59,13 +59,16 @@ def per_position_ce(logits: torch.Tensor, labels: torch.Tensor, counted: torch.T
 
 
 def compare_rank_losses(report: CaseReport, outputs: list, per_position: torch.Tensor, count: int, budget,
-                        ulp_dtype: str) -> None:
+                        ulp_dtype: str, index_maps: list | None = None) -> None:
     """Each rank's loss must be its own sum x N / global count (SPEC), not only their mean: a rank
-    returning the global mean everywhere has the right mean and the wrong per-rank gradient scale."""
+    returning the global mean everywhere has the right mean and the wrong per-rank gradient scale.
+    ``per_position [B, S_pad]`` in global order; ``index_maps``: each rank's global positions (default contiguous)."""
     n = len(outputs)
     L = per_position.shape[1] // n
     for o in outputs:
-        local_sum = per_position[:, o.rank * L:(o.rank + 1) * L].sum()
+        owned = (torch.as_tensor(index_maps[o.rank]) if index_maps is not None
+                 else torch.arange(o.rank * L, (o.rank + 1) * L))
+        local_sum = per_position.index_select(1, owned).sum()
         expected = local_sum * n / count if count > 0 else torch.zeros((), dtype=torch.float64)
         report.add(compare(f"loss@rank{o.rank} (local sum x N / global count)", o.tensors["loss"], expected.numpy(),
                            mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction, ulp_dtype=ulp_dtype))

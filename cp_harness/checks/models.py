@@ -6,7 +6,9 @@ its local input-embedding gradients and its full parameter gradients. The test
 process rebuilds the batch and the parameters, runs the float64 oracle and
 compares:
 
-- logits (gathered back to global order) and the loss (mean over ranks);
+- the layout the ranks' sharder reported (``checks.judge_token_layout``);
+  token-aligned results are put back in global order by its index map;
+- logits (in global order) and the loss (mean over ranks);
 - input-embedding gradients (gathered, averaged over ranks) and every
   parameter gradient (averaged over CP ranks, as FSDP does);
 - logits and input-embedding gradients at padding slots exactly zero.
@@ -23,12 +25,13 @@ import numpy as np
 import torch
 
 from cp_harness.budgets import budget_for
-from cp_harness.cases import IGNORE_INDEX, build_batch, dtype_of, padded_length
-from cp_harness.checks import CaseReport, register, stack_ranks
+from cp_harness.cases import IGNORE_INDEX, build_batch, dtype_of
+from cp_harness.checks import CaseReport, judge_token_layout, register
 from cp_harness.checks.layout import pad_sequence
 from cp_harness.checks.loss import compare_rank_losses, per_position_ce
-from cp_harness.compare import TokenGrid, compare
+from cp_harness.compare import compare
 from cp_harness import cp_models
+from cp_harness.sharding import layout_report
 from oracle import models as oracle_models
 from oracle.layout import layout_from_batch
 
@@ -62,13 +65,16 @@ def cp_forward(case: dict, ctx, config, params: dict, batch: dict, mesh) -> cp_m
 
 def _rank(case: dict, ctx) -> tuple[dict, dict]:
     config, params, batch, mesh = rank_inputs(case, ctx)
+    seq_len = batch["input_ids"].shape[1]
     out = cp_forward(case, ctx, config, params, batch, mesh)
     out.loss.backward()
+    info, layout_tensors = layout_report(out.sharder, mesh, out.local_len, seq_len, ctx.device)
     tensors = {"logits": out.logits, "loss": out.loss.reshape(()),
-               "inputs_embeds.grad": _grad_or_zeros(out.inputs_embeds)}
+               "inputs_embeds.grad": _grad_or_zeros(out.inputs_embeds), **layout_tensors}
     for name, p in params.items():
         tensors[f"grad.{name}"] = _grad_or_zeros(p)
-    return {"local_len": out.local_len, "cp_rank": out.cp_rank, "cp_size": out.cp_size}, tensors
+    info.update({"local_len": out.local_len, "cp_rank": out.cp_rank, "cp_size": out.cp_size})
+    return info, tensors
 
 
 def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
@@ -113,13 +119,13 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     budget = budget_for("model", case)
     ulp_dtype = case.get("dtype", "float64")
     B, S = layout.keep.shape
-    S_pad = padded_length(S, n)
-    L = S_pad // n
-    grid = TokenGrid(L, n)
+    reported = judge_token_layout(report, outputs, S, local_name="logits")
+    if reported is None:
+        return report
+    S_pad, grid = reported.padded_len, reported.grid
     keep = layout.keep.numpy()
 
-    logits = stack_ranks(outputs, "logits")
-    report.require(logits.shape[1] == S_pad, f"logits cover {logits.shape[1]} positions, expected {S_pad} (N x local length)")
+    logits = reported.scatter(outputs, "logits")
     report.add(compare("logits", logits[:, :S], out.logits.detach().numpy(), mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
                        grid=grid, ulp_dtype=ulp_dtype))
     pad_mask = np.ones(logits.shape[:2], dtype=bool)
@@ -141,13 +147,13 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
         counted[:, :-1] = (keep_pad[:, :-1] & keep_pad[:, 1:] & (labels[:, 1:] != IGNORE_INDEX)
                            & (docs[:, :-1] == docs[:, 1:]))
         per_position = per_position_ce(logits_pad, labels, counted, shifted=True)
-    compare_rank_losses(report, outputs, per_position, int(out.count), budget, ulp_dtype)
+    compare_rank_losses(report, outputs, per_position, int(out.count), budget, ulp_dtype, reported.index_maps)
 
     loss = np.array(sum(float(o.tensors["loss"]) for o in outputs) / n)
     report.add(compare("loss (mean over ranks)", loss, out.loss.detach().numpy(), mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
                        ulp_dtype=ulp_dtype))
 
-    emb = stack_ranks(outputs, "inputs_embeds.grad") / n
+    emb = reported.scatter(outputs, "inputs_embeds.grad") / n
     report.add(compare("input-embedding gradient", emb[:, :S], out.inputs_embeds.grad.numpy(), mode="ulp",
                        budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction, grid=grid, ulp_dtype=ulp_dtype))
     if pad_mask.any():
@@ -166,4 +172,5 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
 
 
 register("model", rank=_rank, evaluate=_evaluate,
-         functions=("inkling2.*", "mistral_large4.*", "sharder.shard_token_tensor"))
+         functions=("inkling2.*", "mistral_large4.*", "sharder.shard", "sharder.shard_token_tensor",
+                    "sharder.local_token_global_indices"))

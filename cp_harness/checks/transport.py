@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 
 from cp_harness.cases import build_batch, dtype_of, random_tensor
-from cp_harness.checks import CaseReport, register, stack_ranks
+from cp_harness.checks import CaseReport, judge_token_layout, register, stack_ranks
 from cp_harness.compare import TokenGrid, compare
+from cp_harness.sharding import hook_sharder, layout_report
 
 _INT_DTYPES = {"int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 
@@ -130,46 +131,56 @@ register("convolution_history", rank=_history_rank, evaluate=_history_evaluate,
 
 
 def _sharder_rank(case: dict, ctx) -> tuple[dict, dict]:
-    """Shard any token tensor with the sharder of a prepared batch, then gather it back."""
+    """Shard any token tensor with the sharder of a prepared batch, then gather it back (trimmed and padded)."""
     B, S, C = case["shape"]
     spec = {"format": "bshd", "seq_len": S, "rows": [[0, S]] * B}
     batch = build_batch({"seed": case["seed"], "batch": spec, "model": "inkling2"})
-    sharder = ctx.impl.inkling2.prepare_cp_inputs(batch)["cp_sharder"].bind(ctx.mesh_for(case))
+    mesh = ctx.mesh_for(case)
+    sharder = hook_sharder(ctx.impl.inkling2.prepare_cp_inputs(batch), mesh)
     sharder.shard(batch)
     value = global_value(case, [B, S, C], 1)[:, :S].clone().to(ctx.device).requires_grad_(True)
-    local = sharder.shard_token_tensor(value)
+    local = sharder.shard_token_tensor(value, fill=0)
     local.retain_grad()
-    restored = sharder.gather_token_tensor(local)
+    restored = sharder.gather_token_tensor(local, trim=True)
     restored.backward(upstream_gradient(case, ctx.rank, restored.shape).to(ctx.device))
-    return {}, {"local": local, "restored": restored, "local_grad": local.grad, "global_grad": value.grad}
+    untrimmed = sharder.gather_token_tensor(local.detach())
+    info, layout_tensors = layout_report(sharder, mesh, local.shape[1], S, ctx.device)
+    return info, {"local": local, "restored": restored, "untrimmed": untrimmed, "local_grad": local.grad,
+                  "global_grad": value.grad, **layout_tensors}
 
 
 def _sharder_evaluate(case: dict, outputs: list) -> CaseReport:
     report = CaseReport(case=case)
     n = int(case["world_size"])
     B, S, C = case["shape"]
-    S_pad = -(-S // n) * n
-    L = S_pad // n
+    reported = judge_token_layout(report, outputs, S, local_name="local")
+    if reported is None:
+        return report
+    S_pad, grid = reported.padded_len, reported.grid
     value = global_value(case, [B, S, C], 1)[:, :S]
     padded = torch.zeros(B, S_pad, C, dtype=value.dtype)
     padded[:, :S] = value
     total = sum(upstream_gradient(case, r, (B, S, C)) for r in range(n))
     total_padded = torch.zeros(B, S_pad, C, dtype=value.dtype)
     total_padded[:, :S] = total
-    for o in outputs:
+    for o, owned in zip(outputs, reported.index_maps):
         r = o.rank
-        report.add(compare(f"shard_token_tensor@rank{r}", o.tensors["local"], padded[:, r * L:(r + 1) * L].numpy(), mode="exact"))
-        report.add(compare(f"gather_token_tensor@rank{r}", o.tensors["restored"], value.numpy(), mode="exact",
-                           grid=TokenGrid(L, n)))
+        owned = torch.as_tensor(owned)
+        report.add(compare(f"shard_token_tensor@rank{r}", o.tensors["local"], padded.index_select(1, owned).numpy(),
+                           mode="exact"))
+        report.add(compare(f"gather_token_tensor(trim=True)@rank{r}", o.tensors["restored"], value.numpy(), mode="exact",
+                           grid=grid))
+        report.add(compare(f"gather_token_tensor(trim=False)@rank{r}", o.tensors["untrimmed"], padded.numpy(),
+                           mode="exact", grid=grid))
         report.add(compare(f"grad of the local shard@rank{r}", o.tensors["local_grad"],
-                           total_padded[:, r * L:(r + 1) * L].numpy(), mode="exact"))
-        # Through shard_token_tensor each rank's global input receives its own slice's gradient only.
+                           total_padded.index_select(1, owned).numpy(), mode="exact"))
+        # Through shard_token_tensor each rank's global input receives its own tokens' gradient only.
         own = torch.zeros(B, S_pad, C, dtype=value.dtype)
-        own[:, r * L:(r + 1) * L] = total_padded[:, r * L:(r + 1) * L]
+        own[:, owned] = total_padded[:, owned]
         report.add(compare(f"grad of the global input@rank{r}", o.tensors["global_grad"], own[:, :S].numpy(),
-                           mode="exact", grid=TokenGrid(L, n)))
+                           mode="exact", grid=grid))
     return report
 
 
 register("sharder_roundtrip", rank=_sharder_rank, evaluate=_sharder_evaluate,
-         functions=("sharder.shard_token_tensor", "sharder.gather_token_tensor"))
+         functions=("sharder.shard_token_tensor", "sharder.gather_token_tensor", "sharder.local_token_global_indices"))

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from cp_harness.cases import FILLER, IGNORE_INDEX
 from cp_harness.malformed import input_changes, snapshot_inputs
 from cp_harness.profiles import examples
+from cp_harness.sharding import hook_sharder, local_token_indices
 from oracle.layout import layout_from_attention_mask, layout_from_batch
 
 CALL_LIMIT_S = 10
@@ -308,8 +309,14 @@ def test_prepare_hooks_fuzz(cp_impl, data):
     if not run_hook(lambda: module.prepare_cp_inputs(batch, num_chunks=num_chunks), batch, layout, problems,
                     packed=packed):
         return
-    # One rank: the local batch is the global one (no divisibility padding).
-    _, local = module.prepare_cp_inputs(batch, num_chunks=num_chunks)["cp_sharder"].bind(None).shard(batch)
+    # One rank: the local batch, put at the global positions the sharder reports, is the global one (whatever
+    # the layout's divisibility padding).
+    sharder = hook_sharder(module.prepare_cp_inputs(batch, num_chunks=num_chunks), None)
+    _, local = sharder.shard(batch)
+    S = batch["input_ids"].shape[1]
+    indices = local_token_indices(sharder, None, local["padding_mask"].shape[1])
+    order = torch.argsort(indices)[:S]
+    local = {k: local[k].index_select(1, order) for k in ("padding_mask", "position_ids", "labels") if k in local}
     keep = layout.keep
     assert torch.equal(local["padding_mask"], ~keep)
     assert torch.equal(local["position_ids"][keep], batch["position_ids"][keep])

@@ -12,18 +12,18 @@ from hypothesis import strategies as st
 
 from cp_harness import strategies
 from cp_harness.budgets import budget_for
-from cp_harness.cases import canonical, padded_length, with_changes
-from cp_harness.checks import stack_ranks
-from cp_harness.compare import TokenGrid, compare
+from cp_harness.cases import canonical, with_changes
+from cp_harness.checks import reported_layout
+from cp_harness.compare import compare
 from cp_harness.profiles import examples
 from oracle.layout import layout_from_batch
 from cp_harness.cases import build_batch
 
 
-def _real_mask(case, local_len, n):
+def _real_mask(case, padded_len):
     keep = layout_from_batch(build_batch(case)).keep.numpy()
     S = keep.shape[1]
-    mask = np.zeros((keep.shape[0], local_len * n), dtype=bool)
+    mask = np.zeros((keep.shape[0], padded_len), dtype=bool)
     mask[:, :S] = keep
     return mask
 
@@ -41,15 +41,15 @@ def test_padding_contents_never_change_real_results(cp_runner, case, padding_see
     base = with_changes(case, batch=dict(case["batch"], given_positions=True))
     noisy = with_changes(case, batch=dict(case["batch"], given_positions=True, padding_seed=padding_seed))
     a, b = _outputs_or_fail(cp_runner, base), _outputs_or_fail(cp_runner, noisy)
-    n = int(case["world_size"])
-    local_len = a[0].info["local_len"]
-    real = _real_mask(base, local_len, n)
-    grid = TokenGrid(local_len, n)
+    S = build_batch(case)["input_ids"].shape[1]
+    layout = reported_layout(a, S)  # both runs have the same layout: the sharder sees the same shapes
+    real = _real_mask(base, layout.padded_len)
+    grid = layout.grid
     results = [
-        compare("logits (real tokens)", stack_ranks(b, "logits"), stack_ranks(a, "logits"), mode="exact", mask=real, grid=grid)
-        if real.any() else None,
-        compare("input-embedding gradient", stack_ranks(b, "inputs_embeds.grad"), stack_ranks(a, "inputs_embeds.grad"),
-                mode="exact", grid=grid),
+        compare("logits (real tokens)", layout.scatter(b, "logits"), layout.scatter(a, "logits"), mode="exact", mask=real,
+                grid=grid) if real.any() else None,
+        compare("input-embedding gradient", layout.scatter(b, "inputs_embeds.grad"),
+                layout.scatter(a, "inputs_embeds.grad"), mode="exact", grid=grid),
     ]
     for o_a, o_b in zip(a, b):
         results.append(compare(f"loss@rank{o_a.rank}", o_b.tensors["loss"], o_a.tensors["loss"], mode="exact"))
@@ -70,13 +70,13 @@ def test_results_do_not_depend_on_cp_size(cp_runner, case):
     n = int(case["world_size"])
     budget = budget_for("model", case)
     S = build_batch(case)["input_ids"].shape[1]
-    assert padded_length(S, 1) == S
+    many, one_rank = reported_layout(multi, S), reported_layout(single, S)  # any padding, any index map
     kw = dict(mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction)
     results = [
-        compare("logits", stack_ranks(multi, "logits")[:, :S], stack_ranks(single, "logits"), **kw),
+        compare("logits", many.scatter(multi, "logits")[:, :S], one_rank.scatter(single, "logits")[:, :S], **kw),
         compare("loss", np.array(sum(float(o.tensors["loss"]) for o in multi) / n), single[0].tensors["loss"], **kw),
-        compare("input-embedding gradient", stack_ranks(multi, "inputs_embeds.grad")[:, :S] / n,
-                stack_ranks(single, "inputs_embeds.grad"), **kw),
+        compare("input-embedding gradient", many.scatter(multi, "inputs_embeds.grad")[:, :S] / n,
+                one_rank.scatter(single, "inputs_embeds.grad")[:, :S], **kw),
     ]
     for name in single[0].tensors:
         if name.startswith("grad."):

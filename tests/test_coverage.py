@@ -1,0 +1,47 @@
+"""Coverage claims are true: a row that says it covers a documented function must call it.
+
+- ``cp_harness.coverage`` records calls through an implementation's documented
+  functions and a sharder's verbs, and not the implementation's internal calls;
+- a verify row whose cases never call a function it claims fails, naming it.
+"""
+
+from __future__ import annotations
+
+import io
+
+from cp_harness import coverage, strategies
+from cp_harness.impl import load_impl
+from cp_harness.verify import Progress, Row, _run_row
+
+
+def test_instrumented_calls_are_recorded_and_internal_ones_are_not():
+    import torch
+
+    impl = coverage.instrument(load_impl("cp_impl"))
+    batch = {"input_ids": torch.ones(1, 4, dtype=torch.long), "seq_lens": torch.tensor([[2, 1]]),
+             "seq_lens_padded": torch.tensor([[2, 2]])}
+    with coverage.recording() as called:
+        returned = impl.inkling2.prepare_cp_inputs(batch)  # normalises the pack with internal code
+    assert called == {"inkling2.prepare_cp_inputs"}
+    sharder = coverage.RecordingSharder(returned["cp_sharder"])
+    with coverage.recording() as called:
+        sharder.shard(batch)
+        sharder.shard_token_tensor(torch.zeros(1, 4), fill=0)
+        assert sharder.shard_layout.padded_seq_len == 4  # everything else is the sharder's own
+    assert called == {"sharder.shard", "sharder.shard_token_tensor"}
+    coverage.note("outside")  # no recording active: nothing to record into, nothing raised
+
+
+def test_claims_with_wildcards():
+    assert coverage.covered(["inkling2.*", "sharder.shard"], {"inkling2.gather_sequence"}) == ["sharder.shard"]
+    assert coverage.covered(["mistral_large4.*"], {"inkling2.gather_sequence"}) == ["mistral_large4.*"]
+
+
+def test_a_row_that_never_calls_a_claimed_function_fails(cp_runner, tmp_path):
+    row = Row("gathers claiming unpack_row_layout",
+              lambda sizes: strategies.gather_cases(sizes).filter(lambda c: c["check"] == "gather_sequence"),
+              ("inkling2.gather_sequence", "inkling2.unpack_row_layout"))
+    _run_row(row, cp_runner, (1, 2), 3, 0, Progress(3, stream=io.StringIO()), "gloo", str(tmp_path), 3.0)
+    assert row.passed == row.examples == 3  # every case passed its comparisons ...
+    assert not row.ok and "inkling2.unpack_row_layout" in row.failure  # ... and the false claim fails the row
+    assert "inkling2.gather_sequence" in row.called and "inkling2.unpack_row_layout" not in row.called
