@@ -9,10 +9,10 @@ examples run, passed, the largest error in ULPs (``exact`` for data movement,
 which must match bit for bit), and the bytes moved over the wire compared
 with the analytic minimum (``cp_harness.comm_minimum``; ``-`` where there is
 no closed form, e.g. whole models; ``unaccounted`` where the meter saw
-communication it could not attribute, so no ratio is given). ``--json PATH`` writes the same report as
-JSON (see ``report_dict``). Exit status: 0 when every row passed, 1 on any
-failure, 2 when the run could not start (bad arguments, no GPUs, an
-implementation that does not import).
+communication it could not attribute, so no ratio is given). ``--json PATH``
+writes the same report as JSON (see ``report_dict``). Exit status: 0 when
+every row passed, 1 on any failure, 2 when the run could not start (bad
+arguments, no GPUs, an implementation that does not import).
 """
 
 from __future__ import annotations
