@@ -18,7 +18,7 @@ One run measures, on this machine and under the same load:
   function (``convolution_history`` over widths, CP sizes and local lengths,
   both gathers in both float dtypes, differentiable and not, plus integer and
   bool payloads, ``shifted_cp_loss``), the bytes each rank sent and received
-  (counted by the wrapped ``torch.distributed`` calls, ``cp_harness.comm``)
+  (counted at the dispatcher by ``cp_harness.comm``)
   against the analytic minimum of that call (``cp_harness.comm_minimum``),
   payload and validation control messages apart.
 - **memory**: per-rank peak tensor memory and saved-activation bytes of the

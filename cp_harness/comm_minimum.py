@@ -20,6 +20,13 @@ rank's first collective of the call, which is how the bundled implementation
 makes mismatched shapes raise on every rank. They are what makes the call
 safe, and their size does not grow with the data.
 
+Traffic the meter could not attribute (``unaccounted`` calls, see
+``cp_harness.comm``: an op it has no byte rule for, or a group it cannot
+size) has no byte count, so no ratio is made from a report holding any:
+``moved_and_minimum`` returns ``None`` for what moved, ``moved`` and
+``per_rank_moved`` raise ``UnaccountedCommunication``, and
+``unaccounted_ops`` names the ops.
+
 ``per_rank_minimum`` gives the same minimum per rank, sent and received
 apart (``minimum`` is the sum of its ``sent`` column); ``per_rank_moved``
 reads what each rank of a report sent and received, payload and control
@@ -36,6 +43,21 @@ CONTROL_MAX_ELEMENTS = 32
 _ITEMSIZE = {"float64": 8, "float32": 4, "int64": 8, "bool": 1, "int32": 4}
 
 
+class UnaccountedCommunication(ValueError):
+    """A report holds communication the meter could not attribute: its bytes are unknown, not zero."""
+
+
+def unaccounted_ops(report) -> list[str]:
+    """Sorted names of the ops any rank of a report recorded as unaccounted (empty when all were attributed)."""
+    return sorted({call["op"] for entry in report.comm for call in entry["calls"] if call.get("unaccounted")})
+
+
+def _require_accounted(report) -> None:
+    ops = unaccounted_ops(report)
+    if ops:
+        raise UnaccountedCommunication(f"communication the meter could not attribute: {', '.join(ops)}")
+
+
 def is_control(call: dict, index: int) -> bool:
     """Whether the ``index``-th collective of a rank's call is a validation control message."""
     return (index == 0 and call["op"] == "all_gather" and call["dtype"] in ("int64", "int32")
@@ -43,7 +65,9 @@ def is_control(call: dict, index: int) -> bool:
 
 
 def moved(report) -> tuple[int, int]:
-    """``(payload bytes sent, control bytes sent)`` summed over the ranks of a report."""
+    """``(payload bytes sent, control bytes sent)`` summed over the ranks of a report (``UnaccountedCommunication``
+    when some of it was not attributed)."""
+    _require_accounted(report)
     payload = control = 0
     for entry in report.comm:
         for index, call in enumerate(entry["calls"]):
@@ -101,7 +125,9 @@ def per_rank_minimum(case: dict) -> list[tuple[int, int]] | None:
 
 
 def per_rank_moved(report) -> list[dict[str, int]]:
-    """Per rank of a report: ``{"rank", "sent", "recv", "control_sent", "control_recv", "calls"}`` (payload apart from control)."""
+    """Per rank of a report: ``{"rank", "sent", "recv", "control_sent", "control_recv", "calls"}`` (payload apart
+    from control; ``UnaccountedCommunication`` when some of it was not attributed)."""
+    _require_accounted(report)
     out = []
     for entry in report.comm:
         row = {"rank": int(entry["rank"]), "sent": 0, "recv": 0, "control_sent": 0, "control_recv": 0,
@@ -114,9 +140,15 @@ def per_rank_moved(report) -> list[dict[str, int]]:
     return out
 
 
-def moved_and_minimum(case: dict, report) -> tuple[int, int]:
-    """``(payload moved, minimum)`` for the verify table; models contribute to neither (no closed form)."""
+def moved_and_minimum(case: dict, report) -> tuple[int | None, int]:
+    """``(payload moved, minimum)`` for the verify table; models contribute to neither (no closed form).
+
+    Payload moved is ``None`` when the report holds unaccounted communication (``unaccounted_ops``):
+    its bytes are unknown, and a ratio made from the rest would be wrong.
+    """
     need = minimum(case)
+    if unaccounted_ops(report):
+        return None, need or 0
     if need is None:
         return 0, 0
     payload, _ = moved(report)

@@ -8,10 +8,11 @@ written and its reproduction command printed. The table lists, per row:
 examples run, passed, the largest error in ULPs (``exact`` for data movement,
 which must match bit for bit), and the bytes moved over the wire compared
 with the analytic minimum (``cp_harness.comm_minimum``; ``-`` where there is
-no closed form, e.g. whole models). ``--json PATH`` writes the same report as
-JSON (see ``report_dict``). Exit status: 0 when every row passed, 1 on any
-failure, 2 when the run could not start (bad arguments, no GPUs, an
-implementation that does not import).
+no closed form, e.g. whole models; ``unaccounted`` where the meter saw
+communication it could not attribute, so no ratio is given). ``--json PATH``
+writes the same report as JSON (see ``report_dict``). Exit status: 0 when
+every row passed, 1 on any failure, 2 when the run could not start (bad
+arguments, no GPUs, an implementation that does not import).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Row:
     arithmetic: bool = False  # some comparison was in ULPs (else: data movement, compared bit for bit)
     moved_bytes: int = 0
     minimum_bytes: int = 0
+    unaccounted_ops: list[str] = dataclasses.field(default_factory=list)  # ops whose bytes the meter could not tell
     failure: str | None = None
     failing_case: dict | None = None
     reproduce: str | None = None
@@ -60,6 +62,8 @@ class Row:
 
     @property
     def comm_ratio(self) -> float | None:
+        if self.unaccounted_ops:  # bytes of some traffic unknown: no ratio rather than a wrong one
+            return None
         return self.moved_bytes / self.minimum_bytes if self.minimum_bytes else None
 
     @property
@@ -193,7 +197,10 @@ def _run_row(row: Row, runner: CaseRunner, sizes, examples: int, seed: int, prog
             row.examples += 1
             progress.step(row.name if not shrink_started else f"{row.name}: shrinking a failure")
             moved, minimum = comm_minimum.moved_and_minimum(case, report)
-            row.moved_bytes += moved
+            if moved is None:
+                row.unaccounted_ops = sorted(set(row.unaccounted_ops) | set(comm_minimum.unaccounted_ops(report)))
+            else:
+                row.moved_bytes += moved
             row.minimum_bytes += minimum
             row.arithmetic = row.arithmetic or any(c.mode == "ulp" for c in report.comparisons)
             if report.max_ulp == report.max_ulp:  # not NaN
@@ -274,7 +281,7 @@ def format_table(rows: list[Row]) -> str:
     lines = [header, "-" * len(header)]
     for row in rows:
         ratio = row.comm_ratio
-        ratio_text = "-" if ratio is None else f"{ratio:.2f}"
+        ratio_text = "unaccounted" if row.unaccounted_ops else "-" if ratio is None else f"{ratio:.2f}"
         lines.append(f"{row.name:<{width}} {row.examples:>8} {row.passed:>7} {row.ulp_text():>9} {ratio_text:>15}"
                      + ("   FAILED" if not row.ok else ""))
     return "\n".join(lines)
@@ -310,7 +317,10 @@ def report_dict(*, impl: str, backend: str, world_sizes, seed: int, examples: in
                     "passed": "cases that passed",
                     "max_ulp": "largest error of any arithmetic comparison, in ULPs of the compared dtype",
                     "comparison": "exact (data movement, bit for bit) or ulp (arithmetic within cp_harness.budgets)",
-                    "comm_ratio": "payload bytes sent / analytic minimum (cp_harness.comm_minimum); null: no closed form"},
+                    "comm_ratio": "payload bytes sent / analytic minimum (cp_harness.comm_minimum); null: no closed "
+                                  "form, or unaccounted_ops is not empty",
+                    "unaccounted_ops": "communication ops the meter could not attribute (no byte rule, or a group "
+                                       "it could not size); the table then says 'unaccounted' instead of a ratio"},
         "table": format_table(rows),
         "failed_rows": [r.name for r in failed],
         "rows": [r.as_dict() for r in rows],
@@ -382,6 +392,10 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
         print(condensed_failure(row.failing_report) if row.failing_report is not None else row.failure, file=stream)
         for path in row.error_maps:
             print(f"  error map: {path}", file=stream)
+    unattributed = [f"{r.name} ({', '.join(r.unaccounted_ops)})" for r in rows if r.unaccounted_ops]
+    if unattributed:
+        print(f"communication the meter could not attribute in: {'; '.join(unattributed)} (no ratio given)",
+              file=stream)
     below = [r.name for r in rows if r.comm_ratio is not None and r.comm_ratio < 1.0]
     if below:
         print(f"communication below the minimum in: {', '.join(below)} (data the contract needs never moved)",

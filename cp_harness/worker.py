@@ -68,11 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         group = dist.group.WORLD if n == world_size else dist.new_group(list(range(n)), timeout=timeout)
         if rank < n:
             meshes[n] = DeviceMesh.from_group(group, device.type, mesh_dim_names=("cp",))
-    comm.install()
+    from cp_harness.checks import load_checks
     from cp_harness.impl import case_impl, impl_names, load_impl
 
     # Every one imports, or the rank stops here; calls through the documented API are recorded per case.
     impls = {name: coverage.instrument(load_impl(name)) for name in impl_names(args.impl)}
+    load_checks()
+    # After the implementations and the checks are imported: operators they define are hooked too.
+    comm.install()
 
     host, port = args.connect.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=args.collective_timeout)
