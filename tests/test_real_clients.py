@@ -36,7 +36,7 @@ def _framework_importable() -> bool:
 
 needs_framework = pytest.mark.skipif(
     not _framework_importable(),
-    reason="nemo-automodel is not installed (scripts/real_clients installs the pinned version with --no-deps)")
+    reason="nemo-automodel does not import here (scripts/real_clients installs the pinned version with --no-deps)")
 
 
 # ---------------------------------------------------------------- judging a run (no framework needed)
