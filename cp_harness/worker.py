@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             name = case_impl(case, args.impl)
             if name not in impls:  # a case naming another module (run-case): loaded on first use
                 impls[name] = coverage.instrument(load_impl(name))
+                comm.install()  # hooks operators the new module defined
             context = RankContext(rank=rank, cp_size=cp_size, mesh=meshes[cp_size], device=device,
                                   backend=args.backend, impl=impls[name])
             with comm.recording() as calls, coverage.recording() as called:

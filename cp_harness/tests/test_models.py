@@ -18,6 +18,11 @@ from cp_harness.profiles import examples
 @example(case={"check": "model", "world_size": 2, "seed": 12, "model": "mistral_large4", "dtype": "float64",
                "num_chunks": 1, "shard_primary": False,
                "batch": {"format": "bshd", "seq_len": 9, "rows": [[4, 5], [0, 0]], "eos_is_pad": True}})
+# gather_tokens' upstream gradient arrives transposed (the tokens-first view of BSHD keys): a gather whose backward
+# mishandles that layout fails here (nemo-automodel 0.7.0's DeepSeek V4.1 gather on gloo: docs/real_clients.md, D1)
+@example(case={"check": "model", "world_size": 2, "seed": 0, "model": "mistral_large4", "dtype": "float64",
+               "num_chunks": 2, "shard_primary": False,
+               "batch": {"format": "thd", "seq_len": 3, "docs": [[[1, 1]], [[3, 3]]]}})
 def test_models_match_oracle_float64(cp_runner, case):
     cp_runner.check(case)
 

@@ -1,0 +1,1 @@
+"""Examples of gating implementations that this project did not write (see ``automodel/``)."""

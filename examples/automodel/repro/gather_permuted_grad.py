@@ -1,0 +1,124 @@
+"""Repro: nemo-automodel 0.7.0 sequence gathers return wrong gradients on gloo for a transposed upstream gradient.
+
+Runs without the harness on two gloo ranks (self-spawning, or ``torchrun --nproc-per-node 2 gather_permuted_grad.py``).
+Exit status 1 when the defect shows, 0 when every rank's gradient is right (``--fixed``).
+
+Each rank holds ``x`` ``[batch=2, local=2]`` and gathers it to ``y`` ``[2, 4]`` along the sequence (dim 1).
+The consumer uses ``y.t()`` (as a model does that moves tokens first or transposes for attention), so the
+gradient reaching the gather is a transposed, non-contiguous ``[2, 4]`` view. The right gradient of ``x``
+on rank ``r`` is the sum over ranks of their upstream gradient's columns ``[2r, 2r+2)``.
+
+Cause: the framework functions gather with ``torch.distributed.nn.functional.all_gather``. On backends other
+than NCCL/XCCL its backward emulates the reduce-scatter with one ``dist.scatter`` per rank into receive buffers
+made by ``torch.empty_like(grad)``, which keep the gradient's transposed strides, and gloo's scatter writes its
+bytes into them as if they were contiguous: the received slices come back transposed.
+
+``--fixed`` routes the same calls through ``FixedGather`` below (all-gather forward; backward reduce-scatters
+contiguous gradient slices into a contiguous buffer), the change proposed upstream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+FUNCTIONS = {  # name -> (module, function, how it is called with (tensor, group))
+    "deepseek_v41": "nemo_automodel.components.models.deepseek_v41.cp:gather_sequence",
+    "deepseek_v4": "nemo_automodel.components.models.deepseek_v4.cp:dsv4_cp_all_gather",
+    "glm_moe_dsa": "nemo_automodel.components.models.glm_moe_dsa.cp:glm_dsa_cp_all_gather",
+    "qwen3_8_flash_next": "nemo_automodel.components.models.qwen3_8_flash_next.cp:qwen3_8_flash_next_cp_all_gather",
+}
+
+
+class FixedGather(torch.autograd.Function):
+    """``[B, L, ...]`` -> ``[B, N*L, ...]`` along ``dim``; backward: reduce-scatter of contiguous slices."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        parts = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pieces = [p.contiguous() for p in grad.chunk(dist.get_world_size(ctx.group), dim=ctx.dim)]
+        mine = torch.empty(pieces[0].shape, dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter(mine, pieces, group=ctx.group)
+        return mine, None, None
+
+
+def framework_gather(name: str):
+    """``gather(tensor [B, L, ...], group) -> [B, N*L, ...]`` through the named framework function."""
+    module, function = FUNCTIONS[name].split(":")
+    fn = getattr(__import__(module, fromlist=[function]), function)
+    if name == "deepseek_v41":
+        return lambda t, g: fn(t, g)
+    if name == "qwen3_8_flash_next":  # the framework passes its CP context; only group and size are read here
+        from types import SimpleNamespace
+        return lambda t, g: fn(t, SimpleNamespace(group=g, size=dist.get_world_size(g)), sequence_dim=1)
+    return lambda t, g: fn(t, dim=1, cp_group=g)
+
+
+def check(rank: int, world: int, gather) -> bool:
+    """One gather and backward; ``True`` when this rank's gradient is right (bit for bit)."""
+    group = dist.group.WORLD
+    x = torch.arange(4, dtype=torch.float64).view(2, 2).add(10 * rank).requires_grad_(True)   # [B=2, L=2]
+    y = gather(x, group)                                                                     # [2, 2*world]
+    upstream = [torch.arange(2 * 2 * world, dtype=torch.float64).view(2 * world, 2).add(100 * r) for r in range(world)]
+    (y.t() * upstream[rank]).sum().backward()          # d/dy = upstream[rank].t(): transposed, non-contiguous
+    want = sum(u.t()[:, 2 * rank:2 * rank + 2] for u in upstream)
+    ok = torch.equal(x.grad, want)
+    print(f"rank {rank}: grad {x.grad.tolist()}, expected {want.tolist()}: {'ok' if ok else 'WRONG'}", flush=True)
+    return ok
+
+
+def main(rank: int, world: int, args) -> int:
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        names = list(FUNCTIONS) if args.function == "all" else [args.function]
+        bad = []
+        for name in names:
+            gather = (lambda t, g: FixedGather.apply(t, g, 1)) if args.fixed else framework_gather(name)
+            if rank == 0:
+                print(f"-- {'FixedGather' if args.fixed else FUNCTIONS[name]}", flush=True)
+            ok = torch.tensor([int(check(rank, world, gather))])
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            if not ok.item():
+                bad.append(name)
+        if rank == 0:
+            print(f"defect shows in: {', '.join(bad)}" if bad else "every gradient is right", flush=True)
+        return 1 if bad else 0
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.exit(main(rank, world, args))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--fixed", action="store_true", help="use the proposed fix instead of the framework's gather")
+    parser.add_argument("--function", default="deepseek_v41", choices=[*FUNCTIONS, "all"])
+    args = parser.parse_args()
+    if "RANK" in os.environ:  # under torchrun
+        sys.exit(main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args))
+    import socket
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    procs = [context.Process(target=_spawned, args=(r, 2, port, args)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    sys.exit(max((p.exitcode if p.exitcode is not None else 1) for p in procs))

@@ -1,0 +1,99 @@
+"""Repro: nemo-automodel 0.7.0 sequence gathers fail in backward on gloo for every CP group but ranks 0..N-1.
+
+Runs without the harness on four gloo processes laid out as two data-parallel replicas of a CP group of two
+ranks (``{0, 1}`` and ``{2, 3}``), self-spawning or ``torchrun --nproc-per-node 4 gather_subgroup.py``.
+Exit status 1 when the defect shows, 0 when every rank's gradient is right (``--fixed``).
+
+Cause: the framework functions gather with ``torch.distributed.nn.functional.all_gather``; on backends other
+than NCCL/XCCL its backward calls ``dist.scatter(..., src=i, group=group)`` for each *group* rank ``i``, but
+``src`` is a *global* rank: in the CP group ``{2, 3}`` the first call asks for global rank 0, which is not in
+the group, and the backward raises ``ValueError`` on the second replica (with other layouts it could pair
+with the wrong peer). ``--fixed`` uses the same ``FixedGather`` as ``gather_permuted_grad.py`` (a
+reduce-scatter on the group, no global ranks involved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+class FixedGather(torch.autograd.Function):
+    """``[B, L, ...]`` -> ``[B, N*L, ...]`` along ``dim``; backward: reduce-scatter of contiguous slices."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        parts = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pieces = [p.contiguous() for p in grad.chunk(dist.get_world_size(ctx.group), dim=ctx.dim)]
+        mine = torch.empty(pieces[0].shape, dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter(mine, pieces, group=ctx.group)
+        return mine, None, None
+
+
+def main(rank: int, world: int, fixed: bool) -> int:
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+        group, cp_rank = groups[rank // 2], rank % 2
+        if fixed:
+            gather = lambda t, g: FixedGather.apply(t, g, 1)  # noqa: E731
+        else:
+            from nemo_automodel.components.models.deepseek_v41.cp import gather_sequence as gather
+        x = torch.full((1, 2, 3), float(rank), dtype=torch.float64, requires_grad=True)  # [B, L, C]
+        y = gather(x, group)                                                               # [1, 4, 3]
+        try:
+            (y * (cp_rank + 1)).sum().backward()
+            ok = torch.equal(x.grad, torch.full_like(x, 3.0))  # upstream 1 from CP rank 0, 2 from CP rank 1
+            print(f"rank {rank} (CP group {rank // 2}, CP rank {cp_rank}): grad {x.grad.flatten().tolist()[:3]}..., "
+                  f"expected 3.0: {'ok' if ok else 'WRONG'}", flush=True)
+        except (ValueError, RuntimeError) as exc:
+            ok = False
+            print(f"rank {rank} (CP group {rank // 2}, CP rank {cp_rank}): backward raised {type(exc).__name__}: {exc}",
+                  flush=True)
+        # The ValueError is raised before any message moves, on both ranks of the group, so every rank gets
+        # here and the verdict can be agreed on (a rank left inside a collective would be killed by the launcher).
+        verdict = torch.tensor([int(ok)])
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
+        return 0 if verdict.item() else 1
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(rank: int, world: int, port: int, fixed: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.exit(main(rank, world, fixed))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--fixed", action="store_true", help="use the proposed fix instead of the framework's gather")
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        sys.exit(main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.fixed))
+    import socket
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    procs = [context.Process(target=_spawned, args=(r, 4, port, args.fixed)) for r in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    for p in procs:
+        if p.is_alive():  # a peer left waiting in a collective by a rank that raised
+            p.kill()
+            p.join()
+    sys.exit(max((p.exitcode if p.exitcode is not None else 1) for p in procs) and 1)
