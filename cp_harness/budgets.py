@@ -49,6 +49,11 @@ BUDGETS = {
     ("shifted_cp_loss", "float32"): Budget(256.0, 1.0),
     ("model", "float64"): Budget(16384.0, 1 / 1024),
     ("model", "float32"): Budget(128.0, 1.0),
+    # placeholders until measured
+    ("shifted_cp_loss", "bfloat16"): Budget(float("inf"), 1.0),
+    ("shifted_cp_loss", "float16"): Budget(float("inf"), 1.0),
+    ("model", "bfloat16"): Budget(float("inf"), 1.0),
+    ("model", "float16"): Budget(float("inf"), 1.0),
 }
 
 RELATIVE_CEILING_FLOAT64 = 1e-10
