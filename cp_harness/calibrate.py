@@ -32,7 +32,7 @@ from cp_harness.cases import canonical
 from cp_harness.pool import PoolConfig
 from cp_harness.runner import CaseRunner
 
-FLOORS = (0.5, 1.0, 2.0, 4.0)
+FLOORS = (0.5, 1.0, 2.0, 4.0, 8.0)
 MEASURES = {"elementwise": 1 / 1024, "f1/32": 1 / 32, "normwise": 1.0}
 
 

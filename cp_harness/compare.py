@@ -28,8 +28,8 @@ the *excess* verdict of ``cp_harness.excess``: the same tensor computed by
 the same implementation on one rank (the baseline) has its own error against
 the oracle, and CP may add at most ``c`` times that error plus a floor
 (``TensorComparison.baseline_ulp``, ``excess``, ``excess_limit``). The
-per-element errors (``ulp_values``) are kept for that judge and for the error
-map of an excess failure, which shows where CP added error over one device.
+per-element values and errors are kept for that judge and for the error map
+of an excess failure, which shows where CP added error over one device.
 
 A ``TensorComparison`` records how many elements were compared, how many
 exceed the budget, the largest error and where it is. When the tensor is
@@ -105,6 +105,7 @@ class TensorComparison:
     # The excess judge (cp_harness.excess): the one-rank baseline's largest error in the same measure,
     # the CP excess = max_ulp / (baseline_ulp + floor / limit), and the limit c it must not exceed.
     baseline_ulp: float | None = None
+    excess_error: float | None = None  # the CP error in the judge's (normwise) measure
     excess: float | None = None
     excess_limit: float | None = None
     excess_floor: float | None = None
@@ -132,9 +133,9 @@ class TensorComparison:
                       else "no ULP budget: judged by its excess over one rank")
             head += f"; largest error {self.max_ulp:.3g} {unit} ({budget}), {self.max_abs:.3g} absolute"
             if self.excess is not None:
-                head += (f"; one-rank baseline error {self.baseline_ulp:.3g} {unit}, CP excess {self.excess:.3g}"
-                         f" (limit {self.excess_limit:g}: CP error <= {self.excess_limit:g} x baseline error"
-                         f" + {self.excess_floor:g} ULP at the tensor's scale)")
+                head += (f"; normwise: CP error {self.excess_error:.3g} {unit}, one-rank error {self.baseline_ulp:.3g}, "
+                         f"CP excess {self.excess:.3g} (limit {self.excess_limit:g}: CP error <= {self.excess_limit:g}"
+                         f" x one-rank error + {self.excess_floor:g} ULP)")
                 if self.excess_failed:
                     head += (f"; CP ADDS ERROR: {self.excess_mismatched} elements above "
                              f"{self.excess_limit:g} x {self.baseline_ulp:.3g} ULP + the floor")

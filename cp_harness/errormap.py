@@ -228,8 +228,8 @@ def _titles(report, comp) -> list[str]:
     lines = [f"{comp.name}", f"{case_id(case)}  N={case.get('world_size')}  L={grid.local_len if grid else '?'}"
              f"  {comp.mismatched or comp.excess_mismatched} of {comp.compared} elements wrong"]
     if comp.excess_failed:
-        lines.append(f"CP error {comp.max_ulp:.3g} ULP > {comp.excess_limit:g} x one-rank error "
-                     f"{comp.baseline_ulp:.3g} + {comp.excess_floor:g}")
+        lines.append(f"CP error {comp.excess_error:.3g} ULP > {comp.excess_limit:g} x one-rank error "
+                     f"{comp.baseline_ulp:.3g} + {comp.excess_floor:g} (normwise)")
     if comp.location:
         loc = comp.location
         lines.append(f"worst: row {loc['row']} position {loc['position']} rank {loc['owning_rank']}"

@@ -98,7 +98,7 @@ class CaseReport:
         passed = [c for c in self.comparisons if c.ok]
         if passed:
             lines.append("  passed: " + ", ".join(
-                f"{c.name}" + ((f" ({c.max_ulp:.3g} ULP" + (f", one rank {c.baseline_ulp:.3g}, excess {c.excess:.3g}"
+                f"{c.name}" + ((f" ({c.max_ulp:.3g} ULP" + (f"; normwise {c.excess_error:.3g}, one rank {c.baseline_ulp:.3g}, excess {c.excess:.3g}"
                                                            if c.excess is not None else "") + ")")
                                if c.mode == "ulp" else " (exact)") for c in passed))
         if not self.comparisons:
