@@ -92,7 +92,7 @@ def measure(runner: CaseRunner, strategy, sizes, examples: int, seed: int) -> li
             entry = {"case": canonical(case), "n": int(case["world_size"]), "tensor": c.name,
                      "measure": c.ulp_dtype, "floor_fraction": c.floor_fraction, "cp": c.max_ulp,
                      "one_rank": c.baseline_ulp, "problems": len(report.problems), "by_measure": {}}
-            ref = reference.get(excess.baseline_name(c.name))
+            ref = reference.get(excess.baseline_name(c.name) or "")
             for label, fraction in MEASURES.items():
                 entry["by_measure"][label] = _terms(c, ref, fraction)
             pairs.append(entry)

@@ -107,6 +107,9 @@ def test_verify_passes_on_the_bundled_implementation(tmp_path):
     assert list(table) == names, proc.stdout
     assert not any(table.values()), proc.stdout
     assert "examples per world size: N=1:" in proc.stdout and "N=8:" in proc.stdout
+    assert "CP excess" in proc.stdout.splitlines()[1]  # the column of cp_harness.excess
+    per_dtype = next(line for line in proc.stdout.splitlines() if line.startswith("examples per dtype:"))
+    assert "bfloat16:" in per_dtype and "failed per dtype: none" in per_dtype, per_dtype
     assert "progress:" in proc.stderr or "[" in proc.stderr  # the progress bar (plain lines when not a terminal)
     report = json.loads(report_path.read_text())
     assert report["ok"] is True and report["failed_rows"] == [] and report["impl"] == "cp_impl"
