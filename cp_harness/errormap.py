@@ -226,7 +226,8 @@ def _titles(report, comp) -> list[str]:
     case = report.case
     grid = comp.grid
     lines = [f"{comp.name}", f"{case_id(case)}  N={case.get('world_size')}  L={grid.local_len if grid else '?'}"
-             f"  {comp.mismatched or comp.excess_mismatched} of {comp.compared} elements wrong"]
+             + (f"  {comp.excess_mismatched} of {comp.compared} elements above the excess allowance"
+                if comp.excess_failed else f"  {comp.mismatched} of {comp.compared} elements wrong")]
     if comp.excess_failed:
         lines.append(f"CP error {comp.excess_error:.3g} ULP > {comp.excess_limit:g} x one-rank error "
                      f"{comp.baseline_ulp:.3g} + {comp.excess_floor:g} (normwise)")
