@@ -129,3 +129,45 @@ def test_low_precision_partial_sums_round_where_the_contract_does_not():
     parts = [upstream_values({"seed": 1, "dtype": "bfloat16"}, f"upstream{r}", (256,)) for r in range(3)]
     sequential = parts[0] + parts[1] + parts[2]  # bfloat16 partial sums
     assert not torch.equal(sequential, accumulate(parts, torch.bfloat16))
+
+
+def _one_rank_loss_report(impl, case):
+    """Run the loss check's rank half in this process (one rank, no mesh) and judge it."""
+    from cp_harness import checks
+    from cp_harness.pool import RankOutput
+
+    ctx = checks.RankContext(rank=0, cp_size=1, mesh=None, device=torch.device("cpu"), backend="gloo", impl=impl)
+    info, tensors = checks.run_on_rank(dict(case, mesh="none"), ctx)
+    return checks.evaluate(case, [RankOutput(rank=0, ok=True, info=info, tensors=tensors, comm=[], seconds=0.0)])
+
+
+def test_a_cross_entropy_computed_as_logsumexp_minus_picked_is_no_false_alarm(monkeypatch):
+    """A confident single target: the loss is 0.002 and rounds at the log-sum-exp's scale (2e-16 absolute).
+
+    Judged relative to its own value (the scale the float64 loss had before) the correct second
+    implementation was 396 / 482 ULP off the 16-ULP budget; at its rounding scale it passes."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    from cp_harness.checks import loss as loss_check
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "fixtures"))
+    alt = importlib.import_module("alt_reduction_order")
+    case = {"batch": {"docs": [[[1, 1]], [[1, 1]], [[2, 2]]], "format": "thd", "seq_len": 2},
+            "check": "shifted_cp_loss", "dtype": "float64", "model": "mistral_large4", "seed": 6434, "vocab": 3,
+            "world_size": 1}
+    report = _one_rank_loss_report(alt, case)
+    assert report.ok, report.format()
+    # The same run judged at the loss's own scale and the gradient's own largest value fails: the test can fail.
+    monkeypatch.setattr(loss_check, "cross_entropy_scale", lambda *a, **k: 0.0)
+    original = loss_check.compare
+
+    def own_scale(name, *args, **kwargs):
+        kwargs.pop("reference_scale", None)
+        return original(name, *args, **kwargs)
+
+    monkeypatch.setattr(loss_check, "compare", own_scale)
+    before = _one_rank_loss_report(alt, case)
+    assert {c.name for c in before.failures()} >= {"loss (mean over ranks)", "d loss / d logits"}, before.format()
+    assert "alt_reduction_order" in sys.modules

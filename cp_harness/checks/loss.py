@@ -69,16 +69,41 @@ def per_position_ce(logits: torch.Tensor, labels: torch.Tensor, counted: torch.T
     return torch.where(counted, picked, torch.zeros_like(picked))
 
 
+def cross_entropy_scale(logits: torch.Tensor, counted: torch.Tensor, *, shifted: bool) -> float:
+    """The scale at which any computation of these cross-entropies rounds: the mean, over the counted
+    positions, of ``max(|logsumexp|, max |logit|)`` of the row that predicts.
+
+    A cross-entropy is ``logsumexp - picked``; its rounding is relative to those terms (a few units for
+    soft-capped logits), not to their difference, which is tiny for a confident prediction. An
+    implementation that shares the oracle's log-softmax kernel rounds the same way and hides this; one
+    computing ``logsumexp - picked`` (``tests/fixtures/alt_reduction_order``) showed 400 float64 ULPs of a
+    0.002 loss, at 2e-16 absolute.
+    """
+    rows = logits.detach().to(torch.float64)
+    mask = torch.zeros_like(counted)
+    if shifted:
+        mask[:, :-1] = counted[:, :-1]
+    else:
+        mask = counted
+    if not bool(mask.any()):
+        return 0.0
+    rows = rows[mask]
+    terms = torch.maximum(torch.logsumexp(rows, dim=-1).abs(), rows.abs().amax(dim=-1))
+    return float(terms.mean())
+
+
 def compare_rank_losses(report: CaseReport, outputs: list, per_position: torch.Tensor, count: int, budget,
-                        ulp_dtype: str) -> None:
+                        ulp_dtype: str, scale: float | None = None) -> None:
     """Each rank's loss must be its own sum x N / global count (SPEC), not only their mean: a rank
-    returning the global mean everywhere has the right mean and the wrong per-rank gradient scale."""
+    returning the global mean everywhere has the right mean and the wrong per-rank gradient scale.
+
+    ``scale``: the loss's rounding scale (``cross_entropy_scale``); default the global loss itself."""
     n = len(outputs)
     L = per_position.shape[1] // n
-    # A rank's loss is its share of the global loss (their mean): judged at the global loss's scale, as
-    # parameter gradients are judged at the model's gradient scale. A rank holding a few confidently
-    # predicted tokens has a tiny loss whose float32 cross-entropy (logsumexp - picked) cancels.
-    scale = abs(float(per_position.sum())) / count if count > 0 else 0.0
+    # A rank's loss is its share of the global loss (their mean): judged at the global loss's scale (or
+    # the cross-entropy's, when given), as parameter gradients are judged at the model's gradient scale.
+    global_loss = abs(float(per_position.sum())) / count if count > 0 else 0.0
+    scale = max(global_loss, scale or 0.0)
     for o in outputs:
         local_sum = per_position[:, o.rank * L:(o.rank + 1) * L].sum()
         expected = local_sum * n / count if count > 0 else torch.zeros((), dtype=torch.float64)
@@ -124,17 +149,21 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
                        f"rank {o.rank}: loss dtype {o.info['loss_dtype']} for {dtype} logits; the contract upcasts "
                        f"logits to at least float32 and returns the loss in torch.{loss_dtype}")
     mean = np.array(losses.sum() / n)
-    report.add(compare("loss (mean over ranks)", mean, ref.detach().numpy(), mode="ulp", budget_ulp=loss_budget.ulp,
-                       floor_fraction=loss_budget.floor_fraction, ulp_dtype=loss_dtype))
-    grad = stack_ranks(outputs, "grad") / n
-    report.add(compare("d loss / d logits", grad, ref_logits.grad.numpy(), mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
-                       grid=TokenGrid(L, n), ulp_dtype=dtype))
-    if int(count) == 0:
-        report.add(compare("loss when nothing counts", losses, np.zeros(n), mode="exact"))
     counted = torch.zeros_like(keep)
     counted[:, :-1] = keep[:, :-1] & keep[:, 1:] & (labels[:, 1:] != IGNORE_INDEX)
+    # Rounding scales (see cross_entropy_scale): the loss at its rows' log-sum-exp, the gradient
+    # (softmax - one-hot) / count at 1 / count, whatever cancellation leaves of them.
+    loss_scale = cross_entropy_scale(logits, counted, shifted=True)
+    grad_scale = 1.0 / int(count) if int(count) > 0 else None
+    report.add(compare("loss (mean over ranks)", mean, ref.detach().numpy(), mode="ulp", budget_ulp=loss_budget.ulp,
+                       floor_fraction=loss_budget.floor_fraction, ulp_dtype=loss_dtype, reference_scale=loss_scale))
+    grad = stack_ranks(outputs, "grad") / n
+    report.add(compare("d loss / d logits", grad, ref_logits.grad.numpy(), mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
+                       grid=TokenGrid(L, n), ulp_dtype=dtype, reference_scale=grad_scale))
+    if int(count) == 0:
+        report.add(compare("loss when nothing counts", losses, np.zeros(n), mode="exact"))
     compare_rank_losses(report, outputs, per_position_ce(logits, labels, counted, shifted=True), int(count), loss_budget,
-                        loss_dtype)
+                        loss_dtype, scale=loss_scale)
     # Positions that predict nothing must get exactly zero gradient.
     predicts = torch.zeros_like(keep)
     predicts[:, :-1] = keep[:, :-1] & keep[:, 1:] & (labels[:, 1:] != IGNORE_INDEX)
