@@ -1,8 +1,9 @@
 """The gate rejects the precision bugs of production CP, and maps where CP adds error in bfloat16.
 
 Each deliberately broken copy under ``tests/fixtures/broken_prec_*`` must fail
-the gate suite as a user runs it (``pytest --pyargs cp_harness.tests
---cp-impl ...``, the ``ci`` profile), naming the tensor and the measure:
+the gate, naming the tensor and the measure (the cases used here are explicit
+examples of the gate suite, so ``pytest --pyargs cp_harness.tests --cp-impl
+...`` fails on them too):
 
 - ``broken_prec_loss_low_sum`` (the loss summed in the logits' bfloat16/float16):
   the loss test, by the float32 ULP budget of the loss (the error is the same
@@ -26,36 +27,46 @@ import json
 from test_gate_broken_impls import _check_png, _error_maps, _run
 
 
-def _gate(impl: str, selection: str, tmp_path):
-    proc = _run(["-m", "pytest", "--pyargs", "cp_harness.tests", "--cp-impl", impl, "-k", selection, "-x", "-q",
-                 "-p", "no:cacheprovider", "--cp-world-sizes", "1,2,3,4", "-n", "0"], tmp_path)
+def _run_case(impl: str, case: dict, tmp_path) -> str:
+    proc = _run(["-m", "cp_harness", "run-case", "--impl", impl, json.dumps(case)], tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert f"against implementation '{impl}'" in out and "reproduce: python -m cp_harness run-case" in out, out
     return out
 
 
-def test_gate_suite_fails_on_a_loss_reduced_in_the_logits_low_precision(tmp_path):
-    out = _gate("broken_prec_loss_low_sum", "shifted_cp_loss", tmp_path)
-    failing = [line for line in out.splitlines() if "FAIL loss" in line]
-    assert failing, out
+# Explicit examples of the gate suite (cp_harness/tests): `pytest --pyargs cp_harness.tests --cp-impl <fixture>`
+# fails on them. One run-case each keeps the default command short (no second pytest, no replay of every
+# explicit example); test_gate_broken_impls runs the gate suite itself on a broken loss.
+LOSS_BF16 = {"check": "shifted_cp_loss", "world_size": 3, "seed": 7, "model": "mistral_large4", "dtype": "bfloat16",
+             "vocab": 11, "batch": {"format": "bshd", "seq_len": 20, "rows": [[0, 20], [3, 17]]}}
+GATHER_BF16 = {"check": "gather_sequence", "world_size": 4, "seed": 7, "dtype": "bfloat16", "shape": [2, 3, 4],
+               "differentiable": True}
+
+
+def test_the_gate_rejects_a_loss_reduced_in_the_logits_low_precision(tmp_path):
+    out = _run_case("broken_prec_loss_low_sum", LOSS_BF16, tmp_path)
+    failing = [line for line in out.splitlines() if line.startswith("  FAIL loss")]
+    assert len(failing) >= 3, out  # every rank's loss
     # judged as float32 numbers (the contract), whatever the logits' dtype
     assert all("float32" in line and "budget 256 ULP" in line for line in failing), failing
-    assert "'dtype': 'bfloat16'" in out or "'dtype': 'float16'" in out, out
 
 
-def test_gate_suite_fails_on_a_gather_backward_that_sums_in_bfloat16(tmp_path):
-    out = _gate("broken_prec_grad_bf16_sum", "gathers_match", tmp_path)
-    assert "FAIL grad@rank" in out, out
-    assert "[exact, float16" in out or "[exact, float32" in out, out  # bfloat16 arrives widened to float32, exactly
-    assert "'dtype': 'bfloat16'" in out or "'dtype': 'float16'" in out, out
+def test_the_gate_rejects_a_gather_backward_that_sums_in_bfloat16(tmp_path):
+    out = _run_case("broken_prec_grad_bf16_sum", GATHER_BF16, tmp_path)
+    assert "FAIL grad@rank" in out and "[exact, float32" in out, out  # bfloat16 arrives widened, exactly
+    assert "output@rank0 (exact)" in out, out  # the forward is right: only the sum is wrong
 
 
-def _run_case(impl: str, case: dict, tmp_path) -> str:
-    proc = _run(["-m", "cp_harness", "run-case", "--impl", impl, json.dumps(case)], tmp_path)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out
-    return out
+def test_the_gate_suite_holds_these_cases():
+    """The two cases above are explicit examples of the gate suite, so it rejects the fixtures too."""
+    from cp_harness.tests import test_loss, test_transport
+
+    def explicit(test):
+        return [e.kwargs["case"] for e in test.hypothesis_explicit_examples]
+
+    assert LOSS_BF16 in explicit(test_loss.test_shifted_cp_loss_matches_oracle)
+    assert GATHER_BF16 in explicit(test_transport.test_gathers_match_bit_for_bit)
 
 
 def test_an_attention_fed_bfloat16_keys_fails_the_float32_model_by_its_excess(tmp_path):
