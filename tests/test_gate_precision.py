@@ -40,7 +40,7 @@ def _run_case(impl: str, case: dict, tmp_path) -> str:
 # explicit example); test_gate_broken_impls runs the gate suite itself on a broken loss.
 LOSS_BF16 = {"check": "shifted_cp_loss", "world_size": 3, "seed": 7, "model": "mistral_large4", "dtype": "bfloat16",
              "vocab": 11, "batch": {"format": "bshd", "seq_len": 20, "rows": [[0, 20], [3, 17]]}}
-GATHER_BF16 = {"check": "gather_sequence", "world_size": 4, "seed": 7, "dtype": "bfloat16", "shape": [2, 3, 4],
+GATHER_BF16 = {"check": "gather_sequence", "world_size": 3, "seed": 7, "dtype": "bfloat16", "shape": [2, 3, 4],
                "differentiable": True}
 
 
