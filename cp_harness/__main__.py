@@ -25,6 +25,16 @@ def _world_sizes(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _dtypes(text: str) -> tuple[str, ...]:
+    from cp_harness.strategies import ALL_DTYPES
+
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [n for n in names if n not in ALL_DTYPES + ("layout",)]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose among {', '.join(ALL_DTYPES + ('layout',))}")
+    return names
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -55,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--examples", type=_positive, default=25, help="generated examples per row (default 25)")
     verify.add_argument("--seed", type=int, default=0, help="seed of the example generator (default 0)")
     verify.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="also write the report as JSON")
+    verify.add_argument("--dtypes", type=_dtypes, default=None, metavar="DTYPES",
+                        help="only cases of these payload dtypes, e.g. bfloat16,float16 (float64, float32, bfloat16, "
+                             "float16, int64, int32, bool; layout: the rows without a floating payload); rows that "
+                             "draw none of them are left out (default: all)")
+    verify.add_argument("--rows", type=lambda t: tuple(x for x in t.split(",") if x), default=(), metavar="TEXT",
+                        help="only the rows whose name contains one of these comma-separated texts")
     verify.add_argument("--shrink-seconds", type=float, default=120.0, metavar="SECONDS",
                         help="time a failing row may spend shrinking its failure to a small case (default 120)")
 
@@ -83,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_verify(impl=impl, world_sizes=args.world_sizes, examples=args.examples, backend=args.backend,
                           seed=args.seed, json_path=args.json_path, error_dir=args.error_dir,
-                          shrink_seconds=args.shrink_seconds)
+                          shrink_seconds=args.shrink_seconds, dtypes=args.dtypes, row_names=args.rows)
     if args.command == "run-case":
         from cp_harness.pool import PoolConfig
         from cp_harness.runner import CaseRunner, failure_message

@@ -7,7 +7,9 @@ description travels. Keys:
 - ``check``: which check runs it (``cp_harness.checks`` registry).
 - ``world_size``: CP size ``N``; ``mesh``: ``"mesh"`` (default) or ``"none"``
   (pass ``mesh=None``; only with ``world_size == 1``).
-- ``seed``: integer seed of every random tensor; ``dtype``: ``"float64"`` or ``"float32"``.
+- ``seed``: integer seed of every random tensor; ``dtype``: ``"float64"``, ``"float32"``,
+  ``"bfloat16"`` or ``"float16"`` (the floating dtype of the payload, logits or model);
+  ``value_dtype`` (data-movement checks): an integer or bool payload instead.
 - ``model``: ``"inkling2"`` or ``"mistral_large4"`` (vocabulary, image format).
 - ``batch``: the layout, one of
   ``{"format": "thd", "seq_len": S, "docs": [[[real, padded], ...] per row]}``
@@ -45,7 +47,10 @@ VOCAB_SIZE = 40
 IMAGE_CHANNELS = 3
 PATCH_SIZE = 2
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOW_PRECISION = ("bfloat16", "float16")
+# Machine epsilon (one unit in the last place at 1.0) of every floating dtype a case may use; numpy has no bfloat16.
+EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
 
 
 def canonical(case: dict) -> str:
@@ -75,6 +80,32 @@ def dtype_of(case: dict) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"case dtype={name!r}; use one of {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums of ``dtype`` values are accumulated in: float32 for bfloat16/float16 (the contract
+    of every reduction the API performs: gradient sums over ranks, the loss), else ``dtype`` itself."""
+    return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else dtype
+
+
+def accumulate(tensors, dtype: torch.dtype) -> torch.Tensor:
+    """``sum(tensors)`` as the contract defines it: accumulated in ``accumulation_dtype(dtype)``, rounded
+    once to ``dtype``. With the values ``upstream_values`` draws, the float32 sum is exact in any order."""
+    wide = accumulation_dtype(dtype)
+    total = None
+    for t in tensors:
+        total = t.to(wide) if total is None else total + t.to(wide)
+    return total.to(dtype)
+
+
+def payload_dtype(case: dict) -> str:
+    """The dtype a case exercises: ``value_dtype`` (integer/bool payloads), else ``dtype``, else ``"layout"``
+    for checks with no floating payload (layouts, positions)."""
+    if case.get("value_dtype"):
+        return str(case["value_dtype"])
+    if "dtype" in case:
+        return str(case["dtype"])
+    return "layout"
 
 
 def parse_world_sizes(text: str) -> tuple[int, ...]:
@@ -246,3 +277,22 @@ def random_tensor(case: dict, stream: str, shape: tuple[int, ...], *, dtype: tor
     if integer_valued:
         return torch.randint(-8, 9, shape, generator=g).to(dtype)
     return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def upstream_values(case: dict, stream: str, shape: tuple[int, ...], *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Upstream gradients for data-movement checks, chosen so that the exact check sees how sums are formed.
+
+    float32/float64: integers in ``[-8, 8]`` (every sum is exact in any order). bfloat16/float16: dyadic
+    values ``m * 2**-e`` with ``|m| <= 255`` and ``0 <= e <= 8`` (exactly representable in both) whose
+    sums of up to 16 terms need at most 20 significant bits: exact in float32 in any order, yet
+    rounded when partial sums are kept in bfloat16/float16. So the contract "accumulate in float32,
+    round once" gives one bit pattern, and a backward that accumulates in the payload's precision
+    gives another.
+    """
+    dtype = dtype or dtype_of(case)
+    if dtype not in (torch.bfloat16, torch.float16):
+        return random_tensor(case, stream, shape, dtype=dtype, integer_valued=True)
+    g = generator(case, stream)
+    mantissa = torch.randint(-255, 256, shape, generator=g).to(torch.float64)
+    exponent = torch.randint(0, 9, shape, generator=g).to(torch.float64)
+    return (mantissa * torch.pow(2.0, -exponent)).to(dtype)

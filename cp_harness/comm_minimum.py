@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 
 CONTROL_MAX_ELEMENTS = 32
-_ITEMSIZE = {"float64": 8, "float32": 4, "int64": 8, "bool": 1, "int32": 4}
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "bool": 1, "int32": 4}
 
 
 class UnaccountedCommunication(ValueError):
@@ -106,7 +106,9 @@ def per_rank_minimum(case: dict) -> list[tuple[int, int]] | None:
     if check == "convolution_history":
         B, L, C = (int(x) for x in case["shape"])
         history = int(case["width"]) - 1
-        row = B * C * _ITEMSIZE[case.get("dtype", "float64")]
+        value_dtype = case.get("value_dtype")
+        row = B * C * _ITEMSIZE[value_dtype or case.get("dtype", "float64")]
+        differentiable = value_dtype not in _NON_FLOAT  # integer/bool payloads: no gradient travels back
 
         def needs(dst: int, src: int) -> int:  # rows of src's shard inside dst's history
             return max(0, min((src + 1) * L, dst * L) - max(dst * L - history, src * L))
@@ -116,7 +118,10 @@ def per_rank_minimum(case: dict) -> list[tuple[int, int]] | None:
             incoming = sum(needs(r, s) for s in range(r))  # = min(history, r * L)
             outgoing = sum(needs(d, r) for d in range(r + 1, n))
             # Forward: rows in, own rows out; backward: their gradients the other way.
-            out.append(((incoming + outgoing) * row, (incoming + outgoing) * row))
+            if differentiable:
+                out.append(((incoming + outgoing) * row, (incoming + outgoing) * row))
+            else:
+                out.append((outgoing * row, incoming * row))
         return out
     # shifted_cp_loss: rank r gets one label per row from r+1, and every rank learns every count.
     rows = len(case["batch"]["docs"] if case["batch"]["format"] == "thd" else case["batch"]["rows"])

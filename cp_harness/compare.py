@@ -20,6 +20,17 @@ Two modes:
   mathematically zero (a one-key softmax row, identical values) is computed
   as rounding noise of the terms that formed it, and has no scale of its own.
 
+``ulp_dtype`` may be ``"bfloat16"`` or ``"float16"`` too (``cases.EPS``); bfloat16
+tensors arrive widened to float32, which is exact, so ``exact`` still means bit for bit.
+
+Beside its ULP budget, an arithmetic comparison of a multi-rank case can carry
+the *excess* verdict of ``cp_harness.excess``: the same tensor computed by
+the same implementation on one rank (the baseline) has its own error against
+the oracle, and CP may add at most ``c`` times that error plus a floor
+(``TensorComparison.baseline_ulp``, ``excess``, ``excess_limit``). The
+per-element values and errors are kept for that judge and for the error map
+of an excess failure, which shows where CP added error over one device.
+
 A ``TensorComparison`` records how many elements were compared, how many
 exceed the budget, the largest error and where it is. When the tensor is
 token-aligned (``[batch, sequence, ...]`` in global order) the location also
@@ -35,7 +46,16 @@ from typing import Any
 
 import numpy as np
 
+from cp_harness.cases import EPS
+
 FLOOR_FRACTION = 1.0 / 1024.0
+
+
+def eps_of(dtype_name: str) -> float:
+    """Machine epsilon of a dtype name (``"bfloat16"`` included, which numpy does not know)."""
+    if dtype_name in EPS:
+        return EPS[dtype_name]
+    return float(np.finfo(np.dtype(dtype_name)).eps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,10 +142,29 @@ class TensorComparison:
     # For failing token-aligned tensors: max error per (row, global position), and the shard grid.
     error_map: np.ndarray | None = dataclasses.field(default=None, repr=False)
     grid: TokenGrid | None = None
+    # ulp mode: the error of every element in ULPs (0 where not selected), for the excess judge.
+    ulp_values: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    element_values: tuple | None = dataclasses.field(default=None, repr=False)  # (actual, expected) arrays
+    ulp_dtype: str | None = None
+    floor_fraction: float | None = None
+    scale: float | None = None  # ulp mode: the tensor's scale (largest expected magnitude, or reference_scale)
+    # The excess judge (cp_harness.excess): the one-rank baseline's largest error in the same measure,
+    # the CP excess = max_ulp / (baseline_ulp + floor / limit), and the limit c it must not exceed.
+    baseline_ulp: float | None = None
+    excess_error: float | None = None  # the CP error in the judge's (normwise) measure
+    excess: float | None = None
+    excess_limit: float | None = None
+    excess_floor: float | None = None
+    excess_mismatched: int = 0
+    error_map_unit: str | None = None
+
+    @property
+    def excess_failed(self) -> bool:
+        return self.excess is not None and self.excess_limit is not None and not self.excess <= self.excess_limit
 
     @property
     def ok(self) -> bool:
-        return self.problem is None and self.mismatched == 0 and self.compared > 0
+        return self.problem is None and self.mismatched == 0 and self.compared > 0 and not self.excess_failed
 
     def summary(self) -> str:
         if self.problem is not None:
@@ -135,10 +174,20 @@ class TensorComparison:
         head = (f"{self.name} [{self.mode}, {self.dtype}, shape {list(self.shape)}]: "
                 f"{self.mismatched} of {self.compared} elements differ")
         if self.mode == "ulp":
-            head += f"; largest error {self.max_ulp:.3g} ULP (budget {self.budget_ulp:g} ULP), {self.max_abs:.3g} absolute"
+            unit = f"{self.ulp_dtype} ULP" if self.ulp_dtype and self.ulp_dtype != self.dtype else "ULP"
+            budget = (f"budget {self.budget_ulp:g} ULP" if math.isfinite(self.budget_ulp)
+                      else "no ULP budget: judged by its excess over one rank")
+            head += f"; largest error {self.max_ulp:.3g} {unit} ({budget}), {self.max_abs:.3g} absolute"
+            if self.excess is not None:
+                head += (f"; normwise: CP error {self.excess_error:.3g} {unit}, one-rank error {self.baseline_ulp:.3g}, "
+                         f"CP excess {self.excess:.3g} (limit {self.excess_limit:g}: CP error <= {self.excess_limit:g}"
+                         f" x one-rank error + {self.excess_floor:g} ULP)")
+                if self.excess_failed:
+                    head += (f"; CP ADDS ERROR: {self.excess_mismatched} elements above "
+                             f"{self.excess_limit:g} x {self.baseline_ulp:.3g} ULP + the floor")
         elif self.mismatched:
             head += f"; largest absolute difference {self.max_abs:.6g}"
-        if self.mismatched and self.worst_index is not None:
+        if (self.mismatched or self.excess_failed) and self.worst_index is not None:
             head += f"; worst at index {list(self.worst_index)}: actual {self.worst_actual!r}, expected {self.worst_expected!r}"
             if self.location:
                 loc = self.location
@@ -150,6 +199,9 @@ class TensorComparison:
     def as_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data.pop("error_map", None)
+        data.pop("ulp_values", None)
+        data.pop("element_values", None)
+        data.pop("scale", None)
         data["ok"] = self.ok
         data["shape"] = list(self.shape)
         data["worst_index"] = list(self.worst_index) if self.worst_index is not None else None
@@ -160,7 +212,7 @@ def _as_numpy(value) -> np.ndarray:
     if hasattr(value, "detach"):
         value = value.detach().cpu()
         if str(value.dtype) == "torch.bfloat16":
-            value = value.float()
+            value = value.float()  # exact: every bfloat16 is a float32
         value = value.numpy()
     return np.asarray(value)
 
@@ -193,7 +245,9 @@ def compare(name: str, actual, expected, *, mode: str, budget_ulp: float | None 
     a, e = _as_numpy(actual), _as_numpy(expected)
     dtype = str(a.dtype)
     base = TensorComparison(name=name, mode=mode, dtype=dtype, shape=tuple(e.shape), compared=0, mismatched=0,
-                            max_ulp=0.0, max_abs=0.0, budget_ulp=budget_ulp)
+                            max_ulp=0.0, max_abs=0.0, budget_ulp=budget_ulp,
+                            ulp_dtype=(ulp_dtype or dtype) if mode == "ulp" else None,
+                            floor_fraction=floor_fraction if mode == "ulp" else None)
     if a.shape != e.shape:
         base.problem = f"shape {list(a.shape)} but expected {list(e.shape)}"
         return base
@@ -223,10 +277,11 @@ def compare(name: str, actual, expected, *, mode: str, budget_ulp: float | None 
         score = np.where(bad, np.where(diff > 0, diff, 1.0), -1.0)
     else:
         a64, e64 = a.astype(np.float64), e.astype(np.float64)
-        eps = float(np.finfo(np.dtype(ulp_dtype or a.dtype)).eps)
+        eps = eps_of(ulp_dtype or str(a.dtype))
         scale = float(np.max(np.abs(np.where(select, e64, 0.0)))) if base.compared else 0.0
         if reference_scale is not None:
             scale = max(scale, float(reference_scale))
+        base.scale = scale
         floor = max(scale * floor_fraction, np.finfo(np.float64).tiny)
         diff = np.abs(a64 - e64)
         ulp = diff / (eps * np.maximum(np.abs(e64), floor))
@@ -235,6 +290,8 @@ def compare(name: str, actual, expected, *, mode: str, budget_ulp: float | None 
         ulp = np.where(select, ulp, 0.0)
         bad = select & (ulp > budget_ulp)
         base.max_ulp = float(np.max(ulp))
+        base.ulp_values = ulp
+        base.element_values = (a, e)
         score = np.where(select, ulp, -1.0)
     base.mismatched = int(bad.sum())
     base.max_abs = float(np.max(np.where(select, diff, 0.0))) if diff.size else 0.0
@@ -247,8 +304,9 @@ def compare(name: str, actual, expected, *, mode: str, budget_ulp: float | None 
         base.worst_expected = _float(e[worst])
         if grid is not None and e.ndim >= 2:
             base.location = grid.describe(int(worst[0]), int(worst[1]))
-    if base.mismatched and grid is not None and e.ndim >= 2:
+    if grid is not None and e.ndim >= 2:
         base.grid = grid
+    if base.mismatched and grid is not None and e.ndim >= 2:
         per_element = np.where(bad, np.where(np.isfinite(score), np.maximum(score, 0.0), np.inf), 0.0)
         if per_element.ndim > 2:
             per_element = per_element.reshape(per_element.shape[0], per_element.shape[1], -1).max(axis=-1)

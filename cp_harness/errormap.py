@@ -229,7 +229,11 @@ def _titles(report, comp) -> list[str]:
     case = report.case
     grid = comp.grid
     lines = [f"{comp.name}", f"{case_id(case)}  N={case.get('world_size')}  L={grid.local_len if grid else '?'}"
-             f"  {comp.mismatched} of {comp.compared} elements wrong"]
+             + (f"  {comp.excess_mismatched} of {comp.compared} elements above the excess allowance"
+                if comp.excess_failed else f"  {comp.mismatched} of {comp.compared} elements wrong")]
+    if comp.excess_failed:
+        lines.append(f"CP error {comp.excess_error:.3g} ULP > {comp.excess_limit:g} x one-rank error "
+                     f"{comp.baseline_ulp:.3g} + {comp.excess_floor:g} (normwise)")
     if comp.location:
         loc = comp.location
         lines.append(f"worst: row {loc['row']} position {loc['position']} rank {loc['owning_rank']}"
@@ -253,7 +257,7 @@ def write_error_maps(report, directory: str | None = None) -> list[str]:
         os.makedirs(directory, exist_ok=True)
         name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{case_id(report.case)}-{comp.name}")[:120] + ".png"
         path = os.path.join(directory, name)
-        unit = "error (ULP)" if comp.mode == "ulp" else "absolute difference"
+        unit = comp.error_map_unit or ("error (ULP)" if comp.mode == "ulp" else "absolute difference")
         segments = comp.grid.segments(comp.error_map.shape[1]) if comp.grid.owners is not None else None
         _png(path, render(comp.error_map, comp.grid.local_len, comp.grid.cp_size, title=_titles(report, comp), unit=unit,
                           segments=segments))

@@ -33,7 +33,8 @@ Markers: ``slow`` (deselect with ``-m "not slow"``), ``gpu`` (skipped unless
 ``--cp-backend nccl``).
 
 At the end of the run the plugin prints how many CP examples ran per world
-size (summed over xdist workers), the other counters tests record with
+size and per dtype (summed over xdist workers; ``layout`` counts the checks
+without a floating payload), the other counters tests record with
 ``cp_harness.stats.count``, and the error maps failing cases wrote.
 """
 
@@ -55,6 +56,8 @@ profiles.register()
 _WORLD_SIZES_HELP = "comma-separated positive integers, e.g. 1,2,3,4,8"
 # Error maps written by failing cases of this process (workers hand theirs to the controller).
 ERROR_MAPS: list[str] = []
+_DTYPE_COUNTER = "cp examples of dtype "
+_DTYPE_ORDER = ("float64", "float32", "bfloat16", "float16", "int64", "int32", "bool", "layout")
 _ERROR_MAP_LINE = re.compile(r"^E?\s*error maps?: (.+)$", re.MULTILINE)
 
 
@@ -240,6 +243,10 @@ def cp_runner(pytestconfig: pytest.Config, cp_world_sizes, cp_impl_selection):
         if len(impl_names(cp_impl_selection)) > 1:
             for name, n in runner.by_impl.items():
                 stats.count(f"cp examples of implementation {name}", n)
+        for dtype, n in runner.by_dtype.items():
+            stats.count(f"cp examples of dtype {dtype}", n)
+        if runner.baseline_runs:
+            stats.count("one-rank baseline runs (excess judge)", runner.baseline_runs)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -283,8 +290,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         per_size = ", ".join(f"N={k.rsplit(' ', 1)[1]}: {v}" for k, v in
                              sorted(examples.items(), key=lambda kv: int(kv[0].rsplit(" ", 1)[1])))
         terminalreporter.write_line(f"CP examples run: {total} ({per_size})")
+    dtypes = {k: v for k, v in counters.items() if k.startswith(_DTYPE_COUNTER)}
+    if dtypes:
+        order = {name: i for i, name in enumerate(_DTYPE_ORDER)}
+        names = sorted(dtypes, key=lambda k: (order.get(k[len(_DTYPE_COUNTER):], len(order)), k))
+        terminalreporter.write_line("CP examples per dtype: " + ", ".join(
+            f"{k[len(_DTYPE_COUNTER):]}: {dtypes[k]}" for k in names))
     for key, value in counters.items():
-        if key not in examples:
+        if key not in examples and key not in dtypes:
             terminalreporter.write_line(f"{key}: {value}")
     for text in stats.NOTES:
         terminalreporter.write_line(text)

@@ -4,6 +4,12 @@
 failure), runs a case, evaluates it and keeps per-world-size counts. On a
 failing case ``failure_message`` gives the case, a one-line command that
 reproduces it, and the per-tensor account of what differs and where.
+
+An arithmetic case of ``N > 1`` ranks is also judged against the same
+implementation on one rank (``cp_harness.excess``): that baseline runs on
+rank 0 of the same warm pool, is evaluated against the same oracle, and is
+cached per description (the case without its CP size), so a case shrunk or
+drawn again costs one run.
 """
 
 from __future__ import annotations
@@ -12,8 +18,8 @@ import collections
 import shlex
 import time
 
-from cp_harness import checks
-from cp_harness.cases import canonical, case_id
+from cp_harness import checks, excess
+from cp_harness.cases import canonical, case_id, payload_dtype
 from cp_harness.checks import CaseReport
 from cp_harness.impl import case_impl, primary_impl
 from cp_harness.pool import PoolConfig, RankFailure, RankPool
@@ -48,6 +54,9 @@ class CaseRunner:
         self.counts: collections.Counter[int] = collections.Counter()
         self.by_check: collections.Counter[str] = collections.Counter()
         self.by_impl: collections.Counter[str] = collections.Counter()
+        self.by_dtype: collections.Counter[str] = collections.Counter()
+        self.baseline_runs = 0
+        self._baselines: dict[str, CaseReport] = {}
         self.failures = 0
         self.seconds = 0.0
         self.error_maps: list[str] = []
@@ -67,6 +76,41 @@ class CaseRunner:
             self.counts[int(case["world_size"])] += 1
             self.by_check[case["check"]] += 1
             self.by_impl[case_impl(case, self.config.impl)] += 1
+            self.by_dtype[payload_dtype(case)] += 1
+
+    BASELINE_CACHE = 1024
+
+    def baseline(self, case: dict, *, timeout: float | None = None) -> CaseReport:
+        """The one-rank run ``case`` is judged against, evaluated (cached per description)."""
+        key = canonical(case)
+        if key not in self._baselines:
+            started = time.perf_counter()
+            try:
+                outputs = self.pool.run(case, timeout=timeout)
+            except RankFailure as exc:
+                report = CaseReport(case=case)
+                report.problems.append(f"rank {exc.rank} {exc.kind}: {exc}")
+            else:
+                report = checks.evaluate(case, outputs)
+            finally:
+                self.seconds += time.perf_counter() - started
+                self.baseline_runs += 1
+            if len(self._baselines) >= self.BASELINE_CACHE:
+                self._baselines.pop(next(iter(self._baselines)))
+            self._baselines[key] = report
+        return self._baselines[key]
+
+    def judge_excess(self, report: CaseReport, *, timeout: float | None = None) -> None:
+        """Judge an arithmetic multi-rank report against its one-rank baseline (``cp_harness.excess``)."""
+        base_case = excess.baseline_case(report.case)
+        if base_case is None or report.problems or not any(c.mode == "ulp" for c in report.comparisons):
+            return
+        base = self.baseline(base_case, timeout=timeout)
+        if base.problems:
+            report.problems.append("the one-rank baseline of this case (same implementation, world_size 1) failed: "
+                                   + base.problems[0])
+            return
+        excess.apply(report, base)
 
     def run(self, case: dict, *, timeout: float | None = None) -> CaseReport:
         """Run and evaluate ``case``; a rank fault becomes a failed report naming the rank."""
@@ -78,6 +122,7 @@ class CaseRunner:
             report.problems.append(f"rank {exc.rank} {exc.kind}: {exc}")
             return report
         report = checks.evaluate(case, outputs)
+        self.judge_excess(report, timeout=timeout)
         if not report.ok:
             self.failures += 1
         return report

@@ -18,6 +18,49 @@ DEFAULT_WORLD_SIZES = (1, 2, 3, 4, 8)
 seeds = st.integers(min_value=0, max_value=2**31 - 1)
 _active_world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES
 
+# Floating dtypes (payloads, logits, models) and the integer/bool payloads of data-movement checks.
+FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
+VALUE_DTYPES = ("int64", "bool")
+ALL_DTYPES = FLOAT_DTYPES + VALUE_DTYPES + ("int32",)
+_active_dtypes: tuple[str, ...] = FLOAT_DTYPES + VALUE_DTYPES
+
+
+def configure_dtypes(names) -> None:
+    """Restrict the dtypes strategies draw (``verify --dtypes``); default: every float dtype, int64 and bool."""
+    global _active_dtypes
+    unknown = sorted(set(names) - set(ALL_DTYPES))
+    if unknown or not names:
+        raise ValueError(f"dtypes {unknown or list(names)}: choose among {list(ALL_DTYPES)}")
+    _active_dtypes = tuple(names)
+
+
+def float_dtypes(allowed=FLOAT_DTYPES) -> st.SearchStrategy[str]:
+    """A floating dtype among ``allowed`` and the configured ones (all four by default, equally likely)."""
+    def pick():
+        chosen = tuple(d for d in allowed if d in _active_dtypes)
+        return st.sampled_from(chosen) if chosen else st.nothing()
+    return st.deferred(pick)
+
+
+def payload_dtypes() -> st.SearchStrategy[str]:
+    """A data-movement payload: a float dtype two times in three, else an integer or bool payload."""
+    def pick():
+        floats = tuple(d for d in FLOAT_DTYPES if d in _active_dtypes)
+        others = tuple(d for d in _active_dtypes if d not in FLOAT_DTYPES)
+        if floats and others:
+            return st.one_of(st.sampled_from(floats), st.sampled_from(floats), st.sampled_from(others))
+        return st.sampled_from(floats or others)
+    return st.deferred(pick)
+
+
+def _payload(case: dict, name: str) -> dict:
+    """Write a drawn payload dtype into a case: ``dtype`` for a float, else ``value_dtype`` (``dtype`` stays float64)."""
+    if name in FLOAT_DTYPES:
+        case["dtype"] = name
+    else:
+        case["dtype"], case["value_dtype"] = "float64", name
+    return case
+
 
 def configure_world_sizes(sizes) -> None:
     """Set the CP sizes that strategies draw from when none are passed (the plugin's ``--cp-world-sizes``)."""
@@ -215,18 +258,17 @@ def mistral_image(draw, spec: dict, cp_size: int | None = None) -> dict:
 
 # ------------------------------------------------------------------------ per-check cases
 @st.composite
-def gather_cases(draw, allowed_sizes=None) -> dict:
-    """``gather_sequence`` / ``gather_tokens`` cases, float and integer payloads, mesh or ``None``."""
+def gather_cases(draw, allowed_sizes=None, check: str | None = None) -> dict:
+    """``gather_sequence`` / ``gather_tokens`` cases, every float dtype and integer/bool payloads, mesh or ``None``."""
     n = draw(world_sizes(allowed_sizes))
-    check = draw(st.sampled_from(("gather_sequence", "gather_tokens")))
-    value_dtype = draw(st.sampled_from((None, None, "int64", "bool")))
+    check = check or draw(st.sampled_from(("gather_sequence", "gather_tokens")))
+    payload = draw(payload_dtypes())
     local = draw(st.integers(min_value=1, max_value=5))
     rest = draw(st.lists(st.integers(min_value=1, max_value=3), min_size=0, max_size=2))
     shape = [draw(st.integers(min_value=1, max_value=3)), local, *rest] if check == "gather_sequence" else [local, *rest]
-    case = {"check": check, "world_size": n, "seed": draw(seeds), "dtype": draw(st.sampled_from(("float64", "float32"))),
-            "shape": shape, "differentiable": draw(st.booleans()) if value_dtype is None else False}
-    if value_dtype is not None:
-        case["value_dtype"] = value_dtype
+    case = _payload({"check": check, "world_size": n, "seed": draw(seeds)}, payload)
+    case["shape"] = shape
+    case["differentiable"] = draw(st.booleans()) if payload in FLOAT_DTYPES else False
     if n == 1 and draw(st.booleans()):
         case["mesh"] = "none"
     return case
@@ -234,14 +276,15 @@ def gather_cases(draw, allowed_sizes=None) -> dict:
 
 @st.composite
 def history_cases(draw, allowed_sizes=None) -> dict:
-    """``convolution_history`` cases, widths whose history is often longer than a shard."""
+    """``convolution_history`` cases (every float dtype, integer and bool payloads), widths whose history is
+    often longer than a shard."""
     n = draw(world_sizes(allowed_sizes))
     local = draw(st.integers(min_value=1, max_value=4))
     width = draw(st.integers(min_value=1, max_value=3 * local + 2))
-    case = {"check": "convolution_history", "world_size": n, "seed": draw(seeds),
-            "dtype": draw(st.sampled_from(("float64", "float32"))),
+    case = _payload({"check": "convolution_history", "world_size": n, "seed": draw(seeds)}, draw(payload_dtypes()))
+    case.update({
             "shape": [draw(st.integers(min_value=1, max_value=2)), local, draw(st.integers(min_value=1, max_value=3))],
-            "width": width}
+            "width": width})
     if n == 1 and draw(st.booleans()):
         case["mesh"] = "none"
     return case
@@ -251,7 +294,7 @@ def history_cases(draw, allowed_sizes=None) -> dict:
 def loss_cases(draw, allowed_sizes=None) -> dict:
     n = draw(world_sizes(allowed_sizes))
     return {"check": "shifted_cp_loss", "world_size": n, "seed": draw(seeds), "model": "mistral_large4",
-            "dtype": draw(st.sampled_from(("float64", "float32"))), "vocab": draw(st.integers(min_value=2, max_value=13)),
+            "dtype": draw(float_dtypes()), "vocab": draw(st.integers(min_value=2, max_value=13)),
             "batch": draw(with_extras(layouts(min_len=2, max_len=24)))}
 
 
@@ -296,7 +339,7 @@ def model_cases(draw, allowed_sizes=None, dtypes=("float64",), max_len: int = 24
     spec = draw(with_extras(st.just(spec)))
     spec = draw(inkling2_images(spec, n)) if model == "inkling2" else draw(mistral_image(spec, n))
     case = {"check": "model", "world_size": n, "seed": draw(seeds), "model": model,
-            "dtype": draw(st.sampled_from(tuple(dtypes))), "batch": spec, "num_chunks": chunks}
+            "dtype": draw(float_dtypes(tuple(dtypes))), "batch": spec, "num_chunks": chunks}
     if model == "mistral_large4":
         case["shard_primary"] = draw(st.booleans())
     if n == 1 and draw(st.booleans()):
@@ -309,7 +352,7 @@ def sharder_cases(draw, allowed_sizes=None) -> dict:
     """``shard_token_tensor`` / ``gather_token_tensor`` round trips (sequence not a multiple of N included)."""
     n = draw(world_sizes(allowed_sizes))
     case = {"check": "sharder_roundtrip", "world_size": n, "seed": draw(seeds),
-            "dtype": draw(st.sampled_from(("float64", "float32"))),
+            **_payload({}, draw(payload_dtypes())),
             "shape": [draw(st.integers(min_value=1, max_value=3)), draw(st.integers(min_value=1, max_value=19)),
                       draw(st.integers(min_value=1, max_value=3))]}
     if n == 1 and draw(st.booleans()):

@@ -6,13 +6,17 @@ row, seeded by ``--seed``), the pool runs them and the oracle judges them. A
 failing row is shrunk by Hypothesis to a small case, its error maps are
 written and its reproduction command printed. The table lists, per row:
 examples run, passed, the largest error in ULPs (``exact`` for data movement,
-which must match bit for bit), and the bytes moved over the wire compared
-with the analytic minimum (``cp_harness.comm_minimum``; ``-`` where there is
-no closed form, e.g. whole models; ``unaccounted`` where the meter saw
-communication it could not attribute, so no ratio is given). ``--json PATH``
-writes the same report as JSON (see ``report_dict``). Exit status: 0 when
-every row passed, 1 on any failure, 2 when the run could not start (bad
-arguments, no GPUs, an implementation that does not import).
+which must match bit for bit), the worst CP excess (CP error / error of the
+same implementation on one rank, ``cp_harness.excess``; ``-`` where nothing
+is arithmetic or every case had one rank), and the bytes moved over the wire
+compared with the analytic minimum (``cp_harness.comm_minimum``; ``-`` where
+there is no closed form, e.g. whole models; ``unaccounted`` where the meter saw
+communication it could not attribute, so no ratio is given). ``--dtypes``
+restricts the dtypes the cases draw (rows without any of them are left out),
+``--rows`` the rows run. ``--json PATH`` writes the same report as JSON (see
+``report_dict``). Exit status: 0 when every row passed, 1 on any failure, 2
+when the run could not start (bad arguments, no GPUs, an implementation that
+does not import).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from hypothesis import HealthCheck, Phase, example, given, seed as hypothesis_se
 from hypothesis import strategies as st
 
 from cp_harness import comm_minimum, coverage, strategies
-from cp_harness.cases import canonical
+from cp_harness.cases import canonical, payload_dtype
 from cp_harness.errormap import error_map_dir, write_error_maps
 from cp_harness.pool import PoolConfig
 from cp_harness.runner import CaseRunner, repro_command
@@ -44,12 +48,16 @@ class Row:
     name: str
     strategy: Callable[[tuple[int, ...]], st.SearchStrategy[dict]]
     functions: tuple[str, ...] = ()  # the documented functions this row claims to exercise (each must run)
+    dtypes: tuple[str, ...] = ()  # payload dtypes its cases may draw (``()``: none, layouts and positions)
     explicit: tuple[dict, ...] = ()  # cases run before the generated ones (the claims' witnesses, regressions)
     called: set = dataclasses.field(default_factory=set)  # documented functions its cases called on the ranks
     examples: int = 0
     passed: int = 0
     failed: int = 0
     max_ulp: float = 0.0
+    max_excess: float | None = None  # worst CP error / one-rank error (cp_harness.excess)
+    examples_by_dtype: dict = dataclasses.field(default_factory=dict)
+    failed_by_dtype: dict = dataclasses.field(default_factory=dict)
     arithmetic: bool = False  # some comparison was in ULPs (else: data movement, compared bit for bit)
     moved_bytes: int = 0
     minimum_bytes: int = 0
@@ -75,6 +83,9 @@ class Row:
             return "exact" if self.ok else "NOT EXACT"
         return f"{self.max_ulp:.3g}"
 
+    def excess_text(self) -> str:
+        return "-" if self.max_excess is None else f"{self.max_excess:.3g}"
+
     def as_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.name not in ("strategy", "failing_report", "explicit", "called")}
@@ -89,9 +100,9 @@ class Row:
         return data
 
 
-def _filtered(check: str):
+def _gathers(check: str):
     def make(sizes):
-        return strategies.gather_cases(sizes).filter(lambda c: c["check"] == check)
+        return strategies.gather_cases(sizes, check=check)
     return make
 
 
@@ -107,37 +118,65 @@ _MISTRAL_BSHD = {"check": "mistral_large4_layout", "world_size": 2, "seed": 3, "
                  "shard_primary": False, "batch": {"format": "bshd", "seq_len": 7, "rows": [[2, 5], [0, 7]]}}
 
 _SHARDER = ("sharder.shard", "sharder.shard_token_tensor", "sharder.local_token_global_indices")
+_INKLING2_MODEL = ("inkling2.prepare_cp_inputs", "inkling2.gather_sequence", *_SHARDER)
+_MISTRAL_MODEL = ("mistral_large4.prepare_cp_inputs", "mistral_large4.gather_tokens", *_SHARDER)
+
+
+_PAYLOADS = strategies.FLOAT_DTYPES + strategies.VALUE_DTYPES
 
 
 def default_rows() -> list[Row]:
-    """The report's rows: every documented function (grouped as they are called), the sharder, both models.
+    """The report's rows: every documented function (grouped as they are called), the sharder, both models
+    (float64, and bfloat16 end to end: parameters, activations, gradients).
 
     Each row's ``functions`` are claims: ``verify`` fails a row whose cases never called one of them through
     the documented API (``cp_harness.coverage``).
     """
+    floats = strategies.FLOAT_DTYPES
     return [
-        Row("inkling2.gather_sequence", _filtered("gather_sequence"), ("inkling2.gather_sequence",)),
-        Row("inkling2.convolution_history", lambda s: strategies.history_cases(s), ("inkling2.convolution_history",)),
+        Row("inkling2.gather_sequence", _gathers("gather_sequence"), ("inkling2.gather_sequence",), _PAYLOADS),
+        Row("inkling2.convolution_history", lambda s: strategies.history_cases(s), ("inkling2.convolution_history",),
+            _PAYLOADS),
         Row("inkling2.prepare_cp_inputs + unpack_row_layout",
             lambda s: strategies.layout_cases(s).filter(lambda c: c["model"] == "inkling2"),
             ("inkling2.prepare_cp_inputs", "inkling2.unpack_row_layout", *_SHARDER), explicit=(_INKLING2_PACKED,)),
         Row("inkling2.validate_document_positions", lambda s: strategies.position_cases(s),
             ("inkling2.validate_document_positions",)),
-        Row("mistral_large4.gather_tokens", _filtered("gather_tokens"), ("mistral_large4.gather_tokens",)),
+        Row("mistral_large4.gather_tokens", _gathers("gather_tokens"), ("mistral_large4.gather_tokens",), _PAYLOADS),
         Row("mistral_large4.prepare_cp_inputs (BSHD/THD)",
             lambda s: strategies.layout_cases(s).filter(lambda c: c["model"] == "mistral_large4"),
             ("mistral_large4.prepare_cp_inputs", "mistral_large4.prepare_packed_cp_inputs", *_SHARDER),
             explicit=(_MISTRAL_DIRECT_PACKED, _MISTRAL_BSHD)),
-        Row("mistral_large4.shifted_cp_loss", lambda s: strategies.loss_cases(s), ("mistral_large4.shifted_cp_loss",)),
+        Row("mistral_large4.shifted_cp_loss", lambda s: strategies.loss_cases(s), ("mistral_large4.shifted_cp_loss",),
+            floats),
         Row("sharder.shard_token_tensor + gather_token_tensor", lambda s: strategies.sharder_cases(s),
-            (*_SHARDER, "sharder.gather_token_tensor")),
+            (*_SHARDER, "sharder.gather_token_tensor"), _PAYLOADS),
         Row("model: Inkling2-mini (float64)",
             lambda s: strategies.model_cases(s, dtypes=("float64",)).filter(lambda c: c["model"] == "inkling2"),
-            ("inkling2.prepare_cp_inputs", "inkling2.gather_sequence", *_SHARDER)),
+            _INKLING2_MODEL, ("float64",)),
         Row("model: MistralLarge4-mini (float64)",
             lambda s: strategies.model_cases(s, dtypes=("float64",)).filter(lambda c: c["model"] == "mistral_large4"),
-            ("mistral_large4.prepare_cp_inputs", "mistral_large4.gather_tokens", *_SHARDER)),
+            _MISTRAL_MODEL, ("float64",)),
+        Row("model: Inkling2-mini (bfloat16)",
+            lambda s: strategies.model_cases(s, dtypes=("bfloat16",)).filter(lambda c: c["model"] == "inkling2"),
+            _INKLING2_MODEL, ("bfloat16",)),
+        Row("model: MistralLarge4-mini (bfloat16)",
+            lambda s: strategies.model_cases(s, dtypes=("bfloat16",)).filter(lambda c: c["model"] == "mistral_large4"),
+            _MISTRAL_MODEL, ("bfloat16",)),
     ]
+
+
+def select_rows(rows: list[Row], *, dtypes: tuple[str, ...] | None = None, names: tuple[str, ...] = ()) -> list[Row]:
+    """Rows whose cases can draw one of ``dtypes`` (``None``: all; a row without a payload dtype counts as
+    ``"layout"``) and whose name contains one of ``names`` (empty: all)."""
+    out = []
+    for row in rows:
+        if dtypes is not None and not set(row.dtypes or ("layout",)) & set(dtypes):
+            continue
+        if names and not any(n in row.name for n in names):
+            continue
+        out.append(row)
+    return out
 
 
 class Progress:
@@ -195,6 +234,8 @@ def _run_row(row: Row, runner: CaseRunner, sizes, examples: int, seed: int, prog
             report = runner.run(case)
             row.called |= report.called
             row.examples += 1
+            dtype = payload_dtype(case)
+            row.examples_by_dtype[dtype] = row.examples_by_dtype.get(dtype, 0) + 1
             progress.step(row.name if not shrink_started else f"{row.name}: shrinking a failure")
             moved, minimum = comm_minimum.moved_and_minimum(case, report)
             if moved is None:
@@ -205,10 +246,14 @@ def _run_row(row: Row, runner: CaseRunner, sizes, examples: int, seed: int, prog
             row.arithmetic = row.arithmetic or any(c.mode == "ulp" for c in report.comparisons)
             if report.max_ulp == report.max_ulp:  # not NaN
                 row.max_ulp = max(row.max_ulp, report.max_ulp)
+            excess = report.max_excess
+            if excess is not None and excess == excess:
+                row.max_excess = excess if row.max_excess is None else max(row.max_excess, excess)
             if report.ok:
                 row.passed += 1
                 return
             row.failed += 1
+            row.failed_by_dtype[dtype] = row.failed_by_dtype.get(dtype, 0) + 1
             if not shrink_started:
                 shrink_started.append(time.perf_counter())
             failing[key] = report
@@ -270,21 +315,41 @@ def condensed_failure(report, max_tensors: int = 4, max_also: int = 2) -> str:
     return "\n".join(lines)
 
 
-TABLE_HEADER = ("function / model", "examples", "passed", "max ULP", "comm moved/min")
+TABLE_HEADER = ("function / model", "examples", "passed", "max ULP", "CP excess", "comm moved/min")
 
 
 def format_table(rows: list[Row]) -> str:
     """The report table: one line per row, ``FAILED`` at the end of a failing one."""
     width = max([48] + [len(r.name) for r in rows])
     header = (f"{TABLE_HEADER[0]:<{width}} {TABLE_HEADER[1]:>8} {TABLE_HEADER[2]:>7} {TABLE_HEADER[3]:>9} "
-              f"{TABLE_HEADER[4]:>15}")
+              f"{TABLE_HEADER[4]:>9} {TABLE_HEADER[5]:>15}")
     lines = [header, "-" * len(header)]
     for row in rows:
         ratio = row.comm_ratio
         ratio_text = "unaccounted" if row.unaccounted_ops else "-" if ratio is None else f"{ratio:.2f}"
-        lines.append(f"{row.name:<{width}} {row.examples:>8} {row.passed:>7} {row.ulp_text():>9} {ratio_text:>15}"
-                     + ("   FAILED" if not row.ok else ""))
+        lines.append(f"{row.name:<{width}} {row.examples:>8} {row.passed:>7} {row.ulp_text():>9} "
+                     f"{row.excess_text():>9} {ratio_text:>15}" + ("   FAILED" if not row.ok else ""))
     return "\n".join(lines)
+
+
+_DTYPE_ORDER = ("float64", "float32", "bfloat16", "float16", "int64", "int32", "bool", "layout")
+
+
+def _by_dtype(counts: dict[str, int]) -> str:
+    order = {d: i for i, d in enumerate(_DTYPE_ORDER)}
+    return ", ".join(f"{d}: {counts[d]}" for d in sorted(counts, key=lambda d: (order.get(d, 99), d))) or "none"
+
+
+def dtype_totals(rows: list[Row]) -> tuple[dict[str, int], dict[str, int]]:
+    """``(examples, failed)`` per payload dtype over all rows."""
+    examples: dict[str, int] = {}
+    failed: dict[str, int] = {}
+    for row in rows:
+        for d, n in row.examples_by_dtype.items():
+            examples[d] = examples.get(d, 0) + n
+        for d, n in row.failed_by_dtype.items():
+            failed[d] = failed.get(d, 0) + n
+    return examples, failed
 
 
 def json_safe(value):
@@ -312,10 +377,15 @@ def report_dict(*, impl: str, backend: str, world_sizes, seed: int, examples: in
         "examples": sum(r.examples for r in rows),
         "seconds": round(seconds, 3),
         "examples_per_world_size": {str(k): v for k, v in sorted(counts.items())},
+        "examples_per_dtype": dtype_totals(rows)[0],
+        "failed_per_dtype": dtype_totals(rows)[1],
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "columns": {"examples": "cases run (a failing row includes Hypothesis' shrinking runs)",
                     "passed": "cases that passed",
                     "max_ulp": "largest error of any arithmetic comparison, in ULPs of the compared dtype",
+                    "max_excess": "largest CP excess: CP error / (error of the same implementation on one rank + "
+                                  "floor / c); a tensor fails above c (cp_harness.excess); null: not judged",
+                    "examples_by_dtype": "cases run per payload dtype (layout: no floating payload)",
                     "comparison": "exact (data movement, bit for bit) or ulp (arithmetic within cp_harness.budgets)",
                     "comm_ratio": "payload bytes sent / analytic minimum (cp_harness.comm_minimum); null: no closed "
                                   "form, or unaccounted_ops is not empty",
@@ -348,10 +418,17 @@ def _preflight(impl: str, backend: str, world_size: int) -> str | None:
 
 def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backend: str, seed: int,
                json_path: str | None, rows: list[Row] | None = None, stream=None, error_dir: str | None = None,
-               progress_stream=None, shrink_seconds: float = 120.0) -> int:
+               progress_stream=None, shrink_seconds: float = 120.0, dtypes: tuple[str, ...] | None = None,
+               row_names: tuple[str, ...] = ()) -> int:
     """Run the verification; print the table (and failures); return the exit code (0 = all passed, 1 = a failure, 2 = could not run)."""
     stream = stream if stream is not None else sys.stdout
-    rows = rows or default_rows()
+    rows = select_rows(rows or default_rows(), dtypes=dtypes, names=row_names)
+    if not rows:
+        print(f"cp_harness verify: cannot run: no row matches --dtypes {dtypes} / --rows {list(row_names)}",
+              file=sys.stderr)
+        return 2
+    if dtypes is not None:
+        strategies.configure_dtypes(tuple(d for d in dtypes if d != "layout") or strategies.FLOAT_DTYPES)
     ranks = max(world_sizes)
     problem = _preflight(impl, backend, ranks)
     if problem:
@@ -377,6 +454,8 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
     finally:
         progress.finish()
         runner.close()
+        if dtypes is not None:
+            strategies.configure_dtypes(strategies.FLOAT_DTYPES + strategies.VALUE_DTYPES)
     seconds = time.perf_counter() - started
     print(f"cp_harness verify: implementation {impl!r}, backend {backend}, world sizes {list(world_sizes)}, "
           f"seed {seed}, {examples} examples per row", file=stream)
@@ -385,6 +464,9 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
     failed = [r for r in rows if not r.ok]
     print(f"{total} examples in {seconds:.1f} s; examples per world size: "
           + ", ".join(f"N={n}: {runner.counts[n]}" for n in sorted(runner.counts)), file=stream)
+    per_dtype, failed_dtype = dtype_totals(rows)
+    print(f"examples per dtype: {_by_dtype(per_dtype)}; failed per dtype: {_by_dtype(failed_dtype)}; "
+          f"one-rank baseline runs: {runner.baseline_runs}", file=stream)
     for row in failed:
         print(f"\nFAILED {row.name}", file=stream)
         if row.failing_case is not None:

@@ -9,7 +9,8 @@ Communication per call (``N`` ranks, local payload ``P`` bytes):
 
 - handshake: one ``all_gather_single`` of ``DESCRIPTOR_LEN`` int64 per rank;
 - gather: one ``all_gather_single`` of ``P`` forward, one
-  ``reduce_scatter_single`` of ``N*P`` backward;
+  ``reduce_scatter_single`` of ``N*P`` backward (bfloat16/float16: one
+  ``all_to_all_single`` of the same bytes instead, summed locally in float32);
 - halo: point-to-point messages from exactly the ranks that own the history
   rows, and the reverse messages for the gradient;
 - boundary: one ``[B]`` int64 message from rank ``r+1`` to rank ``r``;
@@ -194,11 +195,34 @@ def _all_gather(value: torch.Tensor, cp: CPMesh, dim: int) -> torch.Tensor:
     return out.movedim(0, dim).reshape(merged)
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Sums of bfloat16/float16 values are accumulated in float32 and rounded once; other dtypes in themselves."""
+    return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
 def _reduce_scatter(grad: torch.Tensor, cp: CPMesh, dim: int) -> torch.Tensor:
+    """Sum over ranks of every rank's gradient slice of this rank's shard.
+
+    float32/float64: one ``reduce_scatter_single`` (the backend sums in the
+    payload's dtype). bfloat16/float16: a backend would keep its partial sums in
+    the payload's precision and round ``N - 1`` times, so the slices travel
+    unchanged in one ``all_to_all_single`` (the same bytes per rank) and are
+    summed here in float32, in rank order, then rounded once.
+    """
     shape = list(grad.shape)
     local = shape[dim] // cp.size
     split = shape[:dim] + [cp.size, local] + shape[dim + 1:]
     chunks = grad.reshape(split).movedim(dim, 0).contiguous()  # [N, ..., local, ...]
+    if grad.dtype in LOW_PRECISION:
+        received = torch.empty_like(chunks)  # received[i]: rank i's gradient of this rank's shard
+        dist.all_to_all_single(received.view(cp.size, -1), chunks.view(cp.size, -1), group=cp.group)
+        total = received[0].to(torch.float32)
+        for i in range(1, cp.size):
+            total = total + received[i].to(torch.float32)
+        return total.to(grad.dtype)
     out = torch.empty(chunks.shape[1:], dtype=grad.dtype, device=grad.device)
     dist.reduce_scatter_single(out.view(-1), chunks.view(-1), group=cp.group)
     return out
@@ -328,9 +352,12 @@ class _HaloFn(torch.autograd.Function):
         outgoing = [(src, grad[:, hs:hs + count].contiguous()) for src, hs, count in recv]
         buffers = [(dst, torch.empty(batch, count, channels, dtype=grad.dtype, device=grad.device)) for dst, _, count in send]
         _exchange(cp, outgoing, buffers)
+        # A row's own gradient plus those of every later rank that read it: accumulated in float32 for
+        # bfloat16/float16 and rounded once, like the gather's backward.
+        wide = grad_in.to(accumulation_dtype(grad_in.dtype))
         for (_, start, count), (_, buf) in zip(send, buffers):
-            grad_in[:, start:start + count] += buf
-        return grad_in, None, None
+            wide[:, start:start + count] += buf
+        return (wide if wide.dtype == grad_in.dtype else wide.to(grad_in.dtype)), None, None
 
 
 def halo_history(masked: torch.Tensor, cp: CPMesh, history: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Both models run on global tensors with dense masks. The layout (``keep``,
 ``document_ids``, ``positions``) comes from :func:`oracle.layout.layout_from_batch`.
-Everything is computed in the dtype of the parameters (float64 or float32).
+Everything is computed in the dtype of the parameters (float64 or float32; the
+harness runs the oracle in float64 on parameters rounded to bfloat16/float16).
 
 Batch keys read by the forwards:
 
@@ -176,8 +177,8 @@ def mistral_large4_param_shapes(config: MistralLarge4Config) -> list[_ParamSpec]
 
 def _draw_params(specs: list[_ParamSpec], seed: int, dtype: torch.dtype) -> dict[str, Tensor]:
     """Draw ``specs`` in order from one float64 generator, then cast to ``dtype``."""
-    if dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"dtype must be torch.float64 or torch.float32, got {dtype}")
+    if dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be torch.float64, torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
     generator = torch.Generator().manual_seed(int(seed))
     params: dict[str, Tensor] = {}
     for name, shape, kind in specs:

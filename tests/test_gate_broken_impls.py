@@ -35,9 +35,11 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 LOSS_ROW = "mistral_large4.shifted_cp_loss"
 MISTRAL_MODEL_ROW = "model: MistralLarge4-mini (float64)"
+MISTRAL_BF16_ROW = "model: MistralLarge4-mini (bfloat16)"
 HISTORY_ROW = "inkling2.convolution_history"
 INKLING2_MODEL_ROW = "model: Inkling2-mini (float64)"
 INKLING2_LAYOUT_ROW = "inkling2.prepare_cp_inputs + unpack_row_layout"
+INKLING2_BF16_ROW = "model: Inkling2-mini (bfloat16)"
 
 
 def _run(args: list[str], tmp_path: Path, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -108,6 +110,9 @@ def test_verify_passes_on_the_bundled_implementation(tmp_path):
     assert list(table) == names, proc.stdout
     assert not any(table.values()), proc.stdout
     assert "examples per world size: N=1:" in proc.stdout and "N=8:" in proc.stdout
+    assert "CP excess" in proc.stdout.splitlines()[1]  # the column of cp_harness.excess
+    per_dtype = next(line for line in proc.stdout.splitlines() if line.startswith("examples per dtype:"))
+    assert "bfloat16:" in per_dtype and "failed per dtype: none" in per_dtype, per_dtype
     assert "progress:" in proc.stderr or "[" in proc.stderr  # the progress bar (plain lines when not a terminal)
     report = json.loads(report_path.read_text())
     assert report["ok"] is True and report["failed_rows"] == [] and report["impl"] == "cp_impl"
@@ -126,7 +131,8 @@ def test_verify_fails_on_a_loss_divided_by_the_local_count(tmp_path):
     proc, table, report = _verify_broken("broken_gate_loss_local_count", tmp_path)
     failed = {name for name, bad in table.items() if bad}
     assert LOSS_ROW in failed, proc.stdout
-    assert failed <= {LOSS_ROW, MISTRAL_MODEL_ROW}, f"only the loss and the model using it may fail:\n{proc.stdout}"
+    assert failed <= {LOSS_ROW, MISTRAL_MODEL_ROW, MISTRAL_BF16_ROW}, \
+        f"only the loss and the model using it may fail:\n{proc.stdout}"
     assert f"FAILED {LOSS_ROW}" in proc.stdout
     assert "d loss / d logits" in proc.stdout or "loss (mean over ranks)" in proc.stdout
     assert "reproduce: python -m cp_harness run-case --impl broken_gate_loss_local_count" in proc.stdout
@@ -171,7 +177,8 @@ def test_verify_fails_on_a_halo_that_drops_the_boundary_row(tmp_path):
     proc, table, report = _verify_broken("broken_gate_halo", tmp_path)
     failed = {name for name, bad in table.items() if bad}
     assert HISTORY_ROW in failed, proc.stdout
-    assert failed <= {HISTORY_ROW, INKLING2_MODEL_ROW}, f"only the halo and the model using it may fail:\n{proc.stdout}"
+    assert failed <= {HISTORY_ROW, INKLING2_MODEL_ROW, INKLING2_BF16_ROW}, \
+        f"only the halo and the model using it may fail:\n{proc.stdout}"
     assert "history@rank" in proc.stdout or "gradient returned to each owner" in proc.stdout
     maps = _error_maps(proc.stdout)
     assert maps, proc.stdout

@@ -82,8 +82,11 @@ def test_params_seed_and_dtype(name):
         assert not torch.equal(a[key], c[key])
         assert f32[key].dtype == torch.float32 and f32[key].is_leaf and f32[key].requires_grad
         assert torch.equal(f32[key], a[key].detach().to(torch.float32))
+    for low in (torch.bfloat16, torch.float16):  # the rounded float64 draws, as for float32
+        params = init(config, 7, dtype=low)
+        assert all(torch.equal(params[k], a[k].detach().to(low)) and params[k].dtype == low for k in a)
     with pytest.raises(ValueError, match="dtype"):
-        init(config, 7, dtype=torch.float16)
+        init(config, 7, dtype=torch.int64)
 
 
 def test_config_defaults():

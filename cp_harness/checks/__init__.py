@@ -74,6 +74,12 @@ class CaseReport:
         values = [c.max_ulp for c in self.comparisons if c.mode == "ulp"]
         return max(values) if values else 0.0
 
+    @property
+    def max_excess(self) -> float | None:
+        """The largest CP excess over the one-rank baseline (``cp_harness.excess``); ``None`` when not judged."""
+        values = [c.excess for c in self.comparisons if c.excess is not None]
+        return max(values) if values else None
+
     def failures(self) -> list[TensorComparison]:
         return [c for c in self.comparisons if not c.ok]
 
@@ -92,7 +98,9 @@ class CaseReport:
         passed = [c for c in self.comparisons if c.ok]
         if passed:
             lines.append("  passed: " + ", ".join(
-                f"{c.name}" + (f" ({c.max_ulp:.3g} ULP)" if c.mode == "ulp" else " (exact)") for c in passed))
+                f"{c.name}" + ((f" ({c.max_ulp:.3g} ULP" + (f"; normwise {c.excess_error:.3g}, one rank {c.baseline_ulp:.3g}, excess {c.excess:.3g}"
+                                                           if c.excess is not None else "") + ")")
+                               if c.mode == "ulp" else " (exact)") for c in passed))
         if not self.comparisons:
             lines.append("  nothing was compared")
         return "\n".join(lines)

@@ -4,7 +4,18 @@ Every rank gets random soft-capped logits for its shard, the unshifted labels
 and the flattened keep mask of the case's layout (divisibility padding is not
 kept). The mean of the per-rank losses must equal the oracle's global mean,
 and the per-rank gradients, averaged over ranks as FSDP does, the gradient of
-that mean. Case keys: ``batch`` (layout), ``vocab`` (logit width).
+that mean. Case keys: ``batch`` (layout), ``vocab`` (logit width), ``dtype``
+(of the logits), ``pad_multiple`` (optional: the logits are drawn for the
+sequence padded to a multiple of this instead of ``world_size``; the one-rank
+baseline of ``cp_harness.excess`` sets it so that it sees the very logits of
+the CP case).
+
+bfloat16/float16 logits: the contract (SPEC: logits are upcast to at least
+float32) is that the loss is accumulated and returned in float32, and the
+gradient computed in float32 and rounded once to the logits' dtype. So the
+loss values are measured in float32 ULPs against the float32 budget, the
+gradient in ULPs of the logits' dtype, and a loss returned in another dtype
+is a problem.
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ import numpy as np
 import torch
 
 from cp_harness.budgets import budget_for
-from cp_harness.cases import IGNORE_INDEX, build_batch, dtype_of, padded_length, random_tensor
+from cp_harness.cases import IGNORE_INDEX, LOW_PRECISION, build_batch, dtype_of, padded_length, random_tensor
 from cp_harness.checks import CaseReport, register, stack_ranks
 from cp_harness.compare import TokenGrid, compare
 from oracle.layout import layout_from_batch
@@ -29,7 +40,7 @@ def loss_inputs(case: dict):
     batch = build_batch(case)
     layout = layout_from_batch(batch)
     B, S = batch["input_ids"].shape
-    S_pad = padded_length(S, n)
+    S_pad = padded_length(S, int(case.get("pad_multiple", n)))
     V = int(case.get("vocab", 11))
     raw = random_tensor(case, "logits", (B, S_pad, V), dtype=dtype_of(case)) * 3
     logits = SOFTCAP * torch.tanh(raw / SOFTCAP)
@@ -58,20 +69,50 @@ def per_position_ce(logits: torch.Tensor, labels: torch.Tensor, counted: torch.T
     return torch.where(counted, picked, torch.zeros_like(picked))
 
 
+def cross_entropy_scale(logits: torch.Tensor, counted: torch.Tensor, *, shifted: bool) -> float:
+    """The scale at which any computation of these cross-entropies rounds: the mean, over the counted
+    positions, of ``max(|logsumexp|, max |logit|)`` of the row that predicts.
+
+    A cross-entropy is ``logsumexp - picked``; its rounding is relative to those terms (a few units for
+    soft-capped logits), not to their difference, which is tiny for a confident prediction. An
+    implementation that shares the oracle's log-softmax kernel rounds the same way and hides this; one
+    computing ``logsumexp - picked`` (``tests/fixtures/alt_reduction_order``) showed 400 float64 ULPs of a
+    0.002 loss, at 2e-16 absolute.
+    """
+    rows = logits.detach().to(torch.float64)
+    mask = torch.zeros_like(counted)
+    if shifted:
+        mask[:, :-1] = counted[:, :-1]
+    else:
+        mask = counted
+    if not bool(mask.any()):
+        return 0.0
+    rows = rows[mask]
+    terms = torch.maximum(torch.logsumexp(rows, dim=-1).abs(), rows.abs().amax(dim=-1))
+    return float(terms.mean())
+
+
 def compare_rank_losses(report: CaseReport, outputs: list, per_position: torch.Tensor, count: int, budget,
-                        ulp_dtype: str, index_maps: list | None = None) -> None:
+                        ulp_dtype: str, scale: float | None = None, index_maps: list | None = None) -> None:
     """Each rank's loss must be its own sum x N / global count (SPEC), not only their mean: a rank
     returning the global mean everywhere has the right mean and the wrong per-rank gradient scale.
-    ``per_position [B, S_pad]`` in global order; ``index_maps``: each rank's global positions (default contiguous)."""
+
+    ``per_position [B, S_pad]`` in global order; ``index_maps``: each rank's global positions (default
+    contiguous); ``scale``: the loss's rounding scale (``cross_entropy_scale``); default the global loss itself."""
     n = len(outputs)
     L = per_position.shape[1] // n
+    # A rank's loss is its share of the global loss (their mean): judged at the global loss's scale (or
+    # the cross-entropy's, when given), as parameter gradients are judged at the model's gradient scale.
+    global_loss = abs(float(per_position.sum())) / count if count > 0 else 0.0
+    scale = max(global_loss, scale or 0.0)
     for o in outputs:
         owned = (torch.as_tensor(index_maps[o.rank]) if index_maps is not None
                  else torch.arange(o.rank * L, (o.rank + 1) * L))
         local_sum = per_position.index_select(1, owned).sum()
         expected = local_sum * n / count if count > 0 else torch.zeros((), dtype=torch.float64)
         report.add(compare(f"loss@rank{o.rank} (local sum x N / global count)", o.tensors["loss"], expected.numpy(),
-                           mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction, ulp_dtype=ulp_dtype))
+                           mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction, ulp_dtype=ulp_dtype,
+                           reference_scale=scale))
 
 
 def _rank(case: dict, ctx) -> tuple[dict, dict]:
@@ -98,23 +139,34 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     loss_sum, count = shifted_cross_entropy(ref_logits, labels, keep)
     ref = mean_loss(loss_sum, count)
     ref.backward()
+    dtype = case.get("dtype", "float64")
+    # The loss is accumulated in float32 for bfloat16/float16 logits: judged as a float32 loss.
+    loss_dtype = "float32" if dtype in LOW_PRECISION else dtype
+    loss_budget = budget_for("shifted_cp_loss", {"dtype": loss_dtype})
     budget = budget_for("shifted_cp_loss", case)
     losses = np.array([float(o.tensors["loss"]) for o in outputs])
     report.require(bool(np.all(np.isfinite(losses))), f"losses must be finite, got {losses.tolist()}")
     for o in outputs:
         report.require(o.info["loss_requires_grad"], f"rank {o.rank}: the loss must take part in autograd")
+        report.require(o.info["loss_dtype"] == f"torch.{loss_dtype}",
+                       f"rank {o.rank}: loss dtype {o.info['loss_dtype']} for {dtype} logits; the contract upcasts "
+                       f"logits to at least float32 and returns the loss in torch.{loss_dtype}")
     mean = np.array(losses.sum() / n)
-    report.add(compare("loss (mean over ranks)", mean, ref.detach().numpy(), mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
-                       ulp_dtype=case.get("dtype", "float64")))
-    grad = stack_ranks(outputs, "grad") / n
-    report.add(compare("d loss / d logits", grad, ref_logits.grad.numpy(), mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
-                       grid=TokenGrid(L, n), ulp_dtype=case.get("dtype", "float64")))
-    if int(count) == 0:
-        report.add(compare("loss when nothing counts", losses, np.zeros(n), mode="exact"))
     counted = torch.zeros_like(keep)
     counted[:, :-1] = keep[:, :-1] & keep[:, 1:] & (labels[:, 1:] != IGNORE_INDEX)
-    compare_rank_losses(report, outputs, per_position_ce(logits, labels, counted, shifted=True), int(count), budget,
-                        case.get("dtype", "float64"))
+    # Rounding scales (see cross_entropy_scale): the loss at its rows' log-sum-exp, the gradient
+    # (softmax - one-hot) / count at 1 / count, whatever cancellation leaves of them.
+    loss_scale = cross_entropy_scale(logits, counted, shifted=True)
+    grad_scale = 1.0 / int(count) if int(count) > 0 else None
+    report.add(compare("loss (mean over ranks)", mean, ref.detach().numpy(), mode="ulp", budget_ulp=loss_budget.ulp,
+                       floor_fraction=loss_budget.floor_fraction, ulp_dtype=loss_dtype, reference_scale=loss_scale))
+    grad = stack_ranks(outputs, "grad") / n
+    report.add(compare("d loss / d logits", grad, ref_logits.grad.numpy(), mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
+                       grid=TokenGrid(L, n), ulp_dtype=dtype, reference_scale=grad_scale))
+    if int(count) == 0:
+        report.add(compare("loss when nothing counts", losses, np.zeros(n), mode="exact"))
+    compare_rank_losses(report, outputs, per_position_ce(logits, labels, counted, shifted=True), int(count), loss_budget,
+                        loss_dtype, scale=loss_scale)
     # Positions that predict nothing must get exactly zero gradient.
     predicts = torch.zeros_like(keep)
     predicts[:, :-1] = keep[:, :-1] & keep[:, 1:] & (labels[:, 1:] != IGNORE_INDEX)

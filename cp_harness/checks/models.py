@@ -147,7 +147,8 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
         counted[:, :-1] = (keep_pad[:, :-1] & keep_pad[:, 1:] & (labels[:, 1:] != IGNORE_INDEX)
                            & (docs[:, :-1] == docs[:, 1:]))
         per_position = per_position_ce(logits_pad, labels, counted, shifted=True)
-    compare_rank_losses(report, outputs, per_position, int(out.count), budget, ulp_dtype, reported.index_maps)
+    compare_rank_losses(report, outputs, per_position, int(out.count), budget, ulp_dtype,
+                        index_maps=reported.index_maps)
 
     loss = np.array(sum(float(o.tensors["loss"]) for o in outputs) / n)
     report.add(compare("loss (mean over ranks)", loss, out.loss.detach().numpy(), mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,

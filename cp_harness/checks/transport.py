@@ -1,20 +1,29 @@
 """Data-movement checks: ``gather_sequence``, ``gather_tokens``, ``convolution_history``.
 
-All are pure data movement, so forward and backward must match bit for bit.
-Upstream gradients are integer-valued (different on every rank) so that the
-sums the backward performs are exact in any order.
+All are pure data movement, so forward and backward must match bit for bit,
+in every dtype. Upstream gradients differ on every rank. In float32/float64
+they are integer-valued, so the sums the backward performs are exact in any
+order. In bfloat16/float16 the contract of every sum of gradient
+contributions (a gather's backward over ranks, a halo row read by later
+ranks) is: accumulate in float32, round once to the payload's dtype. The
+upstream values are then dyadic numbers whose float32 sums are exact in any
+order but whose bfloat16/float16 partial sums round (``cases.upstream_values``),
+so the expected gradient is one bit pattern (``cases.accumulate``) and a
+backward that accumulates in the payload's precision is caught bit for bit.
 
 Case keys: ``shape`` (the *local* shape: ``[B, L, ...]`` for the inkling2
-functions, ``[T, ...]`` for ``gather_tokens``), ``differentiable`` (gathers),
-``value_dtype`` (optional, e.g. ``"int64"``/``"bool"`` for non-differentiable
-gathers), ``width`` (``convolution_history``).
+functions, ``[T, ...]`` for ``gather_tokens``), ``dtype`` (floating payload:
+float64, float32, bfloat16, float16), ``differentiable`` (gathers),
+``value_dtype`` (optional ``"int64"``/``"int32"``/``"bool"`` payload instead, not
+differentiated; gathers and ``convolution_history``), ``width``
+(``convolution_history``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from cp_harness.cases import build_batch, dtype_of, random_tensor
+from cp_harness.cases import accumulate, build_batch, dtype_of, random_tensor, upstream_values
 from cp_harness.checks import CaseReport, judge_token_layout, register, stack_ranks
 from cp_harness.compare import TokenGrid, compare
 from cp_harness.sharding import hook_sharder, layout_report
@@ -35,7 +44,7 @@ def global_value(case: dict, shape: list[int], seq_dim: int) -> torch.Tensor:
 
 
 def upstream_gradient(case: dict, rank: int, shape) -> torch.Tensor:
-    return random_tensor(case, f"upstream{rank}", tuple(shape), dtype=dtype_of(case), integer_valued=True)
+    return upstream_values(case, f"upstream{rank}", tuple(shape), dtype=dtype_of(case))
 
 
 def _gather_rank(seq_dim: int, function: str):
@@ -69,7 +78,7 @@ def _gather_evaluate(seq_dim: int):
         differentiable = bool(case.get("differentiable", True)) and value.is_floating_point()
         grid = TokenGrid(local_len, n) if seq_dim == 1 else None
         for o in outputs:
-            report.add(compare(f"output@rank{o.rank}", o.tensors["out"], value.numpy(), mode="exact", grid=grid))
+            report.add(compare(f"output@rank{o.rank}", o.tensors["out"], value, mode="exact", grid=grid))
             report.require(o.info["dtype"] == str(value.dtype), f"rank {o.rank}: output dtype {o.info['dtype']}, input {value.dtype}")
             if n == 1:
                 report.require(o.info["same_object"], "with one rank the documented result is the input object itself")
@@ -78,10 +87,10 @@ def _gather_evaluate(seq_dim: int):
             if not differentiable:
                 report.require(not o.info["requires_grad"], f"rank {o.rank}: differentiable=False must give no autograd history")
         if differentiable:
-            total = sum(upstream_gradient(case, r, value.shape) for r in range(n))
+            total = accumulate((upstream_gradient(case, r, value.shape) for r in range(n)), value.dtype)
             for o in outputs:
                 expected = total.narrow(seq_dim, o.rank * local_len, local_len)
-                report.add(compare(f"grad@rank{o.rank}", o.tensors["grad"], expected.numpy(), mode="exact"))
+                report.add(compare(f"grad@rank{o.rank}", o.tensors["grad"], expected, mode="exact"))
         return report
     return evaluate
 
@@ -90,12 +99,17 @@ def _history_rank(case: dict, ctx) -> tuple[dict, dict]:
     B, L, C = case["shape"]
     width = int(case["width"])
     value = global_value(case, [B, L, C], 1).to(ctx.device)
-    local = value[:, ctx.rank * L:(ctx.rank + 1) * L].clone().requires_grad_(True)
+    local = value[:, ctx.rank * L:(ctx.rank + 1) * L].clone()
+    differentiable = local.is_floating_point()  # integer and bool payloads move without autograd
+    if differentiable:
+        local.requires_grad_(True)
     out = ctx.impl.inkling2.convolution_history(local, ctx.mesh_for(case), width)
     info = {"dtype": str(out.dtype), "same_object": out is local}
-    out.backward(upstream_gradient(case, ctx.rank, out.shape).to(ctx.device))
-    grad = local.grad if local.grad is not None else torch.full_like(local, float("nan"))
-    return info, {"out": out, "grad": grad}
+    tensors = {"out": out}
+    if differentiable:
+        out.backward(upstream_gradient(case, ctx.rank, out.shape).to(ctx.device))
+        tensors["grad"] = local.grad if local.grad is not None else torch.full_like(local, float("nan"))
+    return info, tensors
 
 
 def _history_evaluate(case: dict, outputs: list) -> CaseReport:
@@ -106,17 +120,25 @@ def _history_evaluate(case: dict, outputs: list) -> CaseReport:
     h = width - 1
     value = global_value(case, [B, L, C], 1)
     padded = torch.cat([torch.zeros(B, h, C, dtype=value.dtype), value], dim=1)  # global row g sits at g + h
-    grad_total = torch.zeros_like(padded)
-    for r in range(n):
-        # Rank r's output rows are global rows r*L - h .. (r+1)*L - 1: padded rows r*L .. r*L + L + h.
-        grad_total[:, r * L:r * L + L + h] += upstream_gradient(case, r, (B, L + h, C))
     for o in outputs:
         r = o.rank
         # Local row i of rank r's history is global position r*L - h + i (negative: before the sequence).
-        report.add(compare(f"history@rank{r}", o.tensors["out"], padded[:, r * L:r * L + L + h].numpy(), mode="exact"))
+        report.add(compare(f"history@rank{r}", o.tensors["out"], padded[:, r * L:r * L + L + h], mode="exact"))
         report.require(not o.info["same_object"], f"rank {r}: convolution_history must return a new tensor")
+        report.require(o.info["dtype"] == str(value.dtype), f"rank {r}: history dtype {o.info['dtype']}, input {value.dtype}")
+    if not value.is_floating_point():
+        return report
+    # Every global row's gradient: its owner's own upstream plus that of each later rank whose history
+    # holds it, accumulated as the contract says (float32 for bfloat16/float16, rounded once).
+    contributions = []
+    for r in range(n):
+        # Rank r's output rows are global rows r*L - h .. (r+1)*L - 1: padded rows r*L .. r*L + L + h.
+        part = torch.zeros_like(padded)
+        part[:, r * L:r * L + L + h] = upstream_gradient(case, r, (B, L + h, C))
+        contributions.append(part)
+    grad_total = accumulate(contributions, value.dtype)
     # Gradients in global order, so a failure names the owning rank and its distance to the boundary.
-    report.add(compare("gradient returned to each owner", stack_ranks(outputs, "grad"), grad_total[:, h:h + n * L].numpy(),
+    report.add(compare("gradient returned to each owner", stack_ranks(outputs, "grad"), grad_total[:, h:h + n * L],
                        mode="exact", grid=TokenGrid(L, n)))
     return report
 
@@ -138,7 +160,14 @@ def _sharder_rank(case: dict, ctx) -> tuple[dict, dict]:
     mesh = ctx.mesh_for(case)
     sharder = hook_sharder(ctx.impl.inkling2.prepare_cp_inputs(batch), mesh)
     sharder.shard(batch)
-    value = global_value(case, [B, S, C], 1)[:, :S].clone().to(ctx.device).requires_grad_(True)
+    value = global_value(case, [B, S, C], 1)[:, :S].clone().to(ctx.device)
+    info, layout_tensors = {}, {}
+    if not value.is_floating_point():  # integer and bool payloads: the round trip without autograd
+        local = sharder.shard_token_tensor(value, fill=0)
+        info, layout_tensors = layout_report(sharder, mesh, local.shape[1], S, ctx.device)
+        return info, {"local": local, "restored": sharder.gather_token_tensor(local, trim=True),
+                      "untrimmed": sharder.gather_token_tensor(local), **layout_tensors}
+    value.requires_grad_(True)
     local = sharder.shard_token_tensor(value, fill=0)
     local.retain_grad()
     restored = sharder.gather_token_tensor(local, trim=True)
@@ -160,24 +189,26 @@ def _sharder_evaluate(case: dict, outputs: list) -> CaseReport:
     value = global_value(case, [B, S, C], 1)[:, :S]
     padded = torch.zeros(B, S_pad, C, dtype=value.dtype)
     padded[:, :S] = value
-    total = sum(upstream_gradient(case, r, (B, S, C)) for r in range(n))
+    total = accumulate((upstream_gradient(case, r, (B, S, C)) for r in range(n)), value.dtype)
     total_padded = torch.zeros(B, S_pad, C, dtype=value.dtype)
     total_padded[:, :S] = total
     for o, owned in zip(outputs, reported.index_maps):
         r = o.rank
         owned = torch.as_tensor(owned)
-        report.add(compare(f"shard_token_tensor@rank{r}", o.tensors["local"], padded.index_select(1, owned).numpy(),
+        report.add(compare(f"shard_token_tensor@rank{r}", o.tensors["local"], padded.index_select(1, owned),
                            mode="exact"))
-        report.add(compare(f"gather_token_tensor(trim=True)@rank{r}", o.tensors["restored"], value.numpy(), mode="exact",
+        report.add(compare(f"gather_token_tensor(trim=True)@rank{r}", o.tensors["restored"], value, mode="exact",
                            grid=grid))
-        report.add(compare(f"gather_token_tensor(trim=False)@rank{r}", o.tensors["untrimmed"], padded.numpy(),
+        report.add(compare(f"gather_token_tensor(trim=False)@rank{r}", o.tensors["untrimmed"], padded,
                            mode="exact", grid=grid))
+        if not value.is_floating_point():
+            continue
         report.add(compare(f"grad of the local shard@rank{r}", o.tensors["local_grad"],
-                           total_padded.index_select(1, owned).numpy(), mode="exact"))
+                           total_padded.index_select(1, owned), mode="exact"))
         # Through shard_token_tensor each rank's global input receives its own tokens' gradient only.
         own = torch.zeros(B, S_pad, C, dtype=value.dtype)
         own[:, owned] = total_padded[:, owned]
-        report.add(compare(f"grad of the global input@rank{r}", o.tensors["global_grad"], own[:, :S].numpy(),
+        report.add(compare(f"grad of the global input@rank{r}", o.tensors["global_grad"], own[:, :S],
                            mode="exact", grid=grid))
     return report
 
