@@ -163,7 +163,7 @@ def test_documented_differences_hold_and_are_listed():
     first_labels = packed["labels"].clone()
     _, local, _ = framework.shard_batch_contiguous(mesh, None, packed)
     assert local["labels"][0, 3].item() == first_labels[0, 3].item() != -100  # a document's first label kept
-    assert local["labels"].shape[1] == 8 and "document_ids" in local and local["document_ids"].shape[1] == 8 - 0
+    assert local["labels"].shape[1] == 8 and "document_ids" in local and local["document_ids"].shape[1] == 8
     differences.append("packed rows: shard_batch_contiguous does not mask each document's first label (SPEC: "
                        "prepare_packed_cp_inputs does) -> a packed mistral_large4 hook must not use it as its "
                        "strategy; the adapter keeps cp_impl's packed strategy and the layout check judges labels")

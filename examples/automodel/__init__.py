@@ -9,7 +9,11 @@ the framework's code, and nothing else changed:
 - ``deepseek_v41_gather``: ``deepseek_v41.cp.gather_sequence`` serves both gathers;
 - ``blockdiag_gather``: ``blockdiag_cp.exchange._AllGatherSeqDiff`` serves both gathers;
 - ``qwen3_8_flash_next_halo``: ``qwen3_8_flash_next.cp.qwen3_8_flash_next_cp_left_halo``
-  serves ``inkling2.convolution_history``.
+  serves ``inkling2.convolution_history``;
+- ``shard_batch_contiguous``: the framework's shared ``shard_batch_contiguous`` inside its own
+  ``ContextParallelSharder`` serves the hooks' sharding (packed mistral_large4 rows excepted);
+- ``framework_sharder``: the framework's ``ContextParallelSharder`` class around ``cp_impl``'s
+  strategies (the compatibility case of the sharder contract).
 
 Each module names what it serves in ``SERVES`` and the framework callable in
 ``FRAMEWORK_FUNCTION``; the adapters translate arguments (mesh to group,
@@ -20,4 +24,5 @@ more entry in ``ADAPTERS``. Importing this package does not import the
 framework; each adapter module does. Findings: ``docs/real_clients.md``.
 """
 
-ADAPTERS = ("kimi_linear_gather", "deepseek_v41_gather", "blockdiag_gather", "qwen3_8_flash_next_halo")
+ADAPTERS = ("kimi_linear_gather", "deepseek_v41_gather", "blockdiag_gather", "qwen3_8_flash_next_halo",
+            "shard_batch_contiguous", "framework_sharder")
