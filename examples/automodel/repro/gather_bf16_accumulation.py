@@ -1,0 +1,97 @@
+"""Repro: nemo-automodel 0.7.0 Kimi Linear ``all_gather_sequence`` sums bf16 gradients in bf16.
+
+Runs without the harness on three gloo ranks (self-spawning, or ``torchrun --nproc-per-node 3 gather_bf16_accumulation.py``).
+Exit status 1 when the defect shows, 0 when every gradient is right (``--fixed``).
+
+A gather's backward hands each rank the sum, over the N ranks, of the gradient slices of its own shard. With a
+bf16 payload the precision contract (README, "Production precision") is: accumulate in float32, round once to
+bf16. ``_AllGatherSequence.backward`` all-reduces the bf16 gradient, so every partial sum is rounded to bf16 (from
+three ranks on, the result depends on the reduction order and is off by up to an ULP per hop). Here each rank
+gathers ``x [1, 1, 64]`` bf16 and backpropagates seeded random bf16 gradients ``[1, 3, 64]``; the expected
+gradient is the float32 sum of the three ranks' slices, rounded once.
+
+``--fixed`` routes the same calls through ``FixedGather``, whose backward reduce-scatters float32 copies of the
+gradient slices and rounds the result once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+WORLD = 3
+
+
+class FixedGather(torch.autograd.Function):
+    """``[B, L, ...]`` -> ``[B, N*L, ...]`` along dim 1; backward: float32 reduce-scatter, rounded once."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pieces = [p.float().contiguous() for p in grad.chunk(dist.get_world_size(ctx.group), dim=1)]
+        mine = torch.empty_like(pieces[0])
+        dist.reduce_scatter(mine, pieces, group=ctx.group)
+        return mine.to(grad.dtype), None
+
+
+def upstream(rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + rank)
+    return (torch.randn(1, WORLD, 64, generator=g, dtype=torch.float64) * 4).to(torch.bfloat16)
+
+
+def main(rank: int, world: int, args) -> int:
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        if args.fixed:
+            gather = lambda t: FixedGather.apply(t, dist.group.WORLD)  # noqa: E731
+        else:
+            from nemo_automodel.components.models.kimi_linear.cp import all_gather_sequence
+            gather = lambda t: all_gather_sequence(t, dist.group.WORLD, dim=1)  # noqa: E731
+        x = torch.ones(1, 1, 64, dtype=torch.bfloat16, requires_grad=True)
+        gather(x).backward(upstream(rank))
+        expected = sum(upstream(r)[:, rank:rank + 1].float() for r in range(world)).to(torch.bfloat16)
+        wrong = int((x.grad != expected).sum())
+        print(f"rank {rank}: {wrong} of 64 gradient elements differ from the float32 sum rounded once", flush=True)
+        ok = torch.tensor([int(wrong == 0)])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if rank == 0:
+            print("every gradient is right" if ok.item() else "defect shows: bf16 partial sums", flush=True)
+        return 0 if ok.item() else 1
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(rank: int, world: int, port: int, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.exit(main(rank, world, args))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--fixed", action="store_true", help="use the proposed fix instead of the framework's gather")
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        sys.exit(main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args))
+    import socket
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    procs = [context.Process(target=_spawned, args=(r, WORLD, port, args)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    sys.exit(max((p.exitcode if p.exitcode is not None else 1) for p in procs))
