@@ -1,24 +1,32 @@
 """Installed like a user installs it, the plugin gates from any directory.
 
-A fresh virtual environment gets a regular (non-editable) install of a copy
-of the project's sources with its ``test`` extra, PyTorch pinned to the CPU
-build by ``constraints/cpu.txt``. Then, from a directory that has nothing to
-do with the project, ``pytest --pyargs cp_harness.tests --cp-impl cp_impl``
-must find the plugin through its ``pytest11`` entry point, start a rank pool,
-pass, and print the CP example counts; and the ``cp-harness`` console script
-must work.
+Both tests make a regular (non-editable) install of the project into a new
+virtual environment, then, from a directory that has nothing to do with the
+project, ``pytest --pyargs cp_harness.tests --cp-impl cp_impl`` must find the
+plugin through its ``pytest11`` entry point, start a rank pool, pass and print
+the CP example counts; and the ``cp-harness`` console script must work.
 
-Slow (about a minute and a half on two cores: most of it is pip unpacking
-PyTorch; it also needs the package index that ``scripts/bootstrap.sh``
-uses), so it runs nightly and on request::
+- **offline** (the default command): a wheel is built from a copy of the
+  sources (``pip wheel --no-deps --no-build-isolation``, nothing downloaded)
+  and installed with ``--no-deps --no-index`` into a new environment that sees
+  the dependencies already installed here (PyTorch, pytest, Hypothesis, ...)
+  through a ``.pth`` file naming a folder of links to them, the project
+  itself left out. About 15-30 s on two cores.
+- **download** (``nightly``: needs the package index, about a minute and a half
+  on two cores, most of it pip unpacking PyTorch): ``pip install
+  <copy>[test]`` with every dependency resolved and downloaded as a user
+  would, PyTorch pinned by ``constraints/cpu.txt``. It runs when
+  ``CP_HARNESS_NIGHTLY=1`` (the nightly workflow) or when ``-m`` names
+  ``nightly``; the default command skips it::
 
-    ./scripts/test tests/test_install_plugin.py -m slow
+      CP_HARNESS_NIGHTLY=1 ./scripts/test -n 0 tests/test_install_plugin.py
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import site
 import subprocess
 import sys
 import time
@@ -28,6 +36,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("pyproject.toml", "README.md", "oracle", "cp_impl", "cp_harness")
+PROJECT_TOP_LEVEL = ("cp_harness", "cp_impl", "oracle")  # packages and their metadata, never shared
 
 
 def _clean_env() -> dict[str, str]:
@@ -38,15 +47,14 @@ def _clean_env() -> dict[str, str]:
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=_clean_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=_clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))} exited {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
     return proc
 
 
-@pytest.mark.slow
-def test_installed_plugin_gates_the_bundled_implementation_from_another_directory(tmp_path):
-    started = time.perf_counter()
-    # A copy of the sources, so that building the wheel leaves nothing (build/, *.egg-info) in the checkout.
+def _copy_sources(tmp_path: Path) -> Path:
+    """A copy of the sources, so that building leaves nothing (build/, *.egg-info) in the checkout."""
     src = tmp_path / "src"
     src.mkdir()
     for name in SOURCES:
@@ -55,27 +63,96 @@ def test_installed_plugin_gates_the_bundled_implementation_from_another_director
             shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
         else:
             shutil.copy2(path, src / name)
+    return src
 
-    venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", str(venv)], tmp_path, timeout=300)
+
+def _site_packages(venv: Path) -> Path:
+    return venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
+def _gates_from_elsewhere(venv: Path, tmp_path: Path) -> None:
+    """From an unrelated directory: the package comes from ``venv``, the plugin gates, the console script runs."""
     python = venv / "bin" / "python"
-    _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-          "-c", str(ROOT / "constraints" / "cpu.txt"), f"{src}[test]"], tmp_path, timeout=900)
-    installed = time.perf_counter()
-
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    where = _run([str(python), "-c", "import cp_harness, cp_harness.checks, cp_impl; print(cp_harness.__file__)"],
-                 elsewhere, timeout=120).stdout.strip()
-    assert Path(where).is_relative_to(venv), f"cp_harness came from {where}, not from the new environment"
+    where = _run([python, "-c", "import cp_harness, cp_harness.checks, cp_impl, oracle; "
+                                "print(cp_harness.__file__); print(cp_impl.__file__); print(oracle.__file__)"],
+                 elsewhere, timeout=120).stdout.split()
+    for path in where:
+        assert Path(path).is_relative_to(venv), f"imported {path}, not from the new environment"
 
-    proc = _run([str(python), "-m", "pytest", "--pyargs", "cp_harness.tests", "--cp-impl", "cp_impl", "-q",
-                 "-k", "transport", "--cp-world-sizes", "1,2", "--hypothesis-profile", "dev", "-p", "no:cacheprovider"],
+    proc = _run([python, "-m", "pytest", "--pyargs", "cp_harness.tests", "--cp-impl", "cp_impl", "-q",
+                 "-k", "gathers", "--cp-world-sizes", "1,2", "--hypothesis-profile", "dev", "-p", "no:cacheprovider"],
                 elsewhere, timeout=600)
     out = proc.stdout + proc.stderr
     assert " passed" in out and "failed" not in out, out
     assert "CP examples run:" in out and "implementation: cp_impl" in out, out
 
-    cli = _run([str(venv / "bin" / "cp-harness"), "verify", "--help"], elsewhere, timeout=120)
+    cli = _run([venv / "bin" / "cp-harness", "verify", "--help"], elsewhere, timeout=120)
     assert "--world-sizes" in cli.stdout and "--json" in cli.stdout
+
+
+def _shared_dependencies(tmp_path: Path) -> Path:
+    """A folder of links to everything installed next to PyTorch here, except the project itself."""
+    import torch
+
+    installed = Path(torch.__file__).resolve().parents[1]
+    assert installed in {Path(p).resolve() for p in site.getsitepackages()}, installed
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    for entry in installed.iterdir():
+        name = entry.name
+        if (name.startswith(PROJECT_TOP_LEVEL) or name.startswith(("__editable__", "_virtualenv", "__pycache__"))
+                or name.endswith(".pth") or name.replace("-", "_").startswith("cp_harness")):
+            continue  # the project (editable or not) and path hooks stay out
+        (deps / name).symlink_to(entry)
+    return deps
+
+
+@pytest.mark.slow
+def test_installed_wheel_gates_the_bundled_implementation_from_another_directory_offline(tmp_path):
+    started = time.perf_counter()
+    src = _copy_sources(tmp_path)
+    dist = tmp_path / "dist"
+    _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check", "--no-deps",
+          "--no-build-isolation", "--no-index", "--wheel-dir", dist, src], tmp_path, timeout=600)
+    wheels = list(dist.glob("cp_harness-*.whl"))
+    assert len(wheels) == 1, f"expected one wheel, built {sorted(p.name for p in dist.iterdir())}"
+    built = time.perf_counter()
+
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", venv], tmp_path, timeout=300)
+    purelib = _site_packages(venv)
+    assert purelib.is_dir(), purelib
+    (purelib / "cp_harness_test_dependencies.pth").write_text(f"{_shared_dependencies(tmp_path)}\n")
+    # pip of this environment installs into the new one; --no-index: nothing can be downloaded.
+    _run([sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "--quiet",
+          "--disable-pip-version-check", "--no-deps", "--no-index", wheels[0]], tmp_path, timeout=600)
+    installed = time.perf_counter()
+
+    # A regular install of the wheel: the files are in the environment, no editable hook anywhere.
+    assert (purelib / "cp_harness" / "pytest_plugin.py").is_file()
+    assert not (purelib / "cp_harness" / "pytest_plugin.py").is_symlink()
+    assert (purelib / "cp_harness" / "tests" / "test_transport.py").is_file(), "the gate suite is in the wheel"
+    metadata = list(purelib.glob("cp_harness-*.dist-info"))
+    assert len(metadata) == 1 and "cp_harness.pytest_plugin" in (metadata[0] / "entry_points.txt").read_text()
+    assert not list(purelib.glob("__editable__*")), "an editable install"
+
+    _gates_from_elsewhere(venv, tmp_path)
+    print(f"wheel: {built - started:.1f} s, install: {installed - built:.1f} s, "
+          f"plugin run: {time.perf_counter() - installed:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.nightly
+def test_installed_plugin_gates_the_bundled_implementation_from_another_directory(tmp_path):
+    started = time.perf_counter()
+    src = _copy_sources(tmp_path)
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", venv], tmp_path, timeout=300)
+    python = venv / "bin" / "python"
+    _run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+          "-c", ROOT / "constraints" / "cpu.txt", f"{src}[test]"], tmp_path, timeout=900)
+    installed = time.perf_counter()
+    _gates_from_elsewhere(venv, tmp_path)
     print(f"install: {installed - started:.1f} s, plugin run: {time.perf_counter() - installed:.1f} s")
