@@ -17,11 +17,12 @@ gradient slices and rounds the result once.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 import torch.distributed as dist
+
+from _launch import run
 
 WORLD = 3
 
@@ -71,27 +72,8 @@ def main(rank: int, world: int, args) -> int:
         dist.destroy_process_group()
 
 
-def _spawned(rank: int, world: int, port: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    sys.exit(main(rank, world, args))
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fixed", action="store_true", help="use the proposed fix instead of the framework's gather")
     args = parser.parse_args()
-    if "RANK" in os.environ:
-        sys.exit(main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args))
-    import socket
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.get_context("spawn")
-    procs = [context.Process(target=_spawned, args=(r, WORLD, port, args)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    sys.exit(max((p.exitcode if p.exitcode is not None else 1) for p in procs))
+    sys.exit(run(main, WORLD, args))

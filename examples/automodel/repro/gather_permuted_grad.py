@@ -20,11 +20,12 @@ contiguous gradient slices into a contiguous buffer), the change proposed upstre
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 import torch.distributed as dist
+
+from _launch import run
 
 FUNCTIONS = {  # name -> (module, function, how it is called with (tensor, group))
     "deepseek_v41": "nemo_automodel.components.models.deepseek_v41.cp:gather_sequence",
@@ -97,28 +98,9 @@ def main(rank: int, world: int, args) -> int:
         dist.destroy_process_group()
 
 
-def _spawned(rank: int, world: int, port: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    sys.exit(main(rank, world, args))
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fixed", action="store_true", help="use the proposed fix instead of the framework's gather")
     parser.add_argument("--function", default="deepseek_v41", choices=[*FUNCTIONS, "all"])
     args = parser.parse_args()
-    if "RANK" in os.environ:  # under torchrun
-        sys.exit(main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args))
-    import socket
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.get_context("spawn")
-    procs = [context.Process(target=_spawned, args=(r, 2, port, args)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    sys.exit(max((p.exitcode if p.exitcode is not None else 1) for p in procs))
+    sys.exit(run(main, 2, args))

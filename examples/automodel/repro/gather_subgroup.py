@@ -15,11 +15,12 @@ reduce-scatter on the group, no global ranks involved).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 import torch.distributed as dist
+
+from _launch import run
 
 
 class FixedGather(torch.autograd.Function):
@@ -69,31 +70,8 @@ def main(rank: int, world: int, fixed: bool) -> int:
         dist.destroy_process_group()
 
 
-def _spawned(rank: int, world: int, port: int, fixed: bool) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    sys.exit(main(rank, world, fixed))
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fixed", action="store_true", help="use the proposed fix instead of the framework's gather")
     args = parser.parse_args()
-    if "RANK" in os.environ:
-        sys.exit(main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.fixed))
-    import socket
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.get_context("spawn")
-    procs = [context.Process(target=_spawned, args=(r, 4, port, args.fixed)) for r in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():  # a peer left waiting in a collective by a rank that raised
-            p.kill()
-            p.join()
-    sys.exit(max((p.exitcode if p.exitcode is not None else 1) for p in procs) and 1)
+    sys.exit(run(main, 4, args.fixed))
