@@ -4,8 +4,19 @@ from a checkout without being installed (installed, it loads through its
 
 import importlib.metadata
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# The harness's own tests judge deliberately broken copies of the implementation (tests/fixtures) on the
+# session's warm ranks, which import an implementation by name: the folder is on their path (set before
+# any pool starts) and on ours.
+FIXTURES = str(Path(__file__).resolve().parent / "tests" / "fixtures")
+if FIXTURES not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join([FIXTURES] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+if FIXTURES not in sys.path:
+    sys.path.append(FIXTURES)
 
 
 def _plugin_installed() -> bool:

@@ -102,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                           shrink_seconds=args.shrink_seconds, dtypes=args.dtypes, row_names=args.rows)
     if args.command == "run-case":
         from cp_harness.pool import PoolConfig
-        from cp_harness.runner import CaseRunner, failure_message
-        from cp_harness.errormap import write_error_maps
+        from cp_harness.runner import CaseRunner, verdict_text
 
         try:
             case = json.loads(args.case)
@@ -125,13 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             report = runner.run(case)
         finally:
             runner.close()
-        if report.ok:
-            print(f"case passed against {impl!r}:\n{report.format()}")
-            return 0
-        print(failure_message(case, report, impl, backend=args.backend))
-        for path in write_error_maps(report, args.error_dir):
-            print(f"error map: {path}")
-        return 1
+        print(verdict_text(report, impl, backend=args.backend, error_dir=args.error_dir))
+        return 0 if report.ok else 1
     return 2
 
 

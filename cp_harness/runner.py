@@ -45,12 +45,27 @@ def failure_message(case: dict, report: CaseReport | None, impl: str, *, backend
     return "\n".join(lines)
 
 
+def verdict_text(report: CaseReport, impl: str, *, backend: str = "gloo", error_dir: str | None = None) -> str:
+    """What ``python -m cp_harness run-case`` prints for ``report``: the pass line, or the failure message
+    followed by one ``error map: PATH`` line per map written (into ``error_dir``)."""
+    if report.ok:
+        return f"case passed against {case_impl(report.case, impl)!r}:\n{report.format()}"
+    from cp_harness.errormap import write_error_maps
+
+    lines = [failure_message(report.case, report, impl, backend=backend)]
+    lines += [f"error map: {path}" for path in write_error_maps(report, error_dir)]
+    return "\n".join(lines)
+
+
 class CaseRunner:
     """Runs cases on a warm pool and remembers what ran (``counts``: examples per world size)."""
 
-    def __init__(self, config: PoolConfig):
-        self.config = config
-        self.pool = RankPool(config)
+    def __init__(self, config: PoolConfig, *, pool: RankPool | None = None):
+        """``pool``: run on another runner's warm pool (its ranks, this runner's own counters); ``close``
+        then leaves that pool running for its owner."""
+        self.config = pool.config if pool is not None else config
+        self.pool = pool if pool is not None else RankPool(config)
+        self._owns_pool = pool is None
         self.counts: collections.Counter[int] = collections.Counter()
         self.by_check: collections.Counter[str] = collections.Counter()
         self.by_impl: collections.Counter[str] = collections.Counter()
@@ -141,6 +156,12 @@ class CaseRunner:
             raise AssertionError(message)
         return report
 
+    def sharing_pool(self) -> "CaseRunner":
+        """A runner with its own counters on this runner's pool (the harness's own tests judge deliberately
+        broken modules on the session's ranks without counting them as examples of the gate)."""
+        return CaseRunner(self.config, pool=self.pool)
+
     def close(self) -> None:
-        self.pool.close()
-        self.pool.cleanup_workdir()
+        if self._owns_pool:
+            self.pool.close()
+            self.pool.cleanup_workdir()

@@ -78,6 +78,11 @@ def configure_impls(names) -> None:
     _active_impls = tuple(names)
 
 
+def active_impls() -> tuple[str, ...]:
+    """The implementations ``configure_impls`` set (to restore them after a run that changed them)."""
+    return _active_impls
+
+
 @st.composite
 def with_impl(draw, case: dict) -> dict:
     """``case`` with an ``"impl"`` drawn from the configured implementations (unchanged when one is judged)."""

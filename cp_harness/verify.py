@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from cp_harness import comm_minimum, coverage, strategies
 from cp_harness.cases import canonical, payload_dtype
 from cp_harness.errormap import error_map_dir, write_error_maps
-from cp_harness.pool import PoolConfig
+from cp_harness.pool import PoolConfig, RankPool
 from cp_harness.runner import CaseRunner, repro_command
 
 
@@ -397,6 +397,20 @@ def report_dict(*, impl: str, backend: str, world_sizes, seed: int, examples: in
     })
 
 
+def _naming_impl(row: Row, impl: str) -> Row:
+    """``row`` whose cases name ``impl`` (its primary module unless a case drew another): on a shared pool the
+    ranks' default implementation is the pool's, not this run's."""
+    from cp_harness.impl import primary_impl
+
+    primary = primary_impl(impl)
+
+    def name(case: dict) -> dict:
+        return case if "impl" in case else {**case, "impl": primary}
+
+    return dataclasses.replace(row, strategy=lambda sizes: row.strategy(sizes).map(name),
+                               explicit=tuple(name(c) for c in row.explicit))
+
+
 def _preflight(impl: str, backend: str, world_size: int) -> str | None:
     """Why the run cannot start (``None`` when it can): the implementation must import, the devices must fit."""
     from cp_harness.devices import DeviceError, check_backend
@@ -419,8 +433,12 @@ def _preflight(impl: str, backend: str, world_size: int) -> str | None:
 def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backend: str, seed: int,
                json_path: str | None, rows: list[Row] | None = None, stream=None, error_dir: str | None = None,
                progress_stream=None, shrink_seconds: float = 120.0, dtypes: tuple[str, ...] | None = None,
-               row_names: tuple[str, ...] = ()) -> int:
-    """Run the verification; print the table (and failures); return the exit code (0 = all passed, 1 = a failure, 2 = could not run)."""
+               row_names: tuple[str, ...] = (), pool: RankPool | None = None) -> int:
+    """Run the verification; print the table (and failures); return the exit code (0 = all passed, 1 = a failure, 2 = could not run).
+
+    ``pool``: run on this warm pool (its ranks load ``impl`` on first use; it needs ``max(world_sizes)``
+    ranks and stays up afterwards) instead of starting one.
+    """
     stream = stream if stream is not None else sys.stdout
     rows = select_rows(rows or default_rows(), dtypes=dtypes, names=row_names)
     if not rows:
@@ -430,14 +448,23 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
     if dtypes is not None:
         strategies.configure_dtypes(tuple(d for d in dtypes if d != "layout") or strategies.FLOAT_DTYPES)
     ranks = max(world_sizes)
+    if pool is not None and pool.config.world_size < ranks:
+        print(f"cp_harness verify: cannot run: the given pool has {pool.config.world_size} ranks, "
+              f"world sizes {list(world_sizes)} need {ranks}", file=sys.stderr)
+        return 2
     problem = _preflight(impl, backend, ranks)
     if problem:
         print(f"cp_harness verify: cannot run: {problem}", file=sys.stderr)
         return 2
     from cp_harness.impl import impl_names
 
+    previous_impls = strategies.active_impls()
     strategies.configure_impls(impl_names(impl))
-    runner = CaseRunner(PoolConfig(world_size=ranks, backend=backend, impl=impl))
+    if pool is None:
+        runner = CaseRunner(PoolConfig(world_size=ranks, backend=backend, impl=impl))
+    else:  # the pool's own selection stays; every case names its implementation
+        runner = CaseRunner(pool.config, pool=pool)
+        rows = [_naming_impl(row, impl) for row in rows]
     progress = Progress(total=examples * len(rows), stream=progress_stream)
     started = time.perf_counter()
     try:
@@ -454,6 +481,7 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
     finally:
         progress.finish()
         runner.close()
+        strategies.configure_impls(previous_impls)
         if dtypes is not None:
             strategies.configure_dtypes(strategies.FLOAT_DTYPES + strategies.VALUE_DTYPES)
     seconds = time.perf_counter() - started

@@ -12,12 +12,15 @@
 - ``--backend nccl`` / ``--cp-backend nccl`` without enough GPUs stop at once
   with a message that says what to change.
 
-Every test runs the command in a subprocess (its own rank pool); the slower
-ones are marked ``slow``.
+``verify`` runs in this process on the session's warm ranks (they load the
+broken module by name: the root conftest puts ``tests/fixtures`` on their
+path), except ``test_verify_command_line``, which runs the command a user types
+in a subprocess with a pool of its own; so do the gate-suite runs.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -91,30 +94,42 @@ def _error_maps(stdout: str) -> list[Path]:
     return [Path(line.split("error map:", 1)[1].strip()) for line in stdout.splitlines() if "error map:" in line]
 
 
-def _verify_broken(impl: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict[str, bool], dict]:
-    report_path = tmp_path / "report.json"
-    proc = _run(["-m", "cp_harness", "verify", "--impl", impl, "--examples", "4", "--world-sizes", "2,3",
-                 "--shrink-seconds", "3", "--json", str(report_path)], tmp_path)
-    assert proc.returncode == 1, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc, _table(proc.stdout), json.loads(report_path.read_text())
+def _verify(impl: str, tmp_path: Path, cp_runner, *, world_sizes=(2, 3), examples: int = 4,
+            shrink_seconds: float = 3.0) -> tuple[int, str, dict[str, bool], dict]:
+    """``cp_harness verify`` in this process on the session's warm ranks (they load ``impl`` on first use):
+    ``(exit code, printed report, {row: failed}, JSON report)``. The CLI around it runs in
+    ``test_verify_command_line``."""
+    from cp_harness.verify import run_verify
+
+    if max(world_sizes) > cp_runner.config.world_size:
+        pytest.skip(f"needs {max(world_sizes)} ranks (--cp-world-sizes)")
+    report_path, out = tmp_path / "reports" / "verify.json", io.StringIO()
+    code = run_verify(impl=impl, world_sizes=tuple(world_sizes), examples=examples, backend=cp_runner.config.backend,
+                      seed=0, json_path=str(report_path), stream=out, error_dir=str(tmp_path / "error-maps"),
+                      progress_stream=io.StringIO(), shrink_seconds=shrink_seconds, pool=cp_runner.pool)
+    stdout = out.getvalue()
+    return code, stdout, _table(stdout), json.loads(report_path.read_text())
 
 
-def test_verify_passes_on_the_bundled_implementation(tmp_path):
+def _verify_broken(impl: str, tmp_path: Path, cp_runner) -> tuple[str, dict[str, bool], dict]:
+    code, stdout, table, report = _verify(impl, tmp_path, cp_runner)
+    assert code == 1, f"exit {code}\n{stdout}"
+    return stdout, table, report
+
+
+def test_verify_passes_on_the_bundled_implementation(tmp_path, cp_runner, cp_world_sizes):
     from cp_harness.verify import default_rows
 
-    report_path = tmp_path / "reports" / "verify.json"
-    proc = _run(["-m", "cp_harness", "verify", "--examples", "5", "--json", str(report_path)], tmp_path)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    table = _table(proc.stdout)
+    code, stdout, table, report = _verify("cp_impl", tmp_path, cp_runner, world_sizes=cp_world_sizes, examples=5,
+                                          shrink_seconds=120.0)
+    assert code == 0, f"exit {code}\n{stdout}"
     names = [row.name for row in default_rows()]
-    assert list(table) == names, proc.stdout
-    assert not any(table.values()), proc.stdout
-    assert "examples per world size: N=1:" in proc.stdout and "N=8:" in proc.stdout
-    assert "CP excess" in proc.stdout.splitlines()[1]  # the column of cp_harness.excess
-    per_dtype = next(line for line in proc.stdout.splitlines() if line.startswith("examples per dtype:"))
+    assert list(table) == names, stdout
+    assert not any(table.values()), stdout
+    assert f"examples per world size: N={min(cp_world_sizes)}:" in stdout and f"N={max(cp_world_sizes)}:" in stdout
+    assert "CP excess" in stdout.splitlines()[1]  # the column of cp_harness.excess
+    per_dtype = next(line for line in stdout.splitlines() if line.startswith("examples per dtype:"))
     assert "bfloat16:" in per_dtype and "failed per dtype: none" in per_dtype, per_dtype
-    assert "progress:" in proc.stderr or "[" in proc.stderr  # the progress bar (plain lines when not a terminal)
-    report = json.loads(report_path.read_text())
     assert report["ok"] is True and report["failed_rows"] == [] and report["impl"] == "cp_impl"
     assert [r["name"] for r in report["rows"]] == names
     for row in report["rows"]:
@@ -124,20 +139,36 @@ def test_verify_passes_on_the_bundled_implementation(tmp_path):
         assert row["comparison"] in ("exact", "ulp")
         if row["comm_ratio"] is not None:
             assert row["comm_ratio"] >= 1.0, row  # nothing moves less than the minimum the contract needs
-    assert report["table"] in proc.stdout
+    assert report["table"] in stdout
 
 
-def test_verify_fails_on_a_loss_divided_by_the_local_count(tmp_path):
-    proc, table, report = _verify_broken("broken_gate_loss_local_count", tmp_path)
+def test_verify_command_line(tmp_path):
+    """The command a user types: a pool of its own, the progress bar on stderr, the table and the failure on
+    stdout, the JSON report, exit 1 for a failing row and only that row failing."""
+    report_path = tmp_path / "report.json"
+    proc = _run(["-m", "cp_harness", "verify", "--impl", "broken_gate_unpack_eos", "--examples", "3",
+                 "--world-sizes", "2,3", "--rows", INKLING2_LAYOUT_ROW, "--shrink-seconds", "3",
+                 "--json", str(report_path)], tmp_path)
+    assert proc.returncode == 1, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "starting 3 ranks" in proc.stderr and ("progress:" in proc.stderr or "[" in proc.stderr), proc.stderr
+    assert _table(proc.stdout) == {INKLING2_LAYOUT_ROW: True}, proc.stdout
+    assert f"FAILED {INKLING2_LAYOUT_ROW}" in proc.stdout and "reproduce: python -m cp_harness run-case" in proc.stdout
+    report = json.loads(report_path.read_text())
+    assert report["ok"] is False and report["failed_rows"] == [INKLING2_LAYOUT_ROW] and report["table"] in proc.stdout
+    assert report["impl"] == "broken_gate_unpack_eos"
+
+
+def test_verify_fails_on_a_loss_divided_by_the_local_count(tmp_path, cp_runner):
+    stdout, table, report = _verify_broken("broken_gate_loss_local_count", tmp_path, cp_runner)
     failed = {name for name, bad in table.items() if bad}
-    assert LOSS_ROW in failed, proc.stdout
+    assert LOSS_ROW in failed, stdout
     assert failed <= {LOSS_ROW, MISTRAL_MODEL_ROW, MISTRAL_BF16_ROW}, \
-        f"only the loss and the model using it may fail:\n{proc.stdout}"
-    assert f"FAILED {LOSS_ROW}" in proc.stdout
-    assert "d loss / d logits" in proc.stdout or "loss (mean over ranks)" in proc.stdout
-    assert "reproduce: python -m cp_harness run-case --impl broken_gate_loss_local_count" in proc.stdout
-    maps = _error_maps(proc.stdout)
-    assert maps, f"no error map printed:\n{proc.stdout}"
+        f"only the loss and the model using it may fail:\n{stdout}"
+    assert f"FAILED {LOSS_ROW}" in stdout
+    assert "d loss / d logits" in stdout or "loss (mean over ranks)" in stdout
+    assert "reproduce: python -m cp_harness run-case --impl broken_gate_loss_local_count" in stdout
+    maps = _error_maps(stdout)
+    assert maps, f"no error map printed:\n{stdout}"
     for path in maps:
         assert path.is_file() and path.parent == tmp_path / "error-maps", path
         _check_png(path)
@@ -148,13 +179,13 @@ def test_verify_fails_on_a_loss_divided_by_the_local_count(tmp_path):
     assert {t["name"] for t in loss_row["failing_tensors"]} & {"d loss / d logits", "loss (mean over ranks)"}
 
 
-def test_verify_fails_on_an_unpack_row_layout_that_mistakes_eos_for_padding(tmp_path):
+def test_verify_fails_on_an_unpack_row_layout_that_mistakes_eos_for_padding(tmp_path, cp_runner):
     """The only defect is the documented ``unpack_row_layout`` deciding padding from token ids: the row that
     claims that function fails, naming it, and no other row does."""
-    proc, table, report = _verify_broken("broken_gate_unpack_eos", tmp_path)
+    stdout, table, report = _verify_broken("broken_gate_unpack_eos", tmp_path, cp_runner)
     failed = {name for name, bad in table.items() if bad}
-    assert failed == {INKLING2_LAYOUT_ROW}, proc.stdout
-    assert "unpack_row_layout padding_mask@rank" in proc.stdout and "actual True, expected False" in proc.stdout
+    assert failed == {INKLING2_LAYOUT_ROW}, stdout
+    assert "unpack_row_layout padding_mask@rank" in stdout and "actual True, expected False" in stdout
     row = next(r for r in report["rows"] if r["name"] == INKLING2_LAYOUT_ROW)
     assert "inkling2.unpack_row_layout" in row["functions"] and "inkling2.unpack_row_layout" in row["called"]
     assert row["failing_case"]["batch"].get("eos_is_pad") and row["failing_case"]["batch"]["format"] == "thd"
@@ -172,16 +203,15 @@ def test_gate_suite_fails_on_an_index_map_that_lies(tmp_path):
     assert re.search(r"FAIL (labels|padding_mask|position_ids)", out), out
 
 
-@pytest.mark.slow
-def test_verify_fails_on_a_halo_that_drops_the_boundary_row(tmp_path):
-    proc, table, report = _verify_broken("broken_gate_halo", tmp_path)
+def test_verify_fails_on_a_halo_that_drops_the_boundary_row(tmp_path, cp_runner):
+    stdout, table, report = _verify_broken("broken_gate_halo", tmp_path, cp_runner)
     failed = {name for name, bad in table.items() if bad}
-    assert HISTORY_ROW in failed, proc.stdout
+    assert HISTORY_ROW in failed, stdout
     assert failed <= {HISTORY_ROW, INKLING2_MODEL_ROW, INKLING2_BF16_ROW}, \
-        f"only the halo and the model using it may fail:\n{proc.stdout}"
-    assert "history@rank" in proc.stdout or "gradient returned to each owner" in proc.stdout
-    maps = _error_maps(proc.stdout)
-    assert maps, proc.stdout
+        f"only the halo and the model using it may fail:\n{stdout}"
+    assert "history@rank" in stdout or "gradient returned to each owner" in stdout
+    maps = _error_maps(stdout)
+    assert maps, stdout
     for path in maps:
         _check_png(path)
     history_row = next(r for r in report["rows"] if r["name"] == HISTORY_ROW)

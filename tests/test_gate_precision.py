@@ -22,21 +22,32 @@ the excess judge and writes an error map of what CP added over one rank.
 
 from __future__ import annotations
 
-import json
+import pytest
 
-from test_gate_broken_impls import _check_png, _error_maps, _run
+from cp_harness.runner import verdict_text
+from test_gate_broken_impls import _check_png, _error_maps
 
 
-def _run_case(impl: str, case: dict, tmp_path) -> str:
-    proc = _run(["-m", "cp_harness", "run-case", "--impl", impl, json.dumps(case)], tmp_path)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out
-    assert f"against implementation '{impl}'" in out and "reproduce: python -m cp_harness run-case" in out, out
-    return out
+@pytest.fixture
+def run_case(cp_runner, tmp_path):
+    """``run_case(impl, case) -> text``: the case on the session's warm ranks (loading ``impl`` there), judged
+    and printed as ``python -m cp_harness run-case --impl IMPL CASE`` prints it; the case must fail."""
+    runner = cp_runner.sharing_pool()  # its own counters: broken modules are not examples of the gate
+
+    def run(impl: str, case: dict) -> str:
+        if int(case["world_size"]) > runner.config.world_size:
+            pytest.skip(f"needs {case['world_size']} ranks (--cp-world-sizes)")
+        report = runner.run({**case, "impl": impl})
+        out = verdict_text(report, impl, backend=runner.config.backend, error_dir=str(tmp_path / "error-maps"))
+        assert not report.ok, out
+        assert f"against implementation '{impl}'" in out and "reproduce: python -m cp_harness run-case" in out, out
+        return out
+
+    return run
 
 
 # Explicit examples of the gate suite (cp_harness/tests): `pytest --pyargs cp_harness.tests --cp-impl <fixture>`
-# fails on them. One run-case each keeps the default command short (no second pytest, no replay of every
+# fails on them. One case each, judged on the session's warm ranks, keeps the default command short (no second pytest, no replay of every
 # explicit example); test_gate_broken_impls runs the gate suite itself on a broken loss.
 LOSS_BF16 = {"check": "shifted_cp_loss", "world_size": 3, "seed": 7, "model": "mistral_large4", "dtype": "bfloat16",
              "vocab": 11, "batch": {"format": "bshd", "seq_len": 20, "rows": [[0, 20], [3, 17]]}}
@@ -44,16 +55,16 @@ GATHER_BF16 = {"check": "gather_sequence", "world_size": 3, "seed": 7, "dtype": 
                "differentiable": True}
 
 
-def test_the_gate_rejects_a_loss_reduced_in_the_logits_low_precision(tmp_path):
-    out = _run_case("broken_prec_loss_low_sum", LOSS_BF16, tmp_path)
+def test_the_gate_rejects_a_loss_reduced_in_the_logits_low_precision(run_case):
+    out = run_case("broken_prec_loss_low_sum", LOSS_BF16)
     failing = [line for line in out.splitlines() if line.startswith("  FAIL loss")]
     assert len(failing) >= 3, out  # every rank's loss
     # judged as float32 numbers (the contract), whatever the logits' dtype
     assert all("float32" in line and "budget 256 ULP" in line for line in failing), failing
 
 
-def test_the_gate_rejects_a_gather_backward_that_sums_in_bfloat16(tmp_path):
-    out = _run_case("broken_prec_grad_bf16_sum", GATHER_BF16, tmp_path)
+def test_the_gate_rejects_a_gather_backward_that_sums_in_bfloat16(run_case):
+    out = run_case("broken_prec_grad_bf16_sum", GATHER_BF16)
     assert "FAIL grad@rank" in out and "[exact, float32" in out, out  # bfloat16 arrives widened, exactly
     assert "output@rank0 (exact)" in out, out  # the forward is right: only the sum is wrong
 
@@ -69,13 +80,13 @@ def test_the_gate_suite_holds_these_cases():
     assert GATHER_BF16 in explicit(test_transport.test_gathers_match_bit_for_bit)
 
 
-def test_an_attention_fed_bfloat16_keys_fails_the_float32_model_by_its_excess(tmp_path):
+def test_an_attention_fed_bfloat16_keys_fails_the_float32_model_by_its_excess(run_case):
     # The float32 model's gate property with this fixture fails the same way (the float64 one too); one
     # case of it keeps this test short.
-    out = _run_case("broken_prec_kv_bf16", {
+    out = run_case("broken_prec_kv_bf16", {
         "check": "model", "world_size": 2, "seed": 12, "model": "mistral_large4", "dtype": "float32",
         "num_chunks": 1, "shard_primary": False,
-        "batch": {"format": "bshd", "seq_len": 9, "rows": [[4, 5], [0, 9]]}}, tmp_path)
+        "batch": {"format": "bshd", "seq_len": 9, "rows": [[4, 5], [0, 9]]}})
     judged = [line for line in out.splitlines() if line.startswith("  FAIL ") and "one-rank error" in line]
     assert len(judged) >= 10 and all("CP ADDS ERROR" in line for line in judged), out  # both errors named
     assert any(line.startswith("  FAIL logits") for line in judged), out
@@ -85,10 +96,10 @@ def test_an_attention_fed_bfloat16_keys_fails_the_float32_model_by_its_excess(tm
     _check_png(maps[0])
 
 
-def test_a_halo_bug_in_the_bfloat16_model_is_mapped_where_cp_adds_error(tmp_path):
-    out = _run_case("broken_gate_halo", {
+def test_a_halo_bug_in_the_bfloat16_model_is_mapped_where_cp_adds_error(run_case):
+    out = run_case("broken_gate_halo", {
         "check": "model", "world_size": 2, "seed": 3, "model": "inkling2", "dtype": "bfloat16", "num_chunks": 1,
-        "batch": {"format": "bshd", "seq_len": 10, "rows": [[0, 10], [2, 8]]}}, tmp_path)
+        "batch": {"format": "bshd", "seq_len": 10, "rows": [[0, 10], [2, 8]]}})
     logits = next(line for line in out.splitlines() if line.startswith("  FAIL logits"))
     assert "[ulp, float32" in logits and "bfloat16 ULP" in logits and "CP ADDS ERROR" in logits, logits
     maps = [p for p in _error_maps(out) if p.name.endswith("-logits.png")]

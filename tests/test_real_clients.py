@@ -196,8 +196,10 @@ def test_repro_fails_and_passes_with_the_fix(script):
 
 
 @needs_framework
-@pytest.mark.slow
-def test_documented_case_still_fails_through_the_harness():
+def test_documented_case_still_fails_through_the_harness(cp_runner):
+    """Every documented case, replayed on the session's warm ranks (they load the adapter on first use)."""
     for defect in real_clients.load_known():
-        reproduced, account = real_clients.replay(defect, "gloo")
+        if int(defect["case"]["world_size"]) > cp_runner.config.world_size:
+            pytest.skip(f"{defect['id']} needs {defect['case']['world_size']} ranks (--cp-world-sizes)")
+        reproduced, account = real_clients.replay(defect, cp_runner.config.backend, pool=cp_runner.pool)
         assert reproduced, f"{defect['id']}: {account}"

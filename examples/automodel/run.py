@@ -99,14 +99,19 @@ def run_verify(adapter: str, args, json_path: Path) -> int:
     return subprocess.run(cmd, cwd=ROOT).returncode
 
 
-def replay(defect: dict, backend: str) -> tuple[bool, str]:
-    """Run a documented defect's case again; ``(fails with its signature, account)``."""
+def replay(defect: dict, backend: str, pool=None) -> tuple[bool, str]:
+    """Run a documented defect's case again; ``(fails with its signature, account)``.
+
+    ``pool``: a warm ``RankPool`` of at least the case's world size to run it on (else one is started)."""
     from cp_harness.pool import PoolConfig
     from cp_harness.runner import CaseRunner
 
-    case = defect["case"]
-    runner = CaseRunner(PoolConfig(world_size=int(case["world_size"]), backend=backend,
-                                   impl=f"examples.automodel.{defect['adapter']}"))
+    impl = f"examples.automodel.{defect['adapter']}"
+    case = {**defect["case"], "impl": impl}
+    if pool is not None:
+        runner = CaseRunner(pool.config, pool=pool)
+    else:
+        runner = CaseRunner(PoolConfig(world_size=int(case["world_size"]), backend=backend, impl=impl))
     try:
         report = runner.run(case)
     finally:
