@@ -76,4 +76,4 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fixed", action="store_true", help="use the proposed fix instead of the framework's gather")
     args = parser.parse_args()
-    sys.exit(run(main, WORLD, args))
+    sys.exit(run(main, WORLD, args, preload=() if args.fixed else ("nemo_automodel.components.models.kimi_linear.cp",)))

@@ -103,4 +103,4 @@ if __name__ == "__main__":
     parser.add_argument("--fixed", action="store_true", help="use the proposed fix instead of the framework's gather")
     parser.add_argument("--function", default="deepseek_v41", choices=[*FUNCTIONS, "all"])
     args = parser.parse_args()
-    sys.exit(run(main, 2, args))
+    sys.exit(run(main, 2, args, preload=() if args.fixed else [FUNCTIONS[n].split(":")[0] for n in FUNCTIONS if args.function in ("all", n)]))

@@ -74,4 +74,4 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fixed", action="store_true", help="use the proposed fix instead of the framework's gather")
     args = parser.parse_args()
-    sys.exit(run(main, 4, args.fixed))
+    sys.exit(run(main, 4, args.fixed, preload=() if args.fixed else ("nemo_automodel.components.models.deepseek_v41.cp",)))
