@@ -240,7 +240,7 @@ def _run_fresh(case: dict, impl: str, backend: str) -> dict:
     from cp_harness.runner import failure_message
 
     started = time.perf_counter()
-    pool = RankPool(PoolConfig(world_size=int(case["world_size"]), backend=backend, impl=impl))
+    pool = RankPool(PoolConfig(world_size=int(case["world_size"]), backend=backend, impl=impl, launcher="torchrun"))
     try:
         pool.start()
         up = time.perf_counter()

@@ -1,4 +1,9 @@
-"""The persistent rank pool: ``torchrun`` started once, fed one case at a time.
+"""The persistent rank pool: ranks started once, fed one case at a time.
+
+The ranks are forked by one launcher process after it imported torch and the
+implementations (``launcher="fork"``, the default with gloo), or started by
+``torchrun`` (``launcher="torchrun"``, the default with nccl); see
+``cp_harness.worker``.
 
 ``RankPool.run(case)`` sends a case description (a small JSON dict) to ranks
 ``0..case["world_size"]-1`` and returns their ``RankOutput``s, or raises
@@ -13,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import re
 import select
 import shutil
 import signal
@@ -65,11 +71,15 @@ class PoolConfig:
     ``world_size``: ranks started (cases may use any size up to it).
     ``case_timeout``: seconds one case may take on the ranks.
     ``collective_timeout``: seconds a rank's collective waits for its peers.
-    ``start_timeout``: seconds for torchrun to bring every rank up.
+    ``start_timeout``: seconds for the launcher to bring every rank up.
+    ``launcher``: ``"fork"`` (one process imports, then forks the ranks) or
+    ``"torchrun"``; ``None`` picks fork for gloo and torchrun for nccl (the
+    nccl pool has only run under torchrun).
     """
 
     world_size: int = 8
     backend: str = "gloo"
+    launcher: str | None = None
     impl: str = "cp_impl"
     case_timeout: float = 60.0
     collective_timeout: float = 30.0
@@ -86,7 +96,7 @@ def _looks_like_timeout(message: str | None) -> bool:
 
 
 class RankPool:
-    """A long-lived ``torchrun`` job whose ranks run cases on request (see module docstring)."""
+    """A long-lived job of ranks that run cases on request (see module docstring)."""
 
     def __init__(self, config: PoolConfig | None = None):
         self.config = config or PoolConfig()
@@ -104,7 +114,7 @@ class RankPool:
         return self._proc is not None and self._proc.poll() is None and len(self._socks) == self.config.world_size
 
     def start(self) -> None:
-        """Start torchrun and wait until every rank has connected (bounded by ``start_timeout``)."""
+        """Start the ranks and wait until every one has connected (bounded by ``start_timeout``)."""
         if self.running:
             return
         self.close()
@@ -115,16 +125,18 @@ class RankPool:
         listener.bind(("127.0.0.1", 0))
         listener.listen(cfg.world_size)
         port = listener.getsockname()[1]
-        cmd = [cfg.python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.world_size}",
-               "--max-restarts=0", "--monitor-interval=0.2",
-               "-m", "cp_harness.worker", f"--connect=127.0.0.1:{port}", f"--backend={cfg.backend}",
-               f"--impl={cfg.impl}", f"--collective-timeout={cfg.collective_timeout}",
-               f"--stack-dir={self._workdir}"]
+        worker = ["-m", "cp_harness.worker", f"--connect=127.0.0.1:{port}", f"--backend={cfg.backend}",
+                  f"--impl={cfg.impl}", f"--collective-timeout={cfg.collective_timeout}", f"--stack-dir={self._workdir}"]
+        if self.launcher == "torchrun":
+            cmd = [cfg.python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.world_size}",
+                   "--max-restarts=0", "--monitor-interval=0.2", *worker]
+        else:
+            cmd = [cfg.python, *worker, f"--ranks={cfg.world_size}"]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env["PYTHONUNBUFFERED"] = "1"
         env["TORCHELASTIC_ERROR_FILE"] = str(self._workdir / "error.json")
-        self._log = open(self._workdir / "torchrun.log", "wb")  # noqa: SIM115 - closed in close()
+        self._log = open(self._workdir / "launcher.log", "wb")  # noqa: SIM115 - closed in close()
         self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True, stdin=subprocess.DEVNULL)
         self.starts += 1
@@ -135,8 +147,8 @@ class RankPool:
                 if remaining <= 0 or self._proc.poll() is not None:
                     raise RuntimeError(
                         f"rank pool did not start: {len(self._socks)} of {cfg.world_size} ranks connected "
-                        f"within {cfg.start_timeout:.0f} s (torchrun exit code {self._proc.poll()}).\n"
-                        f"torchrun log tail:\n{self.log_tail()}")
+                        f"within {cfg.start_timeout:.0f} s ({self.launcher} exit code {self._proc.poll()}).\n"
+                        f"{self.launcher} log tail:\n{self.log_tail()}")
                 listener.settimeout(min(remaining, 1.0))
                 try:
                     conn, _ = listener.accept()
@@ -155,7 +167,7 @@ class RankPool:
             listener.close()
 
     def close(self, graceful: bool = True) -> None:
-        """Stop every rank and torchrun itself; leaves no process behind.
+        """Stop every rank and the launcher; leaves no process behind.
 
         ``graceful``: ask the ranks to leave and give them 5 s; otherwise (after a
         failure, when ranks may be stuck) kill at once.
@@ -190,7 +202,7 @@ class RankPool:
                 break
             try:
                 self._proc.wait(timeout=3)
-                # torchrun may be gone while a worker lingers in the same session: sweep it too.
+                # the launcher may be gone while a rank lingers in the same session: sweep it too.
             except subprocess.TimeoutExpired:
                 continue
         for pid in self._pids.values():
@@ -212,7 +224,7 @@ class RankPool:
 
     def log_tail(self, limit: int = 4000) -> str:
         try:
-            text = (self._workdir / "torchrun.log").read_text(errors="replace")
+            text = (self._workdir / "launcher.log").read_text(errors="replace")
         except (OSError, TypeError):
             return "(no log)"
         return text[-limit:]
@@ -223,7 +235,15 @@ class RankPool:
         return dict(self._pids)
 
     @property
-    def torchrun_pid(self) -> int | None:
+    def launcher(self) -> str:
+        """``"fork"`` or ``"torchrun"`` (``PoolConfig.launcher``, else by backend)."""
+        if self.config.launcher is not None:
+            return self.config.launcher
+        return "torchrun" if self.config.backend == "nccl" else "fork"
+
+    @property
+    def launcher_pid(self) -> int | None:
+        """Process id of the launcher (torchrun, or the process that forked the ranks)."""
         return self._proc.pid if self._proc is not None else None
 
     # ------------------------------------------------------------------ running cases
@@ -263,9 +283,15 @@ class RankPool:
                     body, arrays = wire.recv(sock, timeout=max(deadline - time.monotonic(), 1.0))
                 except wire.WireError as exc:
                     code = self._wait_exit()
-                    self._fail(case, f"rank {rank} exited while running the case ({exc}; torchrun exit code {code}).\n"
-                                     f"torchrun log tail:\n{self.log_tail()}",
-                               rank=rank, kind="exited", outputs=list(outputs.values()))
+                    # The fork launcher ends the other ranks when one exits, so the first closed socket may be
+                    # a rank it ended; it logs which rank exited first.
+                    first = self._first_exited_rank()
+                    culprit = rank if first is None else first
+                    seen = "" if culprit == rank else f"; rank {rank}'s connection closed when the launcher ended it"
+                    self._fail(case, f"rank {culprit} exited while running the case ({exc}{seen}; "
+                                     f"{self.launcher} exit code {code}).\n"
+                                     f"{self.launcher} log tail:\n{self.log_tail()}",
+                               rank=culprit, kind="exited", outputs=list(outputs.values()))
                 if body.get("op") != "result" or body.get("case_id") != case_id or int(body.get("rank", -1)) != rank:
                     self._fail(case, f"rank {rank} answered out of protocol: {str(body)[:300]}", rank=rank,
                                kind="protocol", outputs=list(outputs.values()))
@@ -320,6 +346,13 @@ class RankPool:
             lines = [line for line in text.splitlines() if line.strip()]
             parts.append(f"--- stack of rank {rank} ---\n" + "\n".join(lines[-25:]))
         return "\n".join(parts)
+
+    _EXITED = re.compile(r"^cp_harness\.worker: rank (\d+) \(pid \d+\) exited with", re.MULTILINE)
+
+    def _first_exited_rank(self) -> int | None:
+        """The rank the fork launcher saw exit first (``None`` when it logged none, or under torchrun)."""
+        match = self._EXITED.search(self.log_tail(1 << 20))
+        return int(match.group(1)) if match else None
 
     def _wait_exit(self) -> int | None:
         if self._proc is None:

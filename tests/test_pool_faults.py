@@ -37,7 +37,7 @@ from cp_harness.runner import CaseRunner
 
 CASE_TIMEOUT = 4.0
 COLLECTIVE_TIMEOUT = 2.0  # below the case timeout: peers of a stuck rank give up first and point at it
-# Teardown after a failure is bounded by the pool: 5 s for torchrun to report an exit, then SIGTERM/SIGKILL
+# Teardown after a failure is bounded by the pool: 5 s for the launcher to report an exit, then SIGTERM/SIGKILL
 # with 3 s waits, and 0.5 s for stack dumps.
 TEARDOWN_ALLOWANCE = 8.0
 WORLD = 3
@@ -68,7 +68,7 @@ def proc_state(pid: int) -> str | None:
 
 
 def processes_mentioning(marker: str) -> list[tuple[int, str]]:
-    """Live processes whose command line contains ``marker`` (every rank and torchrun of our pools does)."""
+    """Live processes whose command line contains ``marker`` (every rank and launcher of our pools does)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -93,7 +93,7 @@ class Tracker:
         pool = self.runner.pool
         if pool.running:
             self.pids.update({pid: f"rank {rank}" for rank, pid in pool.pids.items()})
-            self.pids[pool.torchrun_pid] = "torchrun"
+            self.pids[pool.launcher_pid] = "launcher"
 
     def survivors(self, pids: dict[int, str] | None = None) -> list[str]:
         pids = self.pids if pids is None else pids
@@ -139,7 +139,7 @@ def test_rank_fault_fails_the_case_and_the_pool_recovers(faulty, mode, fault_ran
     runner.check(selftest())  # a healthy pool before the fault
     faulty.record()
     old = dict(runner.pool.pids)
-    old_pids = {pid: f"rank {rank}" for rank, pid in old.items()} | {runner.pool.torchrun_pid: "torchrun"}
+    old_pids = {pid: f"rank {rank}" for rank, pid in old.items()} | {runner.pool.launcher_pid: "launcher"}
     starts = runner.pool.starts
     case = selftest(mode, fault_rank)
 
@@ -218,9 +218,9 @@ def test_pool_exits_by_itself_when_its_owner_disappears(faulty):
     runner.check(selftest())
     faulty.record()
     pool = runner.pool
-    pids = {pid: f"rank {rank}" for rank, pid in pool.pids.items()} | {pool.torchrun_pid: "torchrun"}
+    pids = {pid: f"rank {rank}" for rank, pid in pool.pids.items()} | {pool.launcher_pid: "launcher"}
     for sock in pool._socks.values():  # what the kernel does to the sockets of a killed process
         sock.close()
     left = faulty.wait_gone(pids, timeout=15.0)
-    runner.close()  # reaps torchrun (our child) and forgets the pool
+    runner.close()  # reaps the launcher (our child) and forgets the pool
     assert not left, f"an abandoned pool left processes behind: {left}"
