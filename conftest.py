@@ -38,9 +38,18 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+def _start_order(item) -> int:
+    """Longest first: ``slow`` tests, then the gate suite's properties, then the many short tests, so that
+    pytest-xdist's workers finish together instead of one running a long test at the end."""
+    if "slow" in item.keywords:
+        return 0
+    return 1 if "cp_harness/tests/" in item.nodeid.replace("\\", "/") else 2
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``nightly`` (they need the package index) run in the nightly job (``CP_HARNESS_NIGHTLY=1``)
-    or when ``-m`` names them; the default command skips them, saying why."""
+    or when ``-m`` names them; the default command skips them, saying why. Items start longest first."""
+    items.sort(key=_start_order)
     if os.environ.get("CP_HARNESS_NIGHTLY") == "1" or "nightly" in (config.getoption("-m", default="") or ""):
         return
     skip = pytest.mark.skip(reason="needs the package index: runs in the nightly job (CP_HARNESS_NIGHTLY=1) "

@@ -244,10 +244,12 @@ def _no_cuda() -> bool:
 
 
 @pytest.mark.skipif(not _no_cuda(), reason="checks the message on a machine without CUDA")
-def test_nccl_without_gpus_stops_with_a_clear_message(tmp_path):
-    proc = _run(["-m", "cp_harness", "verify", "--backend", "nccl", "--world-sizes", "1,2"], tmp_path)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "backend nccl needs CUDA devices" in proc.stderr and "gloo" in proc.stderr
+def test_nccl_without_gpus_stops_with_a_clear_message(tmp_path, capsys):
+    from cp_harness.__main__ import main
+
+    assert main(["verify", "--backend", "nccl", "--world-sizes", "1,2"]) == 2  # before any rank starts
+    err = capsys.readouterr().err
+    assert "backend nccl needs CUDA devices" in err and "gloo" in err, err
     proc = _run(["-m", "pytest", "--pyargs", "cp_harness.tests", "--cp-backend", "nccl", "-q", "-p", "no:cacheprovider",
                  "--co"], tmp_path)
     assert proc.returncode == 4, proc.stdout + proc.stderr  # pytest's usage-error exit
