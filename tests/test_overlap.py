@@ -46,6 +46,10 @@ def mixed_cases(max_world: int) -> list[dict]:
         {"check": "model", "world_size": 1, "seed": 9, "model": "mistral_large4", "dtype": "float32",
          "num_chunks": 1, "batch": {"format": "thd", "seq_len": 16, "docs": [[[7, 8], [6, 8]]]}},
         {"check": "pool_selftest", "world_size": 2, "seed": 1, "mode": "ok"},
+        {"check": "mistral_large4_layout", "world_size": 2, "seed": 9, "model": "mistral_large4", "num_chunks": 1,
+         "shard_primary": True, "batch": {"format": "thd", "seq_len": 9, "docs": [[[2, 3], [5, 5]]]}},
+        {"check": "inkling2_layout", "world_size": 3, "seed": 7, "model": "inkling2", "num_chunks": 1,
+         "batch": {"format": "thd", "seq_len": 10, "docs": [[[1, 1], [0, 2], [4, 5]]], "eos_is_pad": True}},
     ]
     return [c for c in cases if c["world_size"] <= max_world]
 
