@@ -108,9 +108,12 @@ class CollectiveCall:
     unaccounted: str | None = None
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        # The fields are plain values: a shallow dict is ``dataclasses.asdict`` without its recursive copy
+        # (which cost ~0.5 ms per model case on every rank).
+        return {f: getattr(self, f) for f in _CALL_FIELDS}
 
 
+_CALL_FIELDS = tuple(f.name for f in dataclasses.fields(CollectiveCall))
 _calls: list[CollectiveCall] | None = None
 _installed = False
 _local = threading.local()  # .inside: a communication op is running (its inner calls are part of it)

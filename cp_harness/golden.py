@@ -680,7 +680,8 @@ def verify(golden: Golden, outputs: list | None, *, implementation: str = "cp_im
     comps, probs = compare_arrays(case, "oracle", oracle_now, golden.oracle)
     verdict.comparisons += comps
     verdict.problems += probs
-    golden_report = checks.evaluate(case, golden.rank_outputs())
+    expected = checks.expect(case)  # the oracle once, for both verdicts (it is only read)
+    golden_report = checks.evaluate(case, golden.rank_outputs(), expected)
     if not golden_report.ok:
         verdict.problems.append("the check rejects the golden implementation results against the oracle:\n"
                                 + golden_report.format())
@@ -693,7 +694,7 @@ def verify(golden: Golden, outputs: list | None, *, implementation: str = "cp_im
         comps, probs = compare_arrays(case, "impl", impl_now, golden.impl, oracle=golden.oracle)
         verdict.comparisons += comps
         verdict.problems += probs
-        report = checks.evaluate(case, outputs)
+        report = checks.evaluate(case, outputs, expected)
         if not report.ok:
             verdict.problems.append("the check rejects the current implementation against the oracle:\n" + report.format())
         verdict.bit_identical = (encode_npz(oracle_now) == encode_npz(golden.oracle)
@@ -889,8 +890,8 @@ def update(names: list[str] | None = None, root: Path | str = GOLDEN_DIR, *, imp
     runner = runner or _runner(impl, "gloo", names)
     changes = []
     try:
-        for name in names:
-            outputs = runner.run_outputs(CASES[name])
+        # Pipelined: the ranks run the next cases while this one is judged and written.
+        for name, outputs in zip(names, runner.run_outputs_many([CASES[name] for name in names])):
             changes.append(regenerate(name, CASES[name], outputs, root, implementation=impl, backend=runner.config.backend))
     finally:
         if own:
@@ -937,11 +938,13 @@ def main(argv: list[str] | None = None) -> int:
     if stale and not args.pattern:
         print(f"FAIL stale golden folders (not in cp_harness.golden.CASES): {', '.join(stale)}; regenerate with: {REGENERATE}")
     runner = None if args.storage_only else _runner(impl, args.backend, names)
+    # Pipelined: the ranks run the next cases while this one is checked.
+    runs = None if runner is None else runner.run_outputs_many([CASES[name] for name in names])
     try:
         for name in names:
+            outputs = None if runs is None else next(runs)
             try:
                 golden = load(name, args.dir)
-                outputs = None if runner is None else runner.run_outputs(CASES[name])
                 verdict = verify(golden, outputs, implementation=impl, backend=args.backend)
             except GoldenError as exc:
                 print(f"FAIL {name}: {exc}")

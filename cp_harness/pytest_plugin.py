@@ -210,12 +210,11 @@ def _plugin_runner_class():
     class PluginRunner(CaseRunner):
         """A ``CaseRunner`` that skips cases larger than its pool."""
 
-        def run_outputs(self, case: dict, *, timeout: float | None = None):
+        def admit(self, case: dict) -> None:
             n = int(case["world_size"])
             if n > self.config.world_size:
                 _skip_case(f"case needs {n} CP ranks; this run's pool has {self.config.world_size} "
                            f"(--cp-world-sizes)")
-            return super().run_outputs(case, timeout=timeout)
 
     return PluginRunner
 

@@ -15,14 +15,16 @@ drawn again costs one run.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import shlex
 import time
+from typing import Any, Iterable, Iterator
 
 from cp_harness import checks, excess
 from cp_harness.cases import canonical, case_id, payload_dtype
 from cp_harness.checks import CaseReport
 from cp_harness.impl import case_impl, primary_impl
-from cp_harness.pool import PoolConfig, RankFailure, RankPool
+from cp_harness.pool import PoolConfig, RankFailure, RankPool, Ticket
 
 
 def repro_command(case: dict, impl: str, backend: str = "gloo") -> str:
@@ -57,6 +59,23 @@ def verdict_text(report: CaseReport, impl: str, *, backend: str = "gloo", error_
     return "\n".join(lines)
 
 
+def _baseline_of(case: dict) -> dict | None:
+    return excess.baseline_case(case)
+
+
+@dataclasses.dataclass(eq=False)
+class _Job:
+    """A case on its way through the runner: sent (``ticket``), its oracle (``expected``), or why it was not sent."""
+
+    case: dict
+    ticket: Ticket | None = None
+    error: BaseException | None = None
+    expected: Any = checks.NOT_GIVEN
+    expect_error: BaseException | None = None
+    expected_done: bool = False
+    oracle_seconds: float = 0.0
+
+
 class CaseRunner:
     """Runs cases on a warm pool and remembers what ran (``counts``: examples per world size)."""
 
@@ -72,6 +91,7 @@ class CaseRunner:
         self.by_dtype: collections.Counter[str] = collections.Counter()
         self.baseline_runs = 0
         self._baselines: dict[str, CaseReport] = {}
+        self._baseline_jobs: dict[str, _Job] = {}  # baselines queued on the pool, not yet used
         self.failures = 0
         self.seconds = 0.0
         self.error_maps: list[str] = []
@@ -81,17 +101,100 @@ class CaseRunner:
         """The primary implementation (the one cases without an ``"impl"`` key run)."""
         return primary_impl(self.config.impl)
 
+    def admit(self, case: dict) -> None:
+        """Raise to refuse ``case`` before it is sent (the pytest plugin skips cases larger than its pool)."""
+
+    def _count(self, case: dict) -> None:
+        self.counts[int(case["world_size"])] += 1
+        self.by_check[case["check"]] += 1
+        self.by_impl[case_impl(case, self.config.impl)] += 1
+        self.by_dtype[payload_dtype(case)] += 1
+
     def run_outputs(self, case: dict, *, timeout: float | None = None):
         """The raw per-rank outputs (``RankFailure`` on a rank fault)."""
+        job = self._submit(case, timeout=timeout, excess=False)
+        if job.error is not None:
+            raise job.error
+        return self._collect(job)
+
+    def run_outputs_many(self, cases: Iterable[dict], *, timeout: float | None = None,
+                         ahead: int = 2) -> Iterator[list]:
+        """``run_outputs`` of each case, in order, with up to ``ahead`` later cases queued on the ranks
+        while the caller works on one; a ``RankFailure`` is raised at its own case's turn."""
+        jobs = self._pipeline(cases, timeout=timeout, excess=False, count=True, ahead=ahead)
+        for job in jobs:
+            if job.error is not None:
+                raise job.error
+            yield self._collect(job)
+
+    def _submit(self, case: dict, *, timeout: float | None, excess: bool, count: bool = True) -> _Job:
+        """Send ``case`` to the pool (and, for the excess judge, its one-rank baseline when not cached)."""
+        job = _Job(case)
+        try:
+            self.admit(case)
+        except BaseException as exc:  # noqa: BLE001 - a skip is raised at the case's turn
+            job.error = exc
+            return job
         started = time.perf_counter()
         try:
-            return self.pool.run(case, timeout=timeout)
+            job.ticket = self.pool.submit(case, timeout=timeout)
+        except BaseException as exc:  # noqa: BLE001 - raised at the case's turn
+            job.error = exc
         finally:
             self.seconds += time.perf_counter() - started
-            self.counts[int(case["world_size"])] += 1
-            self.by_check[case["check"]] += 1
-            self.by_impl[case_impl(case, self.config.impl)] += 1
-            self.by_dtype[payload_dtype(case)] += 1
+            if count:
+                self._count(case)
+        if excess and job.error is None:
+            self._prefetch_baseline(case, timeout=timeout)
+        return job
+
+    def _submit_raw(self, case: dict, *, timeout: float | None) -> _Job:
+        job = _Job(case)
+        started = time.perf_counter()
+        try:
+            job.ticket = self.pool.submit(case, timeout=timeout)
+        except BaseException as exc:  # noqa: BLE001
+            job.error = exc
+        finally:
+            self.seconds += time.perf_counter() - started
+        return job
+
+    BASELINES_IN_FLIGHT = 64
+
+    def _prefetch_baseline(self, case: dict, *, timeout: float | None) -> None:
+        """Queue the one-rank baseline right behind ``case`` so that it is ready when the excess judge asks.
+
+        It is counted in ``baseline_runs`` when it is used (``baseline``), as a sequential run would count it:
+        a case whose report fails before the excess judge never asks for it.
+        """
+        base = excess.baseline_case(case)
+        if base is None:
+            return
+        key = canonical(base)
+        if key in self._baselines or key in self._baseline_jobs:
+            return
+        while len(self._baseline_jobs) >= self.BASELINES_IN_FLIGHT:
+            self._baseline_jobs.pop(next(iter(self._baseline_jobs)))
+        self._baseline_jobs[key] = self._submit_raw(base, timeout=timeout)
+
+    def _expect(self, job: _Job) -> None:
+        """The oracle half of ``job`` (``checks.expect``), once; an error is raised where evaluate would raise it."""
+        if job.expected_done:
+            return
+        started = time.perf_counter()
+        try:
+            job.expected = checks.expect(job.case)
+        except Exception as exc:  # noqa: BLE001 - raised after the ranks' outputs are collected
+            job.expect_error = exc
+        job.oracle_seconds = time.perf_counter() - started
+        job.expected_done = True
+
+    def _collect(self, job: _Job):
+        started = time.perf_counter()
+        try:
+            return self.pool.collect(job.ticket)
+        finally:
+            self.seconds += time.perf_counter() - started
 
     BASELINE_CACHE = 1024
 
@@ -99,16 +202,20 @@ class CaseRunner:
         """The one-rank run ``case`` is judged against, evaluated (cached per description)."""
         key = canonical(case)
         if key not in self._baselines:
-            started = time.perf_counter()
+            job = self._baseline_jobs.pop(key, None) or self._submit_raw(case, timeout=timeout)
             try:
-                outputs = self.pool.run(case, timeout=timeout)
+                if job.error is not None:
+                    raise job.error
+                self._expect(job)
+                outputs = self._collect(job)
             except RankFailure as exc:
                 report = CaseReport(case=case)
                 report.problems.append(f"rank {exc.rank} {exc.kind}: {exc}")
             else:
-                report = checks.evaluate(case, outputs)
+                if job.expect_error is not None:
+                    raise job.expect_error
+                report = checks.evaluate(case, outputs, job.expected)
             finally:
-                self.seconds += time.perf_counter() - started
                 self.baseline_runs += 1
             if len(self._baselines) >= self.BASELINE_CACHE:
                 self._baselines.pop(next(iter(self._baselines)))
@@ -127,20 +234,76 @@ class CaseRunner:
             return
         excess.apply(report, base)
 
-    def run(self, case: dict, *, timeout: float | None = None) -> CaseReport:
-        """Run and evaluate ``case``; a rank fault becomes a failed report naming the rank."""
+    def _judge(self, job: _Job, *, timeout: float | None, excess: bool = True) -> CaseReport:
+        """Collect and evaluate a submitted case; its oracle (and its baseline's) runs first, while the ranks work."""
+        if job.error is not None:
+            raise job.error
+        self._expect(job)
+        base = self._baseline_jobs.get(canonical(b)) if excess and (b := _baseline_of(job.case)) else None
+        if base is not None and base.error is None:
+            self._expect(base)
         try:
-            outputs = self.run_outputs(case, timeout=timeout)
+            outputs = self._collect(job)
         except RankFailure as exc:
             self.failures += 1
-            report = CaseReport(case=case)
+            report = CaseReport(case=job.case)
             report.problems.append(f"rank {exc.rank} {exc.kind}: {exc}")
             return report
-        report = checks.evaluate(case, outputs)
-        self.judge_excess(report, timeout=timeout)
+        if job.expect_error is not None:
+            raise job.expect_error
+        started = time.perf_counter()
+        report = checks.evaluate(job.case, outputs, job.expected)
+        compared = time.perf_counter()
+        if excess:
+            self.judge_excess(report, timeout=timeout)
         if not report.ok:
             self.failures += 1
+        report.timing = {**job.ticket.timing, "oracle": job.oracle_seconds, "compare": compared - started,
+                         "excess": time.perf_counter() - compared}
         return report
+
+    def run(self, case: dict, *, timeout: float | None = None) -> CaseReport:
+        """Run and evaluate ``case``; a rank fault becomes a failed report naming the rank.
+
+        The case (and its one-rank baseline, when the excess judge will want it and it is not cached) is
+        sent first; the oracle runs while the ranks work; then the outputs are collected and compared.
+        """
+        return self._judge(self._submit(case, timeout=timeout, excess=True), timeout=timeout)
+
+    def run_many(self, cases: Iterable[dict], *, timeout: float | None = None, excess: bool = True,
+                 count: bool = True, ahead: int = 2) -> Iterator[CaseReport]:
+        """``run`` of each case, in order, pipelined: while case ``k`` is judged, cases ``k+1..k+ahead`` are
+        queued on the ranks, so the ranks never wait for the test process (nor it for them, when it is slower).
+
+        Reports are those ``run`` gives one by one (same comparisons, verdicts, counters). A rank failure
+        fails its own case only; the cases behind it are run again on the fresh pool. An error raised
+        for a case (a skip, a bad description) is raised at that case's turn. ``excess``: judge arithmetic
+        cases against their one-rank baseline (as ``run`` does); ``count``: add the cases to the counters.
+        """
+        for job in self._pipeline(cases, timeout=timeout, excess=excess, count=count, ahead=ahead):
+            yield self._judge(job, timeout=timeout, excess=excess)
+
+    def _pipeline(self, cases: Iterable[dict], *, timeout: float | None, excess: bool, count: bool,
+                  ahead: int) -> Iterator[_Job]:
+        """Submitted jobs in order, keeping ``ahead`` more submitted while the caller handles one."""
+        if ahead < 0:
+            raise ValueError(f"ahead={ahead}; at least 0")
+        source = iter(cases)
+        pending: collections.deque[_Job] = collections.deque()
+
+        def top_up(limit: int) -> None:
+            while len(pending) < limit:
+                try:
+                    case = next(source)
+                except StopIteration:
+                    return
+                pending.append(self._submit(case, timeout=timeout, excess=excess, count=count))
+
+        top_up(ahead + 1)
+        while pending:
+            job = pending.popleft()
+            top_up(ahead)
+            yield job
 
     def check(self, case: dict, *, timeout: float | None = None) -> CaseReport:
         """Run ``case`` and raise ``AssertionError`` with the full failure message unless it passes."""

@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         if body.get("op") != "run":
             continue
+        taken = time.monotonic()  # for the pool's transport figures (same clock as the test process)
         case = body["case"]
         cp_size = int(case["world_size"])
         started = time.perf_counter()
@@ -192,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                      "traceback": traceback.format_exc(), "seconds": time.perf_counter() - started}
             if isinstance(exc, SystemExit):
                 exit_code = int(exc.code or 0) if isinstance(exc.code, int) else 1
+        reply["t_start"], reply["t_end"] = taken, time.monotonic()
         try:
             wire.send(sock, reply, tensors)
         except OSError:

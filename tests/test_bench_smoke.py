@@ -29,9 +29,22 @@ def test_bench_quick_writes_report(tmp_path: Path, cp_runner) -> None:
     assert report["suite"] == {"skipped": True}
     assert report["throughput"]["fresh"] is None
 
-    warm = report["throughput"]["warm"]["2"]
-    assert warm["cases"] >= 1 and warm["cases_per_second"] > 0
-    assert set(warm["breakdown_ms"]) == {"ranks", "transport", "oracle", "compare"}
+    # Both modes, each with the per-case breakdown and the overlap gained; the ratio's warm rate is the pipelined one.
+    throughput = report["throughput"]
+    warm, sequential = throughput["warm"]["2"], throughput["sequential"]["2"]
+    assert warm["mode"] == "pipelined" and sequential["mode"] == "sequential"
+    assert "pipelined" in throughput["warm_mode"]
+    for mode in (warm, sequential):
+        assert mode["cases"] >= 1 and mode["cases_per_second"] > 0
+        assert set(mode["breakdown_ms"]) == {"ranks", "transport", "oracle", "compare"}
+        assert all(v >= 0 for v in mode["breakdown_ms"].values()), mode["breakdown_ms"]
+        assert mode["breakdown_ms"]["ranks"] > 0 and mode["breakdown_ms"]["oracle"] > 0
+        assert isinstance(mode["overlap_gained_ms"], float)
+    # Sequential: the parts add up to the wall time (nothing overlaps), within the harness's own overhead.
+    assert abs(sequential["overlap_gained_ms"]) < 0.25 * sequential["mean_ms"], sequential
+    for column in ("ranks ms", "transport ms", "oracle ms", "compare ms", "overlap gained ms"):
+        assert column in text, column
+    assert "sequential: run, then judge" in text and "pipelined: judged while the next run" in text
 
     comm = report["communication"]
     assert set(comm["functions"]) == {"inkling2.convolution_history", "inkling2.gather_sequence",

@@ -8,6 +8,14 @@ A check has two halves, registered under one name:
 - ``evaluate(case, outputs) -> CaseReport`` runs in the test process: it
   rebuilds the global inputs from the case, runs the oracle and compares.
 
+A check whose oracle costs real time splits its test-process half in two:
+``expect(case) -> expected`` does the oracle work from the case alone (no
+rank output is needed), and ``evaluate(case, outputs, expected)`` compares.
+The runner then computes ``expect`` while the ranks still run the case
+(``CaseRunner.run``, ``CaseRunner.run_many``). ``checks.evaluate(case,
+outputs)`` stays the one entry point for every caller: it computes
+``expect`` itself when it is not given.
+
 Check modules register themselves on import; every module of this package
 is one (found with ``pkgutil``), so a new check is a new file.
 """
@@ -56,6 +64,8 @@ class CaseReport:
     comm: list[dict] = dataclasses.field(default_factory=list)
     info: dict = dataclasses.field(default_factory=dict)
     called: set[str] = dataclasses.field(default_factory=set)  # documented functions some rank called
+    # Where the time went (seconds: ranks, transport, oracle, compare; set by the runner). Not part of the verdict.
+    timing: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -108,20 +118,23 @@ class CaseReport:
 
 @dataclasses.dataclass(frozen=True)
 class Check:
+    """``evaluate(case, outputs)``, or ``evaluate(case, outputs, expected)`` when ``expect`` is given."""
+
     name: str
     rank: Callable[[dict, RankContext], tuple[dict, dict[str, torch.Tensor]]]
-    evaluate: Callable[[dict, list], CaseReport]
+    evaluate: Callable[..., CaseReport]
     functions: tuple[str, ...] = ()  # documented functions this check exercises (for reports)
+    expect: Callable[[dict], Any] | None = None  # the oracle work, from the case alone
 
 
 CHECKS: dict[str, Check] = {}
 _loaded = False
 
 
-def register(name: str, *, rank, evaluate, functions: tuple[str, ...] = ()) -> None:
+def register(name: str, *, rank, evaluate, functions: tuple[str, ...] = (), expect=None) -> None:
     if name in CHECKS:
         raise ValueError(f"check {name!r} registered twice")
-    CHECKS[name] = Check(name, rank, evaluate, functions)
+    CHECKS[name] = Check(name, rank, evaluate, functions, expect)
 
 
 def load_checks() -> dict[str, Check]:
@@ -168,12 +181,35 @@ def one_intra_op_thread():
             torch.set_num_threads(threads)
 
 
-def evaluate(case: dict, outputs: list) -> CaseReport:
+class _NotGiven:
+    def __repr__(self) -> str:
+        return "NOT_GIVEN"
+
+
+NOT_GIVEN: Any = _NotGiven()
+
+
+def expect(case: dict) -> Any:
+    """The oracle half of ``case``'s check, computed from the case alone (before or while the ranks run it).
+
+    ``NOT_GIVEN`` for a check without an ``expect`` (its ``evaluate`` does all the work). Pass the result
+    to ``evaluate(case, outputs, expected)``; it is read, never changed, so it may be reused.
+    """
+    check = get_check(case["check"])
+    if check.expect is None:
+        return NOT_GIVEN
+    with one_intra_op_thread():
+        return check.expect(case)
+
+
+def evaluate(case: dict, outputs: list, expected: Any = NOT_GIVEN) -> CaseReport:
     """Judge the outputs of every rank for ``case`` (test-process side).
 
-    The oracle runs with one intra-op thread (as the ranks do): case tensors are
-    tiny, and on a loaded machine OpenMP threads waiting for each other made
-    the evaluation 10-100 times slower (``docs/benchmarks.md``).
+    ``expected``: what ``expect(case)`` returned, when the caller computed it
+    already (while the ranks ran); computed here otherwise. The oracle runs
+    with one intra-op thread (as the ranks do): case tensors are tiny, and on a
+    loaded machine OpenMP threads waiting for each other made the evaluation
+    10-100 times slower (``docs/benchmarks.md``).
     """
     raised = [o for o in outputs if not o.ok]
     if raised:
@@ -181,8 +217,14 @@ def evaluate(case: dict, outputs: list) -> CaseReport:
         for o in raised:
             report.problems.append(f"rank {o.rank} raised {o.error_type}: {o.message}\n{o.traceback}")
     else:
+        check = get_check(case["check"])
         with one_intra_op_thread():
-            report = get_check(case["check"]).evaluate(case, outputs)
+            if check.expect is None:
+                report = check.evaluate(case, outputs)
+            else:
+                if expected is NOT_GIVEN:
+                    expected = check.expect(case)
+                report = check.evaluate(case, outputs, expected)
     report.comm = [{"rank": o.rank, "calls": o.comm} for o in outputs]
     report.called = set().union(*(o.called for o in outputs)) if outputs else set()
     return report

@@ -131,9 +131,9 @@ def _common(report: CaseReport, outputs: list, layout, labels_expected: torch.Te
     return reported
 
 
-def _inkling2_evaluate(case: dict, outputs: list) -> CaseReport:
+def _inkling2_evaluate(case: dict, outputs: list, expected) -> CaseReport:
     report = CaseReport(case=case)
-    batch, layout = expected_layout(case)
+    batch, layout = expected  # expected_layout(case), computed while the ranks ran
     for o in outputs:
         report.require(o.info["input_ids_global_and_unchanged"], f"rank {o.rank}: input_ids must stay global and unchanged")
         report.require(o.info["image_mask_global"], f"rank {o.rank}: image_mask must stay global and unchanged")
@@ -193,9 +193,9 @@ def _mistral_rank(case: dict, ctx) -> tuple[dict, dict]:
     return info, tensors
 
 
-def _mistral_evaluate(case: dict, outputs: list) -> CaseReport:
+def _mistral_evaluate(case: dict, outputs: list, expected) -> CaseReport:
     report = CaseReport(case=case)
-    batch, layout = expected_layout(case)
+    batch, layout = expected  # expected_layout(case), computed while the ranks ran
     packed = "seq_lens" in batch
     labels = batch["labels"].clone()
     if packed:
@@ -225,9 +225,9 @@ def _mistral_evaluate(case: dict, outputs: list) -> CaseReport:
     return report
 
 
-register("inkling2_layout", rank=_inkling2_rank, evaluate=_inkling2_evaluate,
+register("inkling2_layout", rank=_inkling2_rank, evaluate=_inkling2_evaluate, expect=expected_layout,
          functions=("inkling2.prepare_cp_inputs", "inkling2.unpack_row_layout", "sharder.shard",
                     "sharder.local_token_global_indices", "sharder.shard_token_tensor"))
-register("mistral_large4_layout", rank=_mistral_rank, evaluate=_mistral_evaluate,
+register("mistral_large4_layout", rank=_mistral_rank, evaluate=_mistral_evaluate, expect=expected_layout,
          functions=("mistral_large4.prepare_cp_inputs", "mistral_large4.prepare_packed_cp_inputs", "sharder.shard",
                     "sharder.local_token_global_indices", "sharder.shard_token_tensor"))

@@ -130,15 +130,27 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
     return info, {"loss": loss.reshape(()), "grad": grad}
 
 
-def _evaluate(case: dict, outputs: list) -> CaseReport:
-    report = CaseReport(case=case)
-    n = int(case["world_size"])
+def _expect(case: dict) -> dict:
+    """The oracle's side of a loss case: its inputs, the float64 loss and gradient, the per-position losses."""
     logits, labels, keep, S = loss_inputs(case)
-    L = logits.shape[1] // n
     ref_logits = logits.detach().to(torch.float64).requires_grad_(True)
     loss_sum, count = shifted_cross_entropy(ref_logits, labels, keep)
     ref = mean_loss(loss_sum, count)
     ref.backward()
+    counted = torch.zeros_like(keep)
+    counted[:, :-1] = keep[:, :-1] & keep[:, 1:] & (labels[:, 1:] != IGNORE_INDEX)
+    return {"logits": logits, "labels": labels, "keep": keep, "count": count, "ref": ref.detach(),
+            "ref_grad": ref_logits.grad, "counted": counted,
+            "loss_scale": cross_entropy_scale(logits, counted, shifted=True),
+            "per_position": per_position_ce(logits, labels, counted, shifted=True)}
+
+
+def _evaluate(case: dict, outputs: list, expected: dict) -> CaseReport:
+    report = CaseReport(case=case)
+    n = int(case["world_size"])
+    logits, labels, keep, count = expected["logits"], expected["labels"], expected["keep"], expected["count"]
+    L = logits.shape[1] // n
+    ref = expected["ref"]
     dtype = case.get("dtype", "float64")
     # The loss is accumulated in float32 for bfloat16/float16 logits: judged as a float32 loss.
     loss_dtype = "float32" if dtype in LOW_PRECISION else dtype
@@ -152,20 +164,18 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
                        f"rank {o.rank}: loss dtype {o.info['loss_dtype']} for {dtype} logits; the contract upcasts "
                        f"logits to at least float32 and returns the loss in torch.{loss_dtype}")
     mean = np.array(losses.sum() / n)
-    counted = torch.zeros_like(keep)
-    counted[:, :-1] = keep[:, :-1] & keep[:, 1:] & (labels[:, 1:] != IGNORE_INDEX)
     # Rounding scales (see cross_entropy_scale): the loss at its rows' log-sum-exp, the gradient
     # (softmax - one-hot) / count at 1 / count, whatever cancellation leaves of them.
-    loss_scale = cross_entropy_scale(logits, counted, shifted=True)
+    loss_scale = expected["loss_scale"]
     grad_scale = 1.0 / int(count) if int(count) > 0 else None
     report.add(compare("loss (mean over ranks)", mean, ref.detach().numpy(), mode="ulp", budget_ulp=loss_budget.ulp,
                        floor_fraction=loss_budget.floor_fraction, ulp_dtype=loss_dtype, reference_scale=loss_scale))
     grad = stack_ranks(outputs, "grad") / n
-    report.add(compare("d loss / d logits", grad, ref_logits.grad.numpy(), mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
+    report.add(compare("d loss / d logits", grad, expected["ref_grad"].numpy(), mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
                        grid=TokenGrid(L, n), ulp_dtype=dtype, reference_scale=grad_scale))
     if int(count) == 0:
         report.add(compare("loss when nothing counts", losses, np.zeros(n), mode="exact"))
-    compare_rank_losses(report, outputs, per_position_ce(logits, labels, counted, shifted=True), int(count), loss_budget,
+    compare_rank_losses(report, outputs, expected["per_position"], int(count), loss_budget,
                         loss_dtype, scale=loss_scale)
     # Positions that predict nothing must get exactly zero gradient.
     predicts = torch.zeros_like(keep)
@@ -178,4 +188,4 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     return report
 
 
-register("shifted_cp_loss", rank=_rank, evaluate=_evaluate, functions=("mistral_large4.shifted_cp_loss",))
+register("shifted_cp_loss", rank=_rank, evaluate=_evaluate, expect=_expect, functions=("mistral_large4.shifted_cp_loss",))

@@ -21,6 +21,9 @@ float32 ULPs. Case keys: ``model``, ``batch``, ``num_chunks``, ``shard_primary``
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -112,10 +115,30 @@ def oracle_run(case: dict):
     return out, params, layout
 
 
-def _evaluate(case: dict, outputs: list) -> CaseReport:
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    """The oracle's side of a model case (``_expect``): everything that does not need the ranks' outputs."""
+
+    out: Any
+    params: dict
+    layout: Any
+    labels: torch.Tensor
+    grad_scale: float
+    param_grads: dict
+
+
+def _expect(case: dict) -> Expected:
+    out, params, layout = oracle_run(case)
+    # Parameter gradients are judged against the model's largest gradient (see cp_harness.compare).
+    grad_scale = max((float(p.grad.abs().max()) for p in params.values() if p.grad is not None and p.numel()), default=0.0)
+    param_grads = {name: p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape)) for name, p in params.items()}
+    return Expected(out, params, layout, build_batch(case)["labels"], grad_scale, param_grads)
+
+
+def _evaluate(case: dict, outputs: list, expected: Expected) -> CaseReport:
     report = CaseReport(case=case)
     n = int(case["world_size"])
-    out, params, layout = oracle_run(case)
+    out, layout = expected.out, expected.layout
     budget = budget_for("model", case)
     ulp_dtype = case.get("dtype", "float64")
     B, S = layout.keep.shape
@@ -135,7 +158,7 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
                            mask=pad_mask, grid=grid))
 
     # Each rank's loss as the recipe (inkling2) or shifted_cp_loss (mistral_large4) must scale it.
-    labels = pad_sequence(build_batch(case)["labels"], S_pad, IGNORE_INDEX)
+    labels = pad_sequence(expected.labels, S_pad, IGNORE_INDEX)
     keep_pad = pad_sequence(layout.keep, S_pad, False)
     logits_pad = pad_sequence(out.logits.detach(), S_pad, 0.0)
     if case["model"] == "inkling2":
@@ -161,17 +184,15 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
         report.add(compare("input-embedding gradient at padding (exactly zero)", emb, np.zeros_like(emb), mode="exact",
                            mask=pad_mask, grid=grid))
 
-    # Parameter gradients are judged against the model's largest gradient (see cp_harness.compare).
-    grad_scale = max((float(p.grad.abs().max()) for p in params.values() if p.grad is not None and p.numel()), default=0.0)
-    for name, p in params.items():
-        expected = p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape))
+    for name, want in expected.param_grads.items():
         got = sum(o.tensors[f"grad.{name}"] for o in outputs) / n
-        report.add(compare(f"grad {name}", got, expected, mode="ulp", budget_ulp=budget.ulp,
-                           floor_fraction=budget.floor_fraction, ulp_dtype=ulp_dtype, reference_scale=grad_scale))
+        report.add(compare(f"grad {name}", got, want, mode="ulp", budget_ulp=budget.ulp,
+                           floor_fraction=budget.floor_fraction, ulp_dtype=ulp_dtype,
+                           reference_scale=expected.grad_scale))
     report.info.update({"loss": float(out.loss.detach()), "count": int(out.count), "max_ulp": report.max_ulp})
     return report
 
 
-register("model", rank=_rank, evaluate=_evaluate,
+register("model", rank=_rank, evaluate=_evaluate, expect=_expect,
          functions=("inkling2.*", "mistral_large4.*", "sharder.shard", "sharder.shard_token_tensor",
                     "sharder.local_token_global_indices"))

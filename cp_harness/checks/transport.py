@@ -68,14 +68,24 @@ def _gather_rank(seq_dim: int, function: str):
     return rank_fn
 
 
+def _gather_expect(seq_dim: int):
+    def expect(case: dict) -> dict:
+        n = int(case["world_size"])
+        value = global_value(case, list(case["shape"]), seq_dim)
+        differentiable = bool(case.get("differentiable", True)) and value.is_floating_point()
+        total = (accumulate((upstream_gradient(case, r, value.shape) for r in range(n)), value.dtype)
+                 if differentiable else None)
+        return {"value": value, "differentiable": differentiable, "total": total}
+    return expect
+
+
 def _gather_evaluate(seq_dim: int):
-    def evaluate(case: dict, outputs: list) -> CaseReport:
+    def evaluate(case: dict, outputs: list, expected: dict) -> CaseReport:
         report = CaseReport(case=case)
         n = int(case["world_size"])
         shape = list(case["shape"])
         local_len = shape[seq_dim]
-        value = global_value(case, shape, seq_dim)
-        differentiable = bool(case.get("differentiable", True)) and value.is_floating_point()
+        value, differentiable = expected["value"], expected["differentiable"]
         grid = TokenGrid(local_len, n) if seq_dim == 1 else None
         for o in outputs:
             report.add(compare(f"output@rank{o.rank}", o.tensors["out"], value, mode="exact", grid=grid))
@@ -87,7 +97,7 @@ def _gather_evaluate(seq_dim: int):
             if not differentiable:
                 report.require(not o.info["requires_grad"], f"rank {o.rank}: differentiable=False must give no autograd history")
         if differentiable:
-            total = accumulate((upstream_gradient(case, r, value.shape) for r in range(n)), value.dtype)
+            total = expected["total"]
             for o in outputs:
                 expected = total.narrow(seq_dim, o.rank * local_len, local_len)
                 report.add(compare(f"grad@rank{o.rank}", o.tensors["grad"], expected, mode="exact"))
@@ -112,22 +122,14 @@ def _history_rank(case: dict, ctx) -> tuple[dict, dict]:
     return info, tensors
 
 
-def _history_evaluate(case: dict, outputs: list) -> CaseReport:
-    report = CaseReport(case=case)
+def _history_expect(case: dict) -> dict:
     n = int(case["world_size"])
     B, L, C = case["shape"]
-    width = int(case["width"])
-    h = width - 1
+    h = int(case["width"]) - 1
     value = global_value(case, [B, L, C], 1)
     padded = torch.cat([torch.zeros(B, h, C, dtype=value.dtype), value], dim=1)  # global row g sits at g + h
-    for o in outputs:
-        r = o.rank
-        # Local row i of rank r's history is global position r*L - h + i (negative: before the sequence).
-        report.add(compare(f"history@rank{r}", o.tensors["out"], padded[:, r * L:r * L + L + h], mode="exact"))
-        report.require(not o.info["same_object"], f"rank {r}: convolution_history must return a new tensor")
-        report.require(o.info["dtype"] == str(value.dtype), f"rank {r}: history dtype {o.info['dtype']}, input {value.dtype}")
     if not value.is_floating_point():
-        return report
+        return {"value": value, "padded": padded, "grad_total": None}
     # Every global row's gradient: its owner's own upstream plus that of each later rank whose history
     # holds it, accumulated as the contract says (float32 for bfloat16/float16, rounded once).
     contributions = []
@@ -136,7 +138,25 @@ def _history_evaluate(case: dict, outputs: list) -> CaseReport:
         part = torch.zeros_like(padded)
         part[:, r * L:r * L + L + h] = upstream_gradient(case, r, (B, L + h, C))
         contributions.append(part)
-    grad_total = accumulate(contributions, value.dtype)
+    return {"value": value, "padded": padded, "grad_total": accumulate(contributions, value.dtype)}
+
+
+def _history_evaluate(case: dict, outputs: list, expected: dict) -> CaseReport:
+    report = CaseReport(case=case)
+    n = int(case["world_size"])
+    B, L, C = case["shape"]
+    width = int(case["width"])
+    h = width - 1
+    value, padded = expected["value"], expected["padded"]
+    for o in outputs:
+        r = o.rank
+        # Local row i of rank r's history is global position r*L - h + i (negative: before the sequence).
+        report.add(compare(f"history@rank{r}", o.tensors["out"], padded[:, r * L:r * L + L + h], mode="exact"))
+        report.require(not o.info["same_object"], f"rank {r}: convolution_history must return a new tensor")
+        report.require(o.info["dtype"] == str(value.dtype), f"rank {r}: history dtype {o.info['dtype']}, input {value.dtype}")
+    if not value.is_floating_point():
+        return report
+    grad_total = expected["grad_total"]
     # Gradients in global order, so a failure names the owning rank and its distance to the boundary.
     report.add(compare("gradient returned to each owner", stack_ranks(outputs, "grad"), grad_total[:, h:h + n * L],
                        mode="exact", grid=TokenGrid(L, n)))
@@ -144,10 +164,10 @@ def _history_evaluate(case: dict, outputs: list) -> CaseReport:
 
 
 register("gather_sequence", rank=_gather_rank(1, "gather_sequence"), evaluate=_gather_evaluate(1),
-         functions=("inkling2.gather_sequence",))
+         expect=_gather_expect(1), functions=("inkling2.gather_sequence",))
 register("gather_tokens", rank=_gather_rank(0, "gather_tokens"), evaluate=_gather_evaluate(0),
-         functions=("mistral_large4.gather_tokens",))
-register("convolution_history", rank=_history_rank, evaluate=_history_evaluate,
+         expect=_gather_expect(0), functions=("mistral_large4.gather_tokens",))
+register("convolution_history", rank=_history_rank, evaluate=_history_evaluate, expect=_history_expect,
          functions=("inkling2.convolution_history",))
 
 
