@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -182,17 +183,24 @@ def test_halo_adapter_builds_the_framework_context_and_appends_the_shard(monkeyp
 
 # ------------------------------------------------------------- repros and the documented case (slow)
 
+REPROS = ["gather_permuted_grad.py", "gather_subgroup.py", "gather_inplace_grad.py", "gather_bf16_accumulation.py"]
+
+
 @needs_framework
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["gather_permuted_grad.py", "gather_subgroup.py", "gather_inplace_grad.py",
-                                    "gather_bf16_accumulation.py"])
-def test_repro_fails_and_passes_with_the_fix(script):
-    broken = subprocess.run([sys.executable, str(REPRO / script)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert broken.returncode == 1, broken.stdout + broken.stderr
-    assert any(word in broken.stdout for word in ("WRONG", "raised", "differ from")), broken.stdout
-    fixed = subprocess.run([sys.executable, str(REPRO / script), "--fixed"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300)
-    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+def test_repros_fail_and_pass_with_the_fix():
+    """Each repro's command line, as it is (exit 1, the defect printed) and with ``--fixed`` (exit 0), without
+    the harness; ``_launch.py`` runs them all in one interpreter so torch and the framework load once."""
+    proc = subprocess.run([sys.executable, str(REPRO / "_launch.py"), *REPROS], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    runs = {(r["script"], r["fixed"]): r for r in map(json.loads, proc.stdout.splitlines())}
+    assert sorted(runs) == sorted((s, f) for s in REPROS for f in (False, True)), proc.stdout + proc.stderr
+    for script in REPROS:
+        broken, fixed = runs[script, False], runs[script, True]
+        assert broken["exit"] == 1, broken["output"]
+        assert any(word in broken["output"] for word in ("WRONG", "raised", "differ from")), broken["output"]
+        assert fixed["exit"] == 0, fixed["output"]
+    assert proc.returncode == 0, proc.stderr
 
 
 @needs_framework

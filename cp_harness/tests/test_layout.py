@@ -6,7 +6,7 @@ from cp_harness import strategies
 from cp_harness.profiles import examples
 
 
-@settings(max_examples=examples(1.5))
+@settings(max_examples=examples(3.0))
 @given(case=strategies.layout_cases())
 @example(case={"check": "inkling2_layout", "world_size": 3, "seed": 7, "model": "inkling2", "num_chunks": 1,
                "batch": {"format": "thd", "seq_len": 10, "docs": [[[1, 1], [0, 2], [4, 5]]], "eos_is_pad": True}})

@@ -10,7 +10,7 @@ from cp_harness import strategies
 from cp_harness.profiles import examples
 
 
-@settings(max_examples=examples(1.0))
+@settings(max_examples=examples(2.0))
 @given(case=strategies.loss_cases())
 @example(case={"check": "shifted_cp_loss", "world_size": 2, "seed": 5, "model": "mistral_large4", "dtype": "float64",
                "vocab": 7, "batch": {"format": "bshd", "seq_len": 6, "rows": [[0, 0], [0, 0]]}})  # nothing counts

@@ -6,7 +6,7 @@ from cp_harness import strategies
 from cp_harness.profiles import examples
 
 
-@settings(max_examples=examples(0.5))
+@settings(max_examples=examples(1.5))
 @given(case=strategies.position_cases())
 @example(case={"check": "validate_document_positions", "world_size": 2, "seed": 1, "model": "inkling2",
                "batch": {"format": "thd", "seq_len": 9, "docs": [[[3, 4], [4, 5]]]},

@@ -10,7 +10,7 @@ from cp_harness.profiles import examples
 from hypothesis import settings
 
 
-@settings(max_examples=examples(1.5))
+@settings(max_examples=examples(3.0))
 @given(case=strategies.gather_cases())
 @example(case={"check": "gather_sequence", "world_size": 1, "mesh": "none", "seed": 1, "dtype": "float64",
                "shape": [2, 3, 4], "differentiable": True})
@@ -28,7 +28,7 @@ def test_gathers_match_bit_for_bit(cp_runner, case):
     cp_runner.check(case)
 
 
-@settings(max_examples=examples(1.0))
+@settings(max_examples=examples(2.5))
 @given(case=strategies.history_cases())
 @example(case={"check": "convolution_history", "world_size": 4, "seed": 3, "dtype": "float64", "shape": [2, 1, 3],
                "width": 5})  # history spans every earlier rank
@@ -44,7 +44,7 @@ def test_convolution_history_matches_bit_for_bit(cp_runner, case):
     cp_runner.check(case)
 
 
-@settings(max_examples=examples(0.5))
+@settings(max_examples=examples(1.5))
 @given(case=strategies.sharder_cases())
 @example(case={"check": "sharder_roundtrip", "world_size": 8, "seed": 13, "dtype": "float64", "shape": [2, 5, 3]})
 @example(case={"check": "sharder_roundtrip", "world_size": 3, "seed": 14, "dtype": "bfloat16", "shape": [1, 7, 2]})

@@ -8,14 +8,22 @@ Self-started ranks are forked from this process after it has imported torch and 
 framework functions under test), so a rank costs no import of its own: importing nemo-automodel's CP modules
 takes about 4 s of CPU, and a repro of four ranks spent most of its time on that. Nothing has touched a
 process group, a thread pool or a device before the fork; each rank joins its own gloo group after it.
+
+``python _launch.py SCRIPT.py ...`` runs each script's command line, as it is and with ``--fixed``, in this
+one interpreter (torch and the framework imported once for all of them) and prints one JSON object per run:
+``{"script", "fixed", "exit", "output"}``. Its own exit status is 0 when every script exits 1 as it is and 0
+fixed.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import socket
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 
@@ -46,3 +54,36 @@ def run(main: Callable[[int, int, Any], int], world: int, args: Any, timeout: fl
             p.kill()
             p.join()
     return 1 if any(p.exitcode != 0 for p in procs) else 0
+
+
+def _captured(cli: Callable[[list[str]], int], argv: list[str]) -> tuple[int, str]:
+    """``cli(argv)`` with this process's and its ranks' stdout and stderr captured (file descriptors 1 and 2)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        try:
+            code = cli(argv)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+        out.seek(0)
+        return code, out.read().decode(errors="replace")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    every = True
+    for script in sys.argv[1:]:
+        module = importlib.import_module(Path(script).stem)
+        for fixed in (False, True):
+            code, output = _captured(module.cli, ["--fixed"] if fixed else [])
+            every = every and code == (0 if fixed else 1)
+            print(json.dumps({"script": Path(script).name, "fixed": fixed, "exit": code, "output": output}), flush=True)
+    sys.exit(0 if every else 1)
