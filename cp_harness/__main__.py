@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     run_case = sub.add_parser("run-case", help="run one case description and print its report")
     _add_common(run_case)
     run_case.add_argument("case", help="the case as JSON (the 'case:' line of a failure)")
+    run_case.add_argument("--launcher", default=None, choices=("fork", "torchrun"),
+                          help="how the ranks start (default: fork for gloo, torchrun for nccl)")
     return parser
 
 
@@ -119,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         except DeviceError as exc:
             print(f"cannot run: {exc}", file=sys.stderr)
             return 2
-        runner = CaseRunner(PoolConfig(world_size=int(case["world_size"]), backend=args.backend, impl=impl))
+        runner = CaseRunner(PoolConfig(world_size=int(case["world_size"]), backend=args.backend, impl=impl,
+                                       launcher=args.launcher))
         try:
             report = runner.run(case)
         finally:

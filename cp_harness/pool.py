@@ -190,6 +190,8 @@ class RankPool:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 body, _ = wire.recv(conn, timeout=max(deadline - time.monotonic(), 1.0))
                 rank = int(body["rank"])
+                if body.get("launcher") != self.launcher:
+                    raise RuntimeError(f"rank {rank} was started by {body.get('launcher')!r}, not {self.launcher!r}")
                 self._socks[rank] = conn
                 self._pids[rank] = int(body["pid"])
                 self.hello[rank] = body

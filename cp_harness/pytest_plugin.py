@@ -246,6 +246,8 @@ def cp_runner(pytestconfig: pytest.Config, cp_world_sizes, cp_impl_selection):
             stats.count(f"cp examples of dtype {dtype}", n)
         if runner.baseline_runs:
             stats.count("one-rank baseline runs (excess judge)", runner.baseline_runs)
+        # More starts than pools (one per session or xdist worker) means rank faults restarted one.
+        stats.count("rank pool starts", runner.pool.starts)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.create_connection((host, int(port)), timeout=args.collective_timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     wire.send(sock, {"op": "hello", "rank": rank, "world_size": world_size, "pid": os.getpid(),
-                     "backend": args.backend, "device": str(device), "torch": torch.__version__, "impl": args.impl})
+                     "backend": args.backend, "device": str(device), "torch": torch.__version__, "impl": args.impl,
+                     "launcher": "fork" if args.ranks is not None else "torchrun"})
     exit_code = 0
     while True:
         try:

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -181,7 +180,11 @@ def test_fault_at_submit_time_is_not_blamed_on_the_next_case(fault_runner):
     # Give the rank time to die before the next cases are sent (the sends may then fail).
     pid = pool.pids[1]
     for _ in range(100):
-        if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] in "ZX":
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                    break
+        except OSError:  # gone (its launcher reaped it)
             break
         time.sleep(0.05)
     tickets = [pool.submit(c) for c in ok]

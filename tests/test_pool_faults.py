@@ -13,7 +13,10 @@ The same pool's ranks load a deliberately broken implementation
 ``N``; ``pool_selftest`` never calls it), so that a loss case fails as a
 failing test would; the ``reproduce:`` line of that failure, run as a shell
 command in a fresh process, must report the same failing tensors with the same
-values and leave no process behind. (One pool for both saves a pool start.)
+values and leave no process behind. That command runs with
+``--launcher=torchrun`` (the fault pool's ranks are forked): the way the nccl
+pool starts its ranks must give the same values bit for bit, so that path
+stays exercised on CPU. (One pool for both saves a pool start.)
 Finally, a pool whose owner disappears (the test process killed) must exit on
 its own.
 
@@ -198,6 +201,9 @@ def test_printed_reproduction_command_reproduces_the_failure(faulty, tmp_path):
     argv = shlex.split(command)
     assert argv[:4] == ["python", "-m", "cp_harness", "run-case"] and BROKEN_IMPL in argv, command
     argv[0] = sys.executable  # "python" of the environment that ran the test
+    # Under torchrun (the nccl pool's launcher; the failure above ran on forked ranks): the same failing
+    # values from both ways of starting the ranks.
+    argv.insert(4, "--launcher=torchrun")
     session = tmp_path / "session"  # the command's own pool lives under here (TMPDIR)
     session.mkdir()
     proc = subprocess.run(argv, cwd=tmp_path, env=dict(os.environ, TMPDIR=str(session)), capture_output=True,
