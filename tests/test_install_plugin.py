@@ -75,16 +75,18 @@ def _gates_from_elsewhere(venv: Path, tmp_path: Path) -> None:
     python = venv / "bin" / "python"
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    where = _run([python, "-c", "import cp_harness, cp_harness.checks, cp_impl, oracle; "
-                                "print(cp_harness.__file__); print(cp_impl.__file__); print(oracle.__file__)"],
-                 elsewhere, timeout=120).stdout.split()
-    for path in where:
-        assert Path(path).is_relative_to(venv), f"imported {path}, not from the new environment"
-
-    proc = _run([python, "-m", "pytest", "--pyargs", "cp_harness.tests", "--cp-impl", "cp_impl", "-q",
+    # One interpreter: where the packages come from, then the gate suite through the plugin's entry point.
+    gate = ("import sys, cp_harness, cp_harness.checks, cp_impl, oracle, pytest; "
+            "print('FROM', cp_harness.__file__, cp_impl.__file__, oracle.__file__, flush=True); "
+            "sys.exit(pytest.main(sys.argv[1:]))")
+    proc = _run([python, "-c", gate, "--pyargs", "cp_harness.tests", "--cp-impl", "cp_impl", "-q",
                  "-k", "gathers", "--cp-world-sizes", "1,2", "--hypothesis-profile", "dev", "-p", "no:cacheprovider"],
                 elsewhere, timeout=600)
     out = proc.stdout + proc.stderr
+    where = next(line for line in proc.stdout.splitlines() if line.startswith("FROM ")).split()[1:]
+    assert len(where) == 3, where
+    for path in where:
+        assert Path(path).is_relative_to(venv), f"imported {path}, not from the new environment"
     assert " passed" in out and "failed" not in out, out
     assert "CP examples run:" in out and "implementation: cp_impl" in out, out
 
