@@ -191,18 +191,6 @@ def test_verify_fails_on_an_unpack_row_layout_that_mistakes_eos_for_padding(tmp_
     assert row["failing_case"]["batch"].get("eos_is_pad") and row["failing_case"]["batch"]["format"] == "thd"
 
 
-@pytest.mark.slow
-def test_gate_suite_fails_on_an_index_map_that_lies(tmp_path):
-    """A sharder that cuts load-balanced but reports the contiguous index map fails the layout property."""
-    proc = _run(["-m", "pytest", "--pyargs", "cp_harness.tests", "--cp-impl", "broken_gate_index_map",
-                 "-k", "test_sharded_layout_matches_oracle", "-x", "-q", "-p", "no:cacheprovider",
-                 "--cp-world-sizes", "2,3", "--hypothesis-profile", "dev"], tmp_path)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out
-    assert "against implementation 'broken_gate_index_map'" in out
-    assert re.search(r"FAIL (labels|padding_mask|position_ids)", out), out
-
-
 def test_verify_fails_on_a_halo_that_drops_the_boundary_row(tmp_path, cp_runner):
     stdout, table, report = _verify_broken("broken_gate_halo", tmp_path, cp_runner)
     failed = {name for name, bad in table.items() if bad}
@@ -219,14 +207,27 @@ def test_verify_fails_on_a_halo_that_drops_the_boundary_row(tmp_path, cp_runner)
 
 
 @pytest.mark.slow
-def test_gate_suite_fails_on_the_broken_loss(tmp_path):
-    proc = _run(["-m", "pytest", "--pyargs", "cp_harness.tests", "--cp-impl", "broken_gate_loss_local_count",
-                 "-k", "shifted", "-x", "-q", "-p", "no:cacheprovider", "--cp-world-sizes", "1,2,3",
-                 "--hypothesis-profile", "dev"], tmp_path)
+def test_gate_suite_fails_on_the_broken_modules(tmp_path):
+    """``pytest --pyargs cp_harness.tests`` judging two broken modules in one run (``--cp-impl a,b``: the loss
+    test runs the first, the layout test draws either): both tests fail, each naming its module and tensor.
+
+    - ``broken_gate_loss_local_count``: the loss divided by the local count;
+    - ``broken_gate_index_map``: a sharder that cuts load-balanced but reports the contiguous index map.
+    """
+    proc = _run(["-m", "pytest", "--pyargs", "cp_harness.tests", "--cp-impl",
+                 "broken_gate_loss_local_count,broken_gate_index_map", "-q", "-p", "no:cacheprovider",
+                 "-k", "test_sharded_layout_matches_oracle or test_shifted_cp_loss_matches_oracle",
+                 "--cp-world-sizes", "1,2,3", "--hypothesis-profile", "ci"], tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
-    assert "d loss / d logits" in out or "loss (mean over ranks)" in out, out
-    assert "against implementation 'broken_gate_loss_local_count'" in out
+    assert "2 failed" in out, out
+    loss = out[out.index("test_shifted_cp_loss_matches_oracle ___"):]
+    loss = loss[:loss.index("\n____") if "\n____" in loss else len(loss)]
+    assert "d loss / d logits" in loss or "loss (mean over ranks)" in loss, loss
+    assert "against implementation 'broken_gate_loss_local_count'" in loss, loss
+    layout = out[out.index("test_sharded_layout_matches_oracle ___"):]
+    assert "against implementation 'broken_gate_index_map'" in layout, layout
+    assert re.search(r"FAIL (labels|padding_mask|position_ids)", layout), layout
     assert "reproduce: python -m cp_harness run-case" in out
     assert "error maps:" in out and "CP examples run:" in out
     maps = [Path(p.strip()) for m in re.finditer(r"^E\s+error maps: (.+)$", out, re.MULTILINE)
@@ -250,10 +251,14 @@ def test_nccl_without_gpus_stops_with_a_clear_message(tmp_path, capsys):
     assert main(["verify", "--backend", "nccl", "--world-sizes", "1,2"]) == 2  # before any rank starts
     err = capsys.readouterr().err
     assert "backend nccl needs CUDA devices" in err and "gloo" in err, err
-    proc = _run(["-m", "pytest", "--pyargs", "cp_harness.tests", "--cp-backend", "nccl", "-q", "-p", "no:cacheprovider",
-                 "--co"], tmp_path)
-    assert proc.returncode == 4, proc.stdout + proc.stderr  # pytest's usage-error exit
-    assert "--cp-backend nccl: backend nccl needs CUDA devices" in proc.stdout + proc.stderr
+    # The plugin's pytest_configure check for --cp-backend nccl (a UsageError: pytest exits 4 with the message).
+    from types import SimpleNamespace
+
+    from cp_harness.pytest_plugin import _configure_gpus
+
+    config = SimpleNamespace(option=SimpleNamespace(dist="no", tx=None))  # the controller of a run without xdist
+    with pytest.raises(pytest.UsageError, match="--cp-backend nccl: backend nccl needs CUDA devices"):
+        _configure_gpus(config, 2)
 
 
 def test_more_ranks_than_gpus_is_refused(monkeypatch):
