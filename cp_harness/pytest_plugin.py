@@ -111,10 +111,12 @@ def pytest_configure(config: pytest.Config) -> None:
     from cp_harness import strategies
 
     cp_run = _is_cp_run(config)
-    if config.getoption("--hypothesis-profile", default=None) is None and cp_run:
+    profile = config.getoption("--hypothesis-profile", default=None)
+    if profile is None and cp_run:
         settings.load_profile("ci")
+        profile = "ci"
     sizes = _world_sizes(config)
-    strategies.configure_world_sizes(sizes)
+    strategies.configure_world_sizes(sizes, favour_small=profile == "ci")
     if cp_run:
         # Ranks and in-process checks must judge the same module (xdist workers inherit it too).
         selection = selected_impl_name(config.getoption("--cp-impl"))
