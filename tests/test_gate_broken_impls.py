@@ -95,7 +95,7 @@ def _error_maps(stdout: str) -> list[Path]:
 
 
 def _verify(impl: str, tmp_path: Path, cp_runner, *, world_sizes=(2, 3), examples: int = 4,
-            shrink_seconds: float = 3.0) -> tuple[int, str, dict[str, bool], dict]:
+            shrink_seconds: float = 1.0, rows: tuple[str, ...] = ()) -> tuple[int, str, dict[str, bool], dict]:
     """``cp_harness verify`` in this process on the session's warm ranks (they load ``impl`` on first use):
     ``(exit code, printed report, {row: failed}, JSON report)``. The CLI around it runs in
     ``test_verify_command_line``."""
@@ -106,13 +106,17 @@ def _verify(impl: str, tmp_path: Path, cp_runner, *, world_sizes=(2, 3), example
     report_path, out = tmp_path / "reports" / "verify.json", io.StringIO()
     code = run_verify(impl=impl, world_sizes=tuple(world_sizes), examples=examples, backend=cp_runner.config.backend,
                       seed=0, json_path=str(report_path), stream=out, error_dir=str(tmp_path / "error-maps"),
-                      progress_stream=io.StringIO(), shrink_seconds=shrink_seconds, pool=cp_runner.pool)
+                      progress_stream=io.StringIO(), shrink_seconds=shrink_seconds, pool=cp_runner.pool,
+                      row_names=rows)
     stdout = out.getvalue()
     return code, stdout, _table(stdout), json.loads(report_path.read_text())
 
 
-def _verify_broken(impl: str, tmp_path: Path, cp_runner) -> tuple[str, dict[str, bool], dict]:
-    code, stdout, table, report = _verify(impl, tmp_path, cp_runner)
+def _verify_broken(impl: str, tmp_path: Path, cp_runner, rows: tuple[str, ...] = ()) -> tuple[str, dict[str, bool], dict]:
+    """``verify`` on a broken module, exit 1; ``rows``: only the rows whose names contain one of these (the
+    model's own rows, where the defect and its consequences must show and the model's other functions must
+    still pass)."""
+    code, stdout, table, report = _verify(impl, tmp_path, cp_runner, rows=rows)
     assert code == 1, f"exit {code}\n{stdout}"
     return stdout, table, report
 
@@ -159,9 +163,11 @@ def test_verify_command_line(tmp_path):
 
 
 def test_verify_fails_on_a_loss_divided_by_the_local_count(tmp_path, cp_runner):
-    stdout, table, report = _verify_broken("broken_gate_loss_local_count", tmp_path, cp_runner)
+    stdout, table, report = _verify_broken("broken_gate_loss_local_count", tmp_path, cp_runner,
+                                          rows=("mistral_large4", "MistralLarge4"))
     failed = {name for name, bad in table.items() if bad}
     assert LOSS_ROW in failed, stdout
+    assert "mistral_large4.gather_tokens" in table and len(table) == 5, stdout  # the model's rows, all of them
     assert failed <= {LOSS_ROW, MISTRAL_MODEL_ROW, MISTRAL_BF16_ROW}, \
         f"only the loss and the model using it may fail:\n{stdout}"
     assert f"FAILED {LOSS_ROW}" in stdout
@@ -192,9 +198,10 @@ def test_verify_fails_on_an_unpack_row_layout_that_mistakes_eos_for_padding(tmp_
 
 
 def test_verify_fails_on_a_halo_that_drops_the_boundary_row(tmp_path, cp_runner):
-    stdout, table, report = _verify_broken("broken_gate_halo", tmp_path, cp_runner)
+    stdout, table, report = _verify_broken("broken_gate_halo", tmp_path, cp_runner, rows=("inkling2", "Inkling2"))
     failed = {name for name, bad in table.items() if bad}
     assert HISTORY_ROW in failed, stdout
+    assert "inkling2.gather_sequence" in table and len(table) == 6, stdout  # the model's rows, all of them
     assert failed <= {HISTORY_ROW, INKLING2_MODEL_ROW, INKLING2_BF16_ROW}, \
         f"only the halo and the model using it may fail:\n{stdout}"
     assert "history@rank" in stdout or "gradient returned to each owner" in stdout
