@@ -100,8 +100,10 @@ def _shared_dependencies(tmp_path: Path) -> Path:
 
     installed = Path(torch.__file__).resolve().parents[1]
     assert installed in {Path(p).resolve() for p in site.getsitepackages()}, installed
-    deps = tmp_path / "deps"
-    deps.mkdir()
+    # Named site-packages: Hypothesis reads the source of every module it takes for the project's own (any path
+    # without "/site-packages/") for constants, which for all of PyTorch cost ~8 s of the run from elsewhere.
+    deps = tmp_path / "shared" / "site-packages"
+    deps.mkdir(parents=True)
     for entry in installed.iterdir():
         name = entry.name
         if (name.startswith(PROJECT_TOP_LEVEL) or name.startswith(("__editable__", "_virtualenv", "__pycache__"))
