@@ -147,9 +147,21 @@ class RankPool:
         return self._proc is not None and self._proc.poll() is None and len(self._socks) == self.config.world_size
 
     def start(self) -> None:
-        """Start the ranks and wait until every one has connected (bounded by ``start_timeout``)."""
+        """Start the ranks and wait until every one has connected (bounded by ``start_timeout``).
+
+        The fork launcher picks its rendezvous port by binding port 0 and releasing it for rank 0's store;
+        if another process took the port in between (the log says so), the start is tried once more.
+        """
         if self.running:
             return
+        try:
+            self._start_once()
+        except RuntimeError as exc:
+            if self.launcher != "fork" or "address already in use" not in str(exc).lower():
+                raise
+            self._start_once()
+
+    def _start_once(self) -> None:
         self._shutdown()
         cfg = self.config
         self._workdir = Path(tempfile.mkdtemp(prefix="cp-pool-", dir=cfg.log_dir))
