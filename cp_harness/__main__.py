@@ -48,6 +48,10 @@ def _positive(text: str) -> int:
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impl", default=None, help="module exposing inkling2 and mistral_large4 (default: $CP_IMPL or cp_impl)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="gloo on CPU, nccl with one GPU per rank")
+    p.add_argument("--launcher", default=None, choices=("fork", "torchrun"),
+                   help="how the ranks start: forked from one process that imported torch and the implementation "
+                        "(default for gloo), or by torchrun (default for nccl; use it if importing your "
+                        "implementation starts threads)")
     p.add_argument("--error-maps", dest="error_dir", default=None, metavar="DIR",
                    help="where failing cases write error-map PNGs (default: $CP_HARNESS_ERROR_MAP_DIR, "
                         "else <temp>/cp-harness-error-maps)")
@@ -77,8 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_case = sub.add_parser("run-case", help="run one case description and print its report")
     _add_common(run_case)
     run_case.add_argument("case", help="the case as JSON (the 'case:' line of a failure)")
-    run_case.add_argument("--launcher", default=None, choices=("fork", "torchrun"),
-                          help="how the ranks start (default: fork for gloo, torchrun for nccl)")
+
     return parser
 
 
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         from cp_harness.verify import run_verify
 
         return run_verify(impl=impl, world_sizes=args.world_sizes, examples=args.examples, backend=args.backend,
+                          launcher=args.launcher,
                           seed=args.seed, json_path=args.json_path, error_dir=args.error_dir,
                           shrink_seconds=args.shrink_seconds, dtypes=args.dtypes, row_names=args.rows)
     if args.command == "run-case":

@@ -16,6 +16,9 @@ Options:
   of ``N`` ranks needs ``N`` visible GPUs; each pytest-xdist worker gets its
   own ``N``, and ``-n auto`` starts as many workers as there are such sets).
 - ``--cp-case-timeout SECONDS``: how long one case may run on the ranks.
+- ``--cp-launcher fork|torchrun``: how the ranks start (default: fork for
+  gloo, torchrun for nccl; torchrun if importing the implementation starts
+  threads, which a fork does not carry over).
 - ``--update-golden``: rewrite golden files that changed (see ``docs/golden.md``;
   textual expecttest expectations are rewritten with ``EXPECTTEST_ACCEPT=1``).
 
@@ -70,6 +73,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="comma-separated CP sizes to exercise (default 1,2,3,4,8); the pool starts max(SIZES) ranks")
     group.addoption("--cp-backend", default="gloo", choices=("gloo", "nccl"),
                     help="process-group backend of the rank pool: gloo on CPU, nccl with one GPU per rank")
+    group.addoption("--cp-launcher", default=None, choices=("fork", "torchrun"),
+                    help="how the pool's ranks start: forked from one process that imported torch and the "
+                         "implementation (default for gloo) or by torchrun (default for nccl; use it if importing "
+                         "the implementation starts threads)")
     group.addoption("--cp-case-timeout", type=float, default=120.0, metavar="SECONDS",
                     help="seconds one case may run on the ranks before they count as hung")
     group.addoption("--update-golden", action="store_true", default=False,
@@ -234,6 +241,7 @@ def cp_runner(pytestconfig: pytest.Config, cp_world_sizes, cp_impl_selection):
     timeout = pytestconfig.getoption("--cp-case-timeout")
     runner = _plugin_runner_class()(PoolConfig(world_size=max(cp_world_sizes), backend=pytestconfig.getoption("--cp-backend"),
                                                impl=cp_impl_selection, case_timeout=timeout,
+                                               launcher=pytestconfig.getoption("--cp-launcher"),
                                                collective_timeout=max(10.0, timeout / 2)))
     try:
         yield runner

@@ -433,7 +433,7 @@ def _preflight(impl: str, backend: str, world_size: int) -> str | None:
 def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backend: str, seed: int,
                json_path: str | None, rows: list[Row] | None = None, stream=None, error_dir: str | None = None,
                progress_stream=None, shrink_seconds: float = 120.0, dtypes: tuple[str, ...] | None = None,
-               row_names: tuple[str, ...] = (), pool: RankPool | None = None) -> int:
+               row_names: tuple[str, ...] = (), pool: RankPool | None = None, launcher: str | None = None) -> int:
     """Run the verification; print the table (and failures); return the exit code (0 = all passed, 1 = a failure, 2 = could not run).
 
     ``pool``: run on this warm pool (its ranks load ``impl`` on first use; it needs ``max(world_sizes)``
@@ -461,7 +461,7 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
     previous_impls = strategies.active_impls()
     strategies.configure_impls(impl_names(impl))
     if pool is None:
-        runner = CaseRunner(PoolConfig(world_size=ranks, backend=backend, impl=impl))
+        runner = CaseRunner(PoolConfig(world_size=ranks, backend=backend, impl=impl, launcher=launcher))
     else:  # the pool's own selection stays; every case names its implementation
         runner = CaseRunner(pool.config, pool=pool)
         rows = [_naming_impl(row, impl) for row in rows]

@@ -74,6 +74,12 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
     for name in impl_names(args.impl):
         load_impl(name)  # an implementation that does not import fails each rank the same way, below
     load_checks()
+    import threading
+
+    if threading.active_count() > 1:  # a fork carries only this thread over; the others' locks may be held
+        print(f"cp_harness.worker: importing {args.impl} started {threading.active_count() - 1} Python thread(s); "
+              f"forked ranks do not have them. If cases hang, start the ranks with torchrun "
+              f"(--cp-launcher torchrun / --launcher torchrun).", file=sys.stderr, flush=True)
     world = args.ranks
     env = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port())}
