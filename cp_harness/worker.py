@@ -72,7 +72,7 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
 
     torch.set_num_threads(1)  # before any tensor work: no OpenMP pool may exist at the fork
     for name in impl_names(args.impl):
-        load_impl(name)  # an implementation that does not import fails each rank the same way, below
+        load_impl(name)  # one that does not import stops the launcher here; the pool shows its traceback
     load_checks()
     import threading
 
