@@ -17,6 +17,7 @@ fixed.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -32,13 +33,22 @@ def _started(main: Callable[[int, int, Any], int], rank: int, world: int, port: 
     sys.exit(main(rank, world, args))
 
 
-def run(main: Callable[[int, int, Any], int], world: int, args: Any, timeout: float = 120.0,
-        preload: Iterable[str] = ()) -> int:
+def command_line(doc: str) -> argparse.ArgumentParser:
+    """The options every repro has: ``--fixed`` (the proposed fix instead of the framework's function)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--fixed", action="store_true", help="use the proposed fix instead of the framework's gather")
+    return parser
+
+
+def run(main: Callable[[int, int, Any], int], world: int, args: argparse.Namespace, timeout: float = 120.0,
+        framework: Iterable[str] = ()) -> int:
+    """``main(rank, world, args)`` on every rank; ``framework``: the modules under test, imported before the fork
+    unless ``args.fixed``."""
     if "RANK" in os.environ:
         return main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
     import torch.multiprocessing as mp
 
-    for module in preload:
+    for module in () if args.fixed else framework:
         importlib.import_module(module)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

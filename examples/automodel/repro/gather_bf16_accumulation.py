@@ -16,13 +16,12 @@ gradient slices and rounds the result once.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 import torch.distributed as dist
 
-from _launch import run
+from _launch import command_line, run
 
 WORLD = 3
 
@@ -74,10 +73,8 @@ def main(rank: int, world: int, args) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """The command line: exit status 1 while the defect shows, 0 when every rank is right."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--fixed", action="store_true", help="use the proposed fix instead of the framework's gather")
-    args = parser.parse_args(argv)
-    return run(main, WORLD, args, preload=() if args.fixed else ("nemo_automodel.components.models.kimi_linear.cp",))
+    args = command_line(__doc__).parse_args(argv)
+    return run(main, WORLD, args, framework=("nemo_automodel.components.models.kimi_linear.cp",))
 
 
 if __name__ == "__main__":

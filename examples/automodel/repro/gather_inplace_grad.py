@@ -17,13 +17,12 @@ all-reduce).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 import torch.distributed as dist
 
-from _launch import run
+from _launch import command_line, run
 
 FUNCTIONS = {  # kimi_k3.cp and glm5_next.cp hold the same backward, but their packages import transformers
     "kimi_linear": "nemo_automodel.components.models.kimi_linear.cp",
@@ -90,11 +89,10 @@ def main(rank: int, world: int, args) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """The command line: exit status 1 while the defect shows, 0 when every rank is right."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--fixed", action="store_true", help="use the proposed fix instead of the framework's gather")
+    parser = command_line(__doc__)
     parser.add_argument("--function", default="kimi_linear", choices=[*FUNCTIONS, "all"])
     args = parser.parse_args(argv)
-    return run(main, 2, args, preload=() if args.fixed else [FUNCTIONS[n] for n in FUNCTIONS if args.function in ("all", n)])
+    return run(main, 2, args, framework=[FUNCTIONS[n] for n in FUNCTIONS if args.function in ("all", n)])
 
 
 if __name__ == "__main__":

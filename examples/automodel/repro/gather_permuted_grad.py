@@ -19,13 +19,12 @@ contiguous gradient slices into a contiguous buffer), the change proposed upstre
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 import torch.distributed as dist
 
-from _launch import run
+from _launch import command_line, run
 
 FUNCTIONS = {  # name -> (module, function, how it is called with (tensor, group))
     "deepseek_v41": "nemo_automodel.components.models.deepseek_v41.cp:gather_sequence",
@@ -100,11 +99,10 @@ def main(rank: int, world: int, args) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """The command line: exit status 1 while the defect shows, 0 when every rank is right."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--fixed", action="store_true", help="use the proposed fix instead of the framework's gather")
+    parser = command_line(__doc__)
     parser.add_argument("--function", default="deepseek_v41", choices=[*FUNCTIONS, "all"])
     args = parser.parse_args(argv)
-    return run(main, 2, args, preload=() if args.fixed else [FUNCTIONS[n].split(":")[0] for n in FUNCTIONS if args.function in ("all", n)])
+    return run(main, 2, args, framework=[FUNCTIONS[n].split(":")[0] for n in FUNCTIONS if args.function in ("all", n)])
 
 
 if __name__ == "__main__":

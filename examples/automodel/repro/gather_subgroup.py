@@ -14,13 +14,12 @@ reduce-scatter on the group, no global ranks involved).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 import torch.distributed as dist
 
-from _launch import run
+from _launch import command_line, run
 
 
 class FixedGather(torch.autograd.Function):
@@ -41,12 +40,12 @@ class FixedGather(torch.autograd.Function):
         return mine, None, None
 
 
-def main(rank: int, world: int, fixed: bool) -> int:
+def main(rank: int, world: int, args) -> int:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
         group, cp_rank = groups[rank // 2], rank % 2
-        if fixed:
+        if args.fixed:
             gather = lambda t, g: FixedGather.apply(t, g, 1)  # noqa: E731
         else:
             from nemo_automodel.components.models.deepseek_v41.cp import gather_sequence as gather
@@ -72,10 +71,8 @@ def main(rank: int, world: int, fixed: bool) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """The command line: exit status 1 while the defect shows, 0 when every rank is right."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--fixed", action="store_true", help="use the proposed fix instead of the framework's gather")
-    args = parser.parse_args(argv)
-    return run(main, 4, args.fixed, preload=() if args.fixed else ("nemo_automodel.components.models.deepseek_v41.cp",))
+    args = command_line(__doc__).parse_args(argv)
+    return run(main, 4, args, framework=("nemo_automodel.components.models.deepseek_v41.cp",))
 
 
 if __name__ == "__main__":
