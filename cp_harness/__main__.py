@@ -17,7 +17,7 @@ import sys
 
 
 def _world_sizes(text: str) -> tuple[int, ...]:
-    from cp_harness.cases import parse_world_sizes
+    from cp_harness.cases.descriptions import parse_world_sizes
 
     try:
         return parse_world_sizes(text)
@@ -26,7 +26,7 @@ def _world_sizes(text: str) -> tuple[int, ...]:
 
 
 def _dtypes(text: str) -> tuple[str, ...]:
-    from cp_harness.strategies import ALL_DTYPES
+    from cp_harness.cases.strategies import ALL_DTYPES
 
     names = tuple(x.strip() for x in text.split(",") if x.strip())
     unknown = [n for n in names if n not in ALL_DTYPES + ("layout",)]
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return int(importlib.import_module(_DELEGATED[argv[0]]).main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
-    from cp_harness.impl import selected_impl_name
+    from cp_harness.cases.implementation import selected_impl_name
 
     impl = selected_impl_name(args.impl)
     if args.command == "verify":
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                           seed=args.seed, json_path=args.json_path, error_dir=args.error_dir,
                           shrink_seconds=args.shrink_seconds, dtypes=args.dtypes, row_names=args.rows)
     if args.command == "run-case":
-        from cp_harness.pool import PoolConfig
+        from cp_harness.ranks.pool import PoolConfig
         from cp_harness.runner import CaseRunner, verdict_text
 
         try:
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(case, dict) or "check" not in case or "world_size" not in case:
             print("case must be a JSON object with at least 'check' and 'world_size'", file=sys.stderr)
             return 2
-        from cp_harness.devices import DeviceError, check_backend
+        from cp_harness.ranks.devices import DeviceError, check_backend
 
         try:
             check_backend(args.backend, int(case["world_size"]))

@@ -7,7 +7,7 @@ ULPs: the error of the CP run, the error of the same implementation on one
 rank, and their ratio. It prints, per row and dtype: the worst CP error, the
 worst one-rank error, the worst ratio, and the smallest ``c`` that passes
 every tensor for each candidate floor; ``--json`` keeps every pair. Run it on
-every implementation that the figures in ``cp_harness.excess`` should hold
+every implementation that the figures in ``cp_harness.judging.excess`` should hold
 for (the README lists the runs behind them)::
 
     python -m cp_harness.calibrate --impl cp_impl --examples 100 --json reports/calibrate-cp_impl.json
@@ -27,9 +27,11 @@ import numpy as np
 
 from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
 
-from cp_harness import budgets, excess, strategies
-from cp_harness.cases import canonical
-from cp_harness.pool import PoolConfig
+from cp_harness.judging import budgets
+from cp_harness.judging import excess
+from cp_harness.cases import strategies
+from cp_harness.cases.descriptions import canonical
+from cp_harness.ranks.pool import PoolConfig
 from cp_harness.runner import CaseRunner
 
 FLOORS = (0.5, 1.0, 2.0, 4.0, 8.0)
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="", help="only rows whose name contains one of these (comma-separated)")
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
-    from cp_harness.cases import parse_world_sizes
+    from cp_harness.cases.descriptions import parse_world_sizes
 
     sizes = parse_world_sizes(args.world_sizes)
     wanted = [w for w in args.rows.split(",") if w]

@@ -38,7 +38,7 @@ Markers: ``slow`` (deselect with ``-m "not slow"``), ``gpu`` (skipped unless
 At the end of the run the plugin prints how many CP examples ran per world
 size and per dtype (summed over xdist workers; ``layout`` counts the checks
 without a floating payload), the other counters tests record with
-``cp_harness.stats.count``, and the error maps failing cases wrote.
+``cp_harness.run_summary.count``, and the error maps failing cases wrote.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from cp_harness import profiles, stats
-from cp_harness.impl import impl_names, load_impl, primary_impl, selected_impl_name
+from cp_harness.cases import profiles
+from cp_harness import run_summary as stats
+from cp_harness.cases.implementation import impl_names, load_impl, primary_impl, selected_impl_name
 
 profiles.register()
 
@@ -84,7 +85,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _world_sizes(config: pytest.Config) -> tuple[int, ...]:
-    from cp_harness.cases import parse_world_sizes
+    from cp_harness.cases.descriptions import parse_world_sizes
 
     raw = config.getoption("--cp-world-sizes")
     try:
@@ -115,7 +116,7 @@ def _xdist_workers(config: pytest.Config) -> int:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: long-running checks (run nightly; deselect with -m 'not slow')")
     config.addinivalue_line("markers", "gpu: needs CUDA devices and the NCCL backend (skipped unless --cp-backend nccl)")
-    from cp_harness import strategies
+    from cp_harness.cases import strategies
 
     cp_run = _is_cp_run(config)
     profile = config.getoption("--hypothesis-profile", default=None)
@@ -138,7 +139,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _configure_gpus(config: pytest.Config, ranks: int) -> None:
     """Fail early when the GPUs cannot give every rank its own device; give each xdist worker its own slice."""
-    from cp_harness.devices import DeviceError, check_backend, gpu_slice
+    from cp_harness.ranks.devices import DeviceError, check_backend, gpu_slice
 
     workerinput = getattr(config, "workerinput", None)
     try:
@@ -157,7 +158,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config):
     """With ``--cp-backend nccl``, ``-n auto`` means one worker per set of GPUs that holds a whole pool."""
     if config.getoption("--cp-backend") != "nccl":
         return None
-    from cp_harness.devices import visible_gpus
+    from cp_harness.ranks.devices import visible_gpus
 
     return max(1, len(visible_gpus()) // max(_world_sizes(config)))
 
@@ -230,7 +231,7 @@ def _plugin_runner_class():
 
 @pytest.fixture(scope="session")
 def cp_runner(pytestconfig: pytest.Config, cp_world_sizes, cp_impl_selection):
-    from cp_harness.pool import PoolConfig
+    from cp_harness.ranks.pool import PoolConfig
 
     for name in impl_names(cp_impl_selection):
         try:  # a module that does not import fails every CP test at once, with this message, before any rank starts

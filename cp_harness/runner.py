@@ -6,7 +6,7 @@ failing case ``failure_message`` gives the case, a one-line command that
 reproduces it, and the per-tensor account of what differs and where.
 
 An arithmetic case of ``N > 1`` ranks is also judged against the same
-implementation on one rank (``cp_harness.excess``): that baseline runs on
+implementation on one rank (``cp_harness.judging.excess``): that baseline runs on
 rank 0 of the same warm pool, is evaluated against the same oracle, and is
 cached per description (the case without its CP size), so a case shrunk or
 drawn again costs one run.
@@ -20,11 +20,12 @@ import shlex
 import time
 from typing import Any, Iterable, Iterator
 
-from cp_harness import checks, excess
-from cp_harness.cases import canonical, case_id, payload_dtype
+from cp_harness import checks
+from cp_harness.judging import excess
+from cp_harness.cases.descriptions import canonical, case_id, payload_dtype
 from cp_harness.checks import CaseReport
-from cp_harness.impl import case_impl, primary_impl
-from cp_harness.pool import PoolConfig, RankFailure, RankPool, Ticket
+from cp_harness.cases.implementation import case_impl, primary_impl
+from cp_harness.ranks.pool import PoolConfig, RankFailure, RankPool, Ticket
 
 
 def repro_command(case: dict, impl: str, backend: str = "gloo") -> str:
@@ -52,7 +53,7 @@ def verdict_text(report: CaseReport, impl: str, *, backend: str = "gloo", error_
     followed by one ``error map: PATH`` line per map written (into ``error_dir``)."""
     if report.ok:
         return f"case passed against {case_impl(report.case, impl)!r}:\n{report.format()}"
-    from cp_harness.errormap import write_error_maps
+    from cp_harness.judging.error_maps import write_error_maps
 
     lines = [failure_message(report.case, report, impl, backend=backend)]
     lines += [f"error map: {path}" for path in write_error_maps(report, error_dir)]
@@ -223,7 +224,7 @@ class CaseRunner:
         return self._baselines[key]
 
     def judge_excess(self, report: CaseReport, *, timeout: float | None = None) -> None:
-        """Judge an arithmetic multi-rank report against its one-rank baseline (``cp_harness.excess``)."""
+        """Judge an arithmetic multi-rank report against its one-rank baseline (``cp_harness.judging.excess``)."""
         base_case = excess.baseline_case(report.case)
         if base_case is None or report.problems or not any(c.mode == "ulp" for c in report.comparisons):
             return
@@ -309,7 +310,7 @@ class CaseRunner:
         """Run ``case`` and raise ``AssertionError`` with the full failure message unless it passes."""
         report = self.run(case, timeout=timeout)
         if not report.ok:
-            from cp_harness.errormap import write_error_maps
+            from cp_harness.judging.error_maps import write_error_maps
 
             paths = write_error_maps(report)
             self.error_maps.extend(paths)

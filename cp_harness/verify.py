@@ -7,9 +7,9 @@ failing row is shrunk by Hypothesis to a small case, its error maps are
 written and its reproduction command printed. The table lists, per row:
 examples run, passed, the largest error in ULPs (``exact`` for data movement,
 which must match bit for bit), the worst CP excess (CP error / error of the
-same implementation on one rank, ``cp_harness.excess``; ``-`` where nothing
+same implementation on one rank, ``cp_harness.judging.excess``; ``-`` where nothing
 is arithmetic or every case had one rank), and the bytes moved over the wire
-compared with the analytic minimum (``cp_harness.comm_minimum``; ``-`` where
+compared with the analytic minimum (``cp_harness.judging.comm_minimum``; ``-`` where
 there is no closed form, e.g. whole models; ``unaccounted`` where the meter saw
 communication it could not attribute, so no ratio is given). ``--dtypes``
 restricts the dtypes the cases draw (rows without any of them are left out),
@@ -34,10 +34,12 @@ from typing import Any, Callable
 from hypothesis import HealthCheck, Phase, example, given, seed as hypothesis_seed, settings
 from hypothesis import strategies as st
 
-from cp_harness import comm_minimum, coverage, strategies
-from cp_harness.cases import canonical, payload_dtype
-from cp_harness.errormap import error_map_dir, write_error_maps
-from cp_harness.pool import PoolConfig, RankPool
+from cp_harness.judging import comm_minimum
+from cp_harness.instruments import coverage
+from cp_harness.cases import strategies
+from cp_harness.cases.descriptions import canonical, payload_dtype
+from cp_harness.judging.error_maps import error_map_dir, write_error_maps
+from cp_harness.ranks.pool import PoolConfig, RankPool
 from cp_harness.runner import CaseRunner, repro_command
 
 
@@ -55,7 +57,7 @@ class Row:
     passed: int = 0
     failed: int = 0
     max_ulp: float = 0.0
-    max_excess: float | None = None  # worst CP error / one-rank error (cp_harness.excess)
+    max_excess: float | None = None  # worst CP error / one-rank error (cp_harness.judging.excess)
     examples_by_dtype: dict = dataclasses.field(default_factory=dict)
     failed_by_dtype: dict = dataclasses.field(default_factory=dict)
     arithmetic: bool = False  # some comparison was in ULPs (else: data movement, compared bit for bit)
@@ -130,7 +132,7 @@ def default_rows() -> list[Row]:
     (float64, and bfloat16 end to end: parameters, activations, gradients).
 
     Each row's ``functions`` are claims: ``verify`` fails a row whose cases never called one of them through
-    the documented API (``cp_harness.coverage``).
+    the documented API (``cp_harness.instruments.coverage``).
     """
     floats = strategies.FLOAT_DTYPES
     return [
@@ -384,10 +386,10 @@ def report_dict(*, impl: str, backend: str, world_sizes, seed: int, examples: in
                     "passed": "cases that passed",
                     "max_ulp": "largest error of any arithmetic comparison, in ULPs of the compared dtype",
                     "max_excess": "largest CP excess: CP error / (error of the same implementation on one rank + "
-                                  "floor / c); a tensor fails above c (cp_harness.excess); null: not judged",
+                                  "floor / c); a tensor fails above c (cp_harness.judging.excess); null: not judged",
                     "examples_by_dtype": "cases run per payload dtype (layout: no floating payload)",
-                    "comparison": "exact (data movement, bit for bit) or ulp (arithmetic within cp_harness.budgets)",
-                    "comm_ratio": "payload bytes sent / analytic minimum (cp_harness.comm_minimum); null: no closed "
+                    "comparison": "exact (data movement, bit for bit) or ulp (arithmetic within cp_harness.judging.budgets)",
+                    "comm_ratio": "payload bytes sent / analytic minimum (cp_harness.judging.comm_minimum); null: no closed "
                                   "form, or unaccounted_ops is not empty",
                     "unaccounted_ops": "communication ops the meter could not attribute (no byte rule, or a group "
                                        "it could not size); the table then says 'unaccounted' instead of a ratio"},
@@ -400,7 +402,7 @@ def report_dict(*, impl: str, backend: str, world_sizes, seed: int, examples: in
 def _naming_impl(row: Row, impl: str) -> Row:
     """``row`` whose cases name ``impl`` (its primary module unless a case drew another): on a shared pool the
     ranks' default implementation is the pool's, not this run's."""
-    from cp_harness.impl import primary_impl
+    from cp_harness.cases.implementation import primary_impl
 
     primary = primary_impl(impl)
 
@@ -413,8 +415,8 @@ def _naming_impl(row: Row, impl: str) -> Row:
 
 def _preflight(impl: str, backend: str, world_size: int) -> str | None:
     """Why the run cannot start (``None`` when it can): the implementation must import, the devices must fit."""
-    from cp_harness.devices import DeviceError, check_backend
-    from cp_harness.impl import impl_names, load_impl
+    from cp_harness.ranks.devices import DeviceError, check_backend
+    from cp_harness.cases.implementation import impl_names, load_impl
 
     try:
         check_backend(backend, world_size)
@@ -456,7 +458,7 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
     if problem:
         print(f"cp_harness verify: cannot run: {problem}", file=sys.stderr)
         return 2
-    from cp_harness.impl import impl_names
+    from cp_harness.cases.implementation import impl_names
 
     previous_impls = strategies.active_impls()
     strategies.configure_impls(impl_names(impl))

@@ -34,7 +34,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
       -r "$root/constraints/framework.txt"
   fi
   "$venv/bin/python" -c "import torch, torch.distributed, torch.distributed.device_mesh, numpy, hypothesis, pytest, xdist
-import cp_harness.checks, cp_harness.pool, cp_harness.verify, cp_impl, oracle"
+import cp_harness.checks, cp_harness.ranks.pool, cp_harness.verify, cp_impl, oracle"
   echo "$want" > "$stamp"
 fi
 export CP_HARNESS_PYTHON="$venv/bin/python"

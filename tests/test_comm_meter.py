@@ -1,10 +1,10 @@
-"""The communication meter (``cp_harness.comm``) sees every way real code communicates.
+"""The communication meter (``cp_harness.instruments.comm_meter``) sees every way real code communicates.
 
 One test per communication style: the ``comm_styles`` check runs the style on
 3 ranks of the session's warm pool (``cp_runner``), the case passes only when
 every rank received what a correct exchange gives (so the bytes really
 moved), and the test compares what the meter recorded on each rank, call by
-call, with the bytes the convention of ``cp_harness.comm`` gives for these
+call, with the bytes the convention of ``cp_harness.instruments.comm_meter`` gives for these
 payloads (``N = 3``: a meter that forgets the ``N - 1`` factor is caught).
 Then: a collective the meter has no rule for is recorded as unaccounted, never
 as zero bytes; ``comm_minimum`` gives no ratio for it and ``verify`` prints
@@ -19,9 +19,11 @@ import io
 import pytest
 from hypothesis import strategies as st
 
-from cp_harness import comm, comm_minimum, verify
+from cp_harness import verify
+from cp_harness.instruments import comm_meter as comm
+from cp_harness.judging import comm_minimum
 from cp_harness.checks import CaseReport
-from cp_harness.checks.comm_styles import STYLES, UNKNOWN_OP
+from cp_harness.checks.meter_selftest import STYLES, UNKNOWN_OP
 
 N = 3
 F64, F32, I64 = 8, 4, 8  # bytes per element

@@ -1,6 +1,6 @@
 """Coverage claims are true: a row that says it covers a documented function must call it.
 
-- ``cp_harness.coverage`` records calls through an implementation's documented
+- ``cp_harness.instruments.coverage`` records calls through an implementation's documented
   functions and a sharder's verbs, and not the implementation's internal calls;
 - a verify row whose cases never call a function it claims fails, naming it.
 """
@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import io
 
-from cp_harness import coverage, strategies
-from cp_harness.impl import load_impl
+from cp_harness.instruments import coverage
+from cp_harness.cases import strategies
+from cp_harness.cases.implementation import load_impl
 from cp_harness.verify import Progress, Row, _run_row
 
 

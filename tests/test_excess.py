@@ -1,4 +1,4 @@
-"""The excess judge (``cp_harness.excess``) and the low-precision contract helpers, without a rank pool.
+"""The excess judge (``cp_harness.judging.excess``) and the low-precision contract helpers, without a rank pool.
 
 - A tensor passes when its CP error is at most ``c`` x the one-rank error plus ``k`` ULPs at its scale,
   and fails above; the message names both errors.
@@ -20,11 +20,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cp_harness import excess
-from cp_harness.cases import EPS, accumulate, upstream_values
+from cp_harness.judging import excess
+from cp_harness.cases.descriptions import EPS, accumulate, upstream_values
 from cp_harness.checks import CaseReport
 from cp_harness.checks.loss import loss_inputs
-from cp_harness.compare import TokenGrid, compare
+from cp_harness.judging.compare import TokenGrid, compare
 
 RULE = excess.ExcessRule(limit=2.0, floor=2.0)
 
@@ -134,7 +134,7 @@ def test_low_precision_partial_sums_round_where_the_contract_does_not():
 def _one_rank_loss_report(impl, case):
     """Run the loss check's rank half in this process (one rank, no mesh) and judge it."""
     from cp_harness import checks
-    from cp_harness.pool import RankOutput
+    from cp_harness.ranks.pool import RankOutput
 
     ctx = checks.RankContext(rank=0, cp_size=1, mesh=None, device=torch.device("cpu"), backend="gloo", impl=impl)
     info, tensors = checks.run_on_rank(dict(case, mesh="none"), ctx)

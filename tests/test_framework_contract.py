@@ -28,7 +28,7 @@ framework = pytest.importorskip(
     reason="nemo-automodel is not installed: pip install --no-deps nemo-automodel==0.7.0 "
            "(scripts/bootstrap.sh installs the pin of constraints/framework.txt)")
 
-from cp_harness import stats  # noqa: E402
+from cp_harness import run_summary as stats  # noqa: E402
 from cp_impl import inkling2, mistral_large4, sharder as ours  # noqa: E402
 
 CLASS_ADAPTER = "examples.automodel.framework_sharder"

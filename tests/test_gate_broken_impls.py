@@ -131,7 +131,7 @@ def test_verify_passes_on_the_bundled_implementation(tmp_path, cp_runner, cp_wor
     assert list(table) == names, stdout
     assert not any(table.values()), stdout
     assert f"examples per world size: N={min(cp_world_sizes)}:" in stdout and f"N={max(cp_world_sizes)}:" in stdout
-    assert "CP excess" in stdout.splitlines()[1]  # the column of cp_harness.excess
+    assert "CP excess" in stdout.splitlines()[1]  # the column of cp_harness.judging.excess
     per_dtype = next(line for line in stdout.splitlines() if line.startswith("examples per dtype:"))
     assert "bfloat16:" in per_dtype and "failed per dtype: none" in per_dtype, per_dtype
     assert report["ok"] is True and report["failed_rows"] == [] and report["impl"] == "cp_impl"
@@ -271,7 +271,7 @@ def test_nccl_without_gpus_stops_with_a_clear_message(tmp_path, capsys):
 def test_more_ranks_than_gpus_is_refused(monkeypatch):
     import torch
 
-    from cp_harness import devices
+    from cp_harness.ranks import devices
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)

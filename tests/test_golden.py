@@ -20,8 +20,9 @@ import json
 import expecttest
 import pytest
 
-from cp_harness import golden, stats
-from cp_harness.cases import PATCH_SIZE, canonical, padded_length
+from cp_harness import golden
+from cp_harness import run_summary as stats
+from cp_harness.cases.descriptions import PATCH_SIZE, canonical, padded_length
 from oracle.models import Inkling2Config
 
 NAMES = list(golden.CASES)

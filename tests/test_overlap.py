@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from cp_harness import checks
-from cp_harness.cases import canonical
-from cp_harness.pool import PoolConfig, RankFailure
+from cp_harness.cases.descriptions import canonical
+from cp_harness.ranks.pool import PoolConfig, RankFailure
 from cp_harness.runner import CaseRunner
 
 LAYOUT = {"format": "thd", "seq_len": 12, "docs": [[[5, 6], [4, 6]]]}

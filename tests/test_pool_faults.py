@@ -34,8 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from cp_harness.cases import canonical
-from cp_harness.pool import PoolConfig
+from cp_harness.cases.descriptions import canonical
+from cp_harness.ranks.pool import PoolConfig
 from cp_harness.runner import CaseRunner
 
 CASE_TIMEOUT = 4.0

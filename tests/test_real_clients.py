@@ -112,7 +112,7 @@ def _resolve(dotted: str):
 @pytest.mark.parametrize("adapter", ADAPTERS)
 def test_adapter_serves_the_framework_function_and_cp_impl_the_rest(adapter):
     import cp_impl
-    from cp_harness.impl import REQUIRED, load_impl
+    from cp_harness.cases.implementation import REQUIRED, load_impl
 
     module = importlib.import_module(f"examples.automodel.{adapter}")
     impl = load_impl(f"examples.automodel.{adapter}")

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from cp_harness.compare import TensorComparison, TokenGrid, compare
+from cp_harness.judging.compare import TensorComparison, TokenGrid, compare
 
 
 @dataclasses.dataclass
@@ -86,7 +86,7 @@ class CaseReport:
 
     @property
     def max_excess(self) -> float | None:
-        """The largest CP excess over the one-rank baseline (``cp_harness.excess``); ``None`` when not judged."""
+        """The largest CP excess over the one-rank baseline (``cp_harness.judging.excess``); ``None`` when not judged."""
         values = [c.excess for c in self.comparisons if c.excess is not None]
         return max(values) if values else None
 

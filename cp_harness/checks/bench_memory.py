@@ -37,10 +37,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from cp_harness.cases import padded_length
+from cp_harness.cases.descriptions import padded_length
 from cp_harness.checks import CaseReport, register
 from cp_harness.checks.models import cp_forward, rank_inputs
-from cp_harness.compare import compare
+from cp_harness.judging.compare import compare
 
 
 class LiveTensorBytes(TorchDispatchMode):

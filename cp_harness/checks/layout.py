@@ -2,7 +2,7 @@
 
 ``inkling2_layout``: ``inkling2.prepare_cp_inputs`` (packed rows go through
 ``unpack_row_layout``), then the sharder resolved the framework's way
-(``cp_harness.sharding``) shards the batch. Local ``labels``,
+(``cp_harness.usage.resolve_sharder``) shards the batch. Local ``labels``,
 ``position_ids``, ``padding_mask`` must be the shards of the globally
 computed layout *at the global positions the sharder reports*
 (``local_token_global_indices``), whatever its padding rule or index map;
@@ -28,10 +28,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cp_harness.cases import IGNORE_INDEX, batches_equal, build_batch, clone_batch
+from cp_harness.cases.descriptions import IGNORE_INDEX, batches_equal, build_batch, clone_batch
 from cp_harness.checks import CaseReport, ReportedLayout, judge_token_layout, register
-from cp_harness.compare import compare
-from cp_harness.sharding import hook_sharder, layout_report
+from cp_harness.judging.compare import compare
+from cp_harness.usage.resolve_sharder import hook_sharder, layout_report
 from oracle.layout import layout_from_batch
 
 

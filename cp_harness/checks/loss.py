@@ -7,7 +7,7 @@ and the per-rank gradients, averaged over ranks as FSDP does, the gradient of
 that mean. Case keys: ``batch`` (layout), ``vocab`` (logit width), ``dtype``
 (of the logits), ``pad_multiple`` (optional: the logits are drawn for the
 sequence padded to a multiple of this instead of ``world_size``; the one-rank
-baseline of ``cp_harness.excess`` sets it so that it sees the very logits of
+baseline of ``cp_harness.judging.excess`` sets it so that it sees the very logits of
 the CP case).
 
 bfloat16/float16 logits: the contract (SPEC: logits are upcast to at least
@@ -24,10 +24,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cp_harness.budgets import budget_for
-from cp_harness.cases import IGNORE_INDEX, LOW_PRECISION, build_batch, dtype_of, padded_length, random_tensor
+from cp_harness.judging.budgets import budget_for
+from cp_harness.cases.descriptions import IGNORE_INDEX, LOW_PRECISION, build_batch, dtype_of, padded_length, random_tensor
 from cp_harness.checks import CaseReport, register, stack_ranks
-from cp_harness.compare import TokenGrid, compare
+from cp_harness.judging.compare import TokenGrid, compare
 from oracle.layout import layout_from_batch
 from oracle.loss import mean_loss, shifted_cross_entropy
 

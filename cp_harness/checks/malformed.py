@@ -1,4 +1,4 @@
-"""Check ``malformed``: one entry of ``cp_harness.malformed`` on a real process group.
+"""Check ``malformed``: one entry of ``cp_harness.cases.malformed_inputs`` on a real process group.
 
 Rank half: build the entry's input for this CP rank (base, then the
 mutations, some only on chosen ranks), snapshot it, call the function and
@@ -18,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cp_harness import malformed
+from cp_harness.cases import malformed_inputs as malformed
 from cp_harness.checks import CaseReport, register
-from cp_harness.compare import compare
+from cp_harness.judging.compare import compare
 
 # Meshes built on demand in this rank process, keyed by (kind, CP size): process groups are created once.
 _MESHES: dict[tuple[str, int], object] = {}

@@ -1,6 +1,6 @@
 """End-to-end checks: the miniature models on N ranks against one device.
 
-Each rank runs ``cp_harness.cp_models`` with the implementation under test,
+Each rank runs ``cp_harness.usage.miniature_models`` with the implementation under test,
 backpropagates its own scaled loss and returns its local logits, its loss,
 its local input-embedding gradients and its full parameter gradients. The test
 process rebuilds the batch and the parameters, runs the float64 oracle and
@@ -27,14 +27,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from cp_harness.budgets import budget_for
-from cp_harness.cases import IGNORE_INDEX, build_batch, dtype_of
+from cp_harness.judging.budgets import budget_for
+from cp_harness.cases.descriptions import IGNORE_INDEX, build_batch, dtype_of
 from cp_harness.checks import CaseReport, judge_token_layout, register
 from cp_harness.checks.layout import pad_sequence
 from cp_harness.checks.loss import compare_rank_losses, per_position_ce
-from cp_harness.compare import compare
-from cp_harness import cp_models
-from cp_harness.sharding import layout_report
+from cp_harness.judging.compare import compare
+from cp_harness.usage import miniature_models as cp_models
+from cp_harness.usage.resolve_sharder import layout_report
 from oracle import models as oracle_models
 from oracle.layout import layout_from_batch
 
@@ -129,7 +129,7 @@ class Expected:
 
 def _expect(case: dict) -> Expected:
     out, params, layout = oracle_run(case)
-    # Parameter gradients are judged against the model's largest gradient (see cp_harness.compare).
+    # Parameter gradients are judged against the model's largest gradient (see cp_harness.judging.compare).
     grad_scale = max((float(p.grad.abs().max()) for p in params.values() if p.grad is not None and p.numel()), default=0.0)
     param_grads = {name: p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape)) for name, p in params.items()}
     return Expected(out, params, layout, build_batch(case)["labels"], grad_scale, param_grads)

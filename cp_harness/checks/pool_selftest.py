@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from cp_harness.checks import CaseReport, register
-from cp_harness.compare import compare
+from cp_harness.judging.compare import compare
 
 
 def _rank(case: dict, ctx) -> tuple[dict, dict]:

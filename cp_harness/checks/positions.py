@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from cp_harness.cases import build_batch
+from cp_harness.cases.descriptions import build_batch
 from cp_harness.checks import CaseReport, register
-from cp_harness.compare import compare
+from cp_harness.judging.compare import compare
 from oracle.layout import layout_from_batch
 
 

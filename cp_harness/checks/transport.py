@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from cp_harness.cases import accumulate, build_batch, dtype_of, random_tensor, upstream_values
+from cp_harness.cases.descriptions import accumulate, build_batch, dtype_of, random_tensor, upstream_values
 from cp_harness.checks import CaseReport, judge_token_layout, register, stack_ranks
-from cp_harness.compare import TokenGrid, compare
-from cp_harness.sharding import hook_sharder, layout_report
+from cp_harness.judging.compare import TokenGrid, compare
+from cp_harness.usage.resolve_sharder import hook_sharder, layout_report
 
 _INT_DTYPES = {"int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 

@@ -29,10 +29,10 @@ import torch
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from cp_harness.cases import FILLER, IGNORE_INDEX
-from cp_harness.malformed import input_changes, snapshot_inputs
-from cp_harness.profiles import examples
-from cp_harness.sharding import hook_sharder, local_token_indices
+from cp_harness.cases.descriptions import FILLER, IGNORE_INDEX
+from cp_harness.cases.malformed_inputs import input_changes, snapshot_inputs
+from cp_harness.cases.profiles import examples
+from cp_harness.usage.resolve_sharder import hook_sharder, local_token_indices
 from oracle.layout import layout_from_attention_mask, layout_from_batch
 
 CALL_LIMIT_S = 10

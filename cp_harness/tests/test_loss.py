@@ -2,12 +2,12 @@
 
 bfloat16/float16 logits: the loss is accumulated and returned in float32 (judged in float32 ULPs), the
 gradient rounded once to the logits' dtype; every multi-rank case is also judged against one rank of the
-same implementation (``cp_harness.excess``)."""
+same implementation (``cp_harness.judging.excess``)."""
 
 from hypothesis import example, given, settings
 
-from cp_harness import strategies
-from cp_harness.profiles import examples
+from cp_harness.cases import strategies
+from cp_harness.cases.profiles import examples
 
 
 @settings(max_examples=examples(2.0))

@@ -1,6 +1,6 @@
 """Malformed inputs are rejected on every rank, quickly, naming the field, leaving the batch alone.
 
-Every entry of ``cp_harness.malformed.CATALOGUE`` runs on the session's rank
+Every entry of ``cp_harness.cases.malformed_inputs.CATALOGUE`` runs on the session's rank
 pool (a real gloo group; CP sizes 2, 3 and 4 in turn, within
 ``--cp-world-sizes``). Each rank must raise an accepted exception type whose
 message names the field, within ``TIME_LIMIT_S`` seconds, with the caller's
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from cp_harness import stats
-from cp_harness.impl import REQUIRED
-from cp_harness.malformed import CATALOGUE, TIME_LIMIT_S, FUNCTIONS, world_size_for
+from cp_harness import run_summary as stats
+from cp_harness.cases.implementation import REQUIRED
+from cp_harness.cases.malformed_inputs import CATALOGUE, TIME_LIMIT_S, FUNCTIONS, world_size_for
 
 COUNTER = "malformed inputs tried"
 

@@ -10,14 +10,14 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cp_harness import strategies
-from cp_harness.budgets import budget_for
-from cp_harness.cases import canonical, with_changes
+from cp_harness.cases import strategies
+from cp_harness.judging.budgets import budget_for
+from cp_harness.cases.descriptions import canonical, with_changes
 from cp_harness.checks import reported_layout
-from cp_harness.compare import compare
-from cp_harness.profiles import examples
+from cp_harness.judging.compare import compare
+from cp_harness.cases.profiles import examples
 from oracle.layout import layout_from_batch
-from cp_harness.cases import build_batch
+from cp_harness.cases.descriptions import build_batch
 
 
 def _real_mask(case, padded_len):

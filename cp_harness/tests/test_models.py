@@ -7,8 +7,8 @@ the data-movement checks and the loss only."""
 
 from hypothesis import example, given, settings
 
-from cp_harness import strategies
-from cp_harness.profiles import examples
+from cp_harness.cases import strategies
+from cp_harness.cases.profiles import examples
 
 
 @settings(max_examples=examples(2.0))

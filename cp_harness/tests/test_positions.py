@@ -2,8 +2,8 @@
 
 from hypothesis import example, given, settings
 
-from cp_harness import strategies
-from cp_harness.profiles import examples
+from cp_harness.cases import strategies
+from cp_harness.cases.profiles import examples
 
 
 @settings(max_examples=examples(1.5))

@@ -5,8 +5,8 @@ bfloat16/float16 gradient sums over ranks must be the float32 sum rounded once (
 
 from hypothesis import example, given
 
-from cp_harness import strategies
-from cp_harness.profiles import examples
+from cp_harness.cases import strategies
+from cp_harness.cases.profiles import examples
 from hypothesis import settings
 
 

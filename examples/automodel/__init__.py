@@ -1,7 +1,7 @@
 """Adapters that gate nemo-automodel 0.7.0's own CP primitives with this harness.
 
 One importable module per framework primitive. Each exposes ``inkling2`` and
-``mistral_large4`` (the contract of ``cp_harness/impl.py``) built from
+``mistral_large4`` (the contract of ``cp_harness/cases/implementation.py``) built from
 ``cp_impl`` with the documented function(s) that primitive maps onto served by
 the framework's code, and nothing else changed:
 

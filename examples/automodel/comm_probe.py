@@ -5,14 +5,14 @@ Markdown table for ``docs/real_clients.md``. Per primitive: one forward and one 
 ``[B=2, L=4, C=8]`` (``P = 512`` bytes per rank); the halo with ``W - 1 = 2`` rows (inside the previous shard)
 and ``W - 1 = 12`` rows (three shards back).
 
-Counting (bytes a rank sends, summed over ranks; the conventions of ``cp_harness/comm.py``): all-gather
+Counting (bytes a rank sends, summed over ranks; the conventions of ``cp_harness/instruments/comm_meter.py``): all-gather
 ``(N-1) * bytes(input)``, reduce-scatter ``(N-1) * bytes(output)``, scatter: the root sends every slice but
 its own, point-to-point: what is sent, all-reduce ``(N-1) * bytes`` (every peer learns every value). The
 ``ring`` column counts an all-reduce as a ring algorithm moves it instead, ``2 (N-1)/N * bytes``, the least
 any all-reduce can send. The cp_impl handshake (a first all-gather of at most 32 integers) is control, left out
-as the meter does. ``meter`` is what ``cp_harness.comm`` would count today: it wraps the ``*_single`` /
+as the meter does. ``meter`` is what ``cp_harness.instruments.comm_meter`` would count today: it wraps the ``*_single`` /
 ``*_tensor`` collectives, ``all_reduce``, ``broadcast`` and point-to-point, not ``all_gather`` / ``scatter`` /
-``reduce_scatter`` on tensor lists. The minimum is ``cp_harness.comm_minimum.minimum`` of the matching case.
+``reduce_scatter`` on tensor lists. The minimum is ``cp_harness.judging.comm_minimum.minimum`` of the matching case.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def run_rank(rank: int, world: int, port: int, queue) -> None:
     warnings.simplefilter("ignore")  # torch.distributed.nn.functional's deprecation notice, once per call site
     from torch.distributed.device_mesh import DeviceMesh
 
-    from cp_harness import comm_minimum
+    from cp_harness.judging import comm_minimum
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("cp",))

@@ -103,7 +103,7 @@ def replay(defect: dict, backend: str, pool=None) -> tuple[bool, str]:
     """Run a documented defect's case again; ``(fails with its signature, account)``.
 
     ``pool``: a warm ``RankPool`` of at least the case's world size to run it on (else one is started)."""
-    from cp_harness.pool import PoolConfig
+    from cp_harness.ranks.pool import PoolConfig
     from cp_harness.runner import CaseRunner
 
     impl = f"examples.automodel.{defect['adapter']}"

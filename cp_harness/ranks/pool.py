@@ -3,7 +3,7 @@
 The ranks are forked by one launcher process after it imported torch and the
 implementations (``launcher="fork"``, the default with gloo), or started by
 ``torchrun`` (``launcher="torchrun"``, the default with nccl); see
-``cp_harness.worker``.
+``cp_harness.ranks.worker``.
 
 ``RankPool.run(case)`` sends a case description (a small JSON dict) to ranks
 ``0..case["world_size"]-1`` and returns their ``RankOutput``s, or raises
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from cp_harness import wire
+from cp_harness.ranks import wire
 
 
 @dataclasses.dataclass
@@ -170,7 +170,7 @@ class RankPool:
         listener.bind(("127.0.0.1", 0))
         listener.listen(cfg.world_size)
         port = listener.getsockname()[1]
-        worker = ["-m", "cp_harness.worker", f"--connect=127.0.0.1:{port}", f"--backend={cfg.backend}",
+        worker = ["-m", "cp_harness.ranks.worker", f"--connect=127.0.0.1:{port}", f"--backend={cfg.backend}",
                   f"--impl={cfg.impl}", f"--collective-timeout={cfg.collective_timeout}", f"--stack-dir={self._workdir}"]
         if self.launcher == "torchrun":
             cmd = [cfg.python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.world_size}",

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from cp_harness import coverage
-from cp_harness.cases import PAD_ID
+from cp_harness.instruments import coverage
+from cp_harness.cases.descriptions import PAD_ID
 
 __all__ = ["hook_sharder", "local_token_indices", "padded_seq_len", "resolve_sharder"]
 

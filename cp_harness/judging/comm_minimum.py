@@ -1,6 +1,6 @@
 """The least communication each documented call needs, to compare with what moved.
 
-Conventions match ``cp_harness.comm`` (bytes a rank sends; summed over ranks):
+Conventions match ``cp_harness.instruments.comm_meter`` (bytes a rank sends; summed over ranks):
 
 - gathers ``[.., L, ..]`` of ``P`` bytes per rank: forward ``(N-1)*P`` per
   rank; differentiable backward the same again (each owner needs the other
@@ -21,7 +21,7 @@ makes mismatched shapes raise on every rank. They are what makes the call
 safe, and their size does not grow with the data.
 
 Traffic the meter could not attribute (``unaccounted`` calls, see
-``cp_harness.comm``: an op it has no byte rule for, or a group it cannot
+``cp_harness.instruments.comm_meter``: an op it has no byte rule for, or a group it cannot
 size) has no byte count, so no ratio is made from a report holding any:
 ``moved_and_minimum`` returns ``None`` for what moved, ``moved`` and
 ``per_rank_moved`` raise ``UnaccountedCommunication``, and

@@ -26,7 +26,7 @@ import zlib
 
 import numpy as np
 
-from cp_harness.cases import case_id
+from cp_harness.cases.descriptions import case_id
 
 # Target size of the grid in pixels; cells are scaled (and very long sequences max-pooled) to fit.
 TARGET_WIDTH = 720

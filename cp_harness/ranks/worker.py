@@ -1,4 +1,4 @@
-"""One rank of the persistent pool (see ``cp_harness.pool``), and the launcher that starts them.
+"""One rank of the persistent pool (see ``cp_harness.ranks.pool``), and the launcher that starts them.
 
 Ranks are started one of two ways, both with torchrun's environment
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``):
@@ -62,13 +62,13 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
     if args.backend == "nccl":
         # Forked ranks must not inherit an initialised CUDA context; nothing here touches CUDA before the fork,
         # but the nccl pool has only ever run under torchrun, which PoolConfig chooses for it.
-        print("cp_harness.worker: --ranks with nccl is untested; use torchrun", file=sys.stderr, flush=True)
+        print("cp_harness.ranks.worker: --ranks with nccl is untested; use torchrun", file=sys.stderr, flush=True)
     import torch
     import torch.distributed  # noqa: F401 - imported once for every rank
     from torch.distributed.device_mesh import DeviceMesh  # noqa: F401
 
     from cp_harness.checks import load_checks
-    from cp_harness.impl import impl_names, load_impl
+    from cp_harness.cases.implementation import impl_names, load_impl
 
     torch.set_num_threads(1)  # before any tensor work: no OpenMP pool may exist at the fork
     for name in impl_names(args.impl):
@@ -77,7 +77,7 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
     import threading
 
     if threading.active_count() > 1:  # a fork carries only this thread over; the others' locks may be held
-        print(f"cp_harness.worker: importing {args.impl} started {threading.active_count() - 1} Python thread(s); "
+        print(f"cp_harness.ranks.worker: importing {args.impl} started {threading.active_count() - 1} Python thread(s); "
               f"forked ranks do not have them. If cases hang, start the ranks with torchrun "
               f"(--cp-launcher torchrun / --launcher torchrun).", file=sys.stderr, flush=True)
     world = args.ranks
@@ -108,7 +108,7 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
         code = os.waitstatus_to_exitcode(wait_status)
         if rank is None or code == 0:
             continue
-        print(f"cp_harness.worker: rank {rank} (pid {pid}) exited with {code}; ending ranks "
+        print(f"cp_harness.ranks.worker: rank {rank} (pid {pid}) exited with {code}; ending ranks "
               f"{sorted(children.values())}", file=sys.stderr, flush=True)
         status = status or 1
         for other in children:
@@ -134,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from cp_harness import comm, coverage, wire
+    from cp_harness.instruments import comm_meter as comm
+    from cp_harness.instruments import coverage
+    from cp_harness.ranks import wire
     from cp_harness.checks import RankContext, run_on_rank
 
     torch.set_num_threads(1)
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank < n:
             meshes[n] = DeviceMesh.from_group(group, device.type, mesh_dim_names=("cp",))
     from cp_harness.checks import load_checks
-    from cp_harness.impl import case_impl, impl_names, load_impl
+    from cp_harness.cases.implementation import case_impl, impl_names, load_impl
 
     # Every one imports, or the rank stops here; calls through the documented API are recorded per case.
     impls = {name: coverage.instrument(load_impl(name)) for name in impl_names(args.impl)}

@@ -27,9 +27,9 @@ import torch.distributed as dist
 # Bound at import, before the worker installs the meter (``imported_by_name``).
 from torch.distributed import all_gather as all_gather_imported_by_name
 
-from cp_harness import comm
+from cp_harness.instruments import comm_meter as comm
 from cp_harness.checks import CaseReport, register
-from cp_harness.compare import compare
+from cp_harness.judging.compare import compare
 
 THREAD_TIMEOUT_S = 60.0
 UNKNOWN_OP = "c10d::_cp_harness_unknown_collective"
@@ -50,7 +50,7 @@ def _unknown_collective_op():
     """A communication op in the ``c10d`` namespace that the meter has no rule for (it all-reduces a copy).
 
     Defined on first use, then the meter is installed again so that it hooks the new op (as a process
-    that defines operators after start-up must do, ``cp_harness.comm.install``).
+    that defines operators after start-up must do, ``cp_harness.instruments.comm_meter.install``).
     """
     global _library
     if _library is None:

@@ -2,7 +2,7 @@
 
 Small composable pieces: layouts (packed THD rows, padded BSHD rows), images
 placed on real tokens, and one ``*_cases`` strategy per check that yields a
-complete case description (see ``cp_harness.cases``). The tensors themselves
+complete case description (see ``cp_harness.cases.descriptions``). The tensors themselves
 are not drawn here: each case carries a seed and is rebuilt deterministically
 on every rank, so what Hypothesis shrinks is the structure (lengths, layout,
 CP size), which is what CP bugs depend on.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from cp_harness.cases import PATCH_SIZE, spec_layout
+from cp_harness.cases.descriptions import PATCH_SIZE, spec_layout
 
 DEFAULT_WORLD_SIZES = (1, 2, 3, 4, 8)
 seeds = st.integers(min_value=0, max_value=2**31 - 1)

@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import torch
 
-from cp_harness.cases import IGNORE_INDEX, batches_equal, build_batch, clone_batch
+from cp_harness.cases.descriptions import IGNORE_INDEX, batches_equal, build_batch, clone_batch
 
 TIME_LIMIT_S = 10.0
 BOTH = ("ValueError", "TypeError")
@@ -624,7 +624,7 @@ CATALOGUE: tuple[Malformed, ...] = (
 
 BY_NAME: dict[str, Malformed] = {m.name: m for m in CATALOGUE}
 if len(BY_NAME) != len(CATALOGUE):  # pragma: no cover - a catalogue edit error
-    raise RuntimeError("cp_harness.malformed: duplicate entry names")
+    raise RuntimeError("cp_harness.cases.malformed_inputs: duplicate entry names")
 
 
 def world_size_for(entry: Malformed, index: int, available: tuple[int, ...], preferred=(2, 3, 4)) -> int | None:

@@ -61,7 +61,7 @@ The group size and this rank's place in it come from the operator's
 operator the meter has no byte rule for, or a call whose group it cannot
 resolve, is recorded as **unaccounted**: ``sent`` and ``recv`` are ``None``
 and ``unaccounted`` says why. Such traffic is never counted as zero bytes,
-and ``cp_harness.comm_minimum`` refuses to turn it into a ratio.
+and ``cp_harness.judging.comm_minimum`` refuses to turn it into a ratio.
 """
 
 from __future__ import annotations

@@ -7,14 +7,14 @@ implementation whose ``unpack_row_layout`` is wrong. So the ranks record every
 call that goes through the documented API:
 
 - :func:`instrument` wraps an implementation's ``inkling2`` and
-  ``mistral_large4`` functions (the names in ``cp_harness.impl.REQUIRED``);
+  ``mistral_large4`` functions (the names in ``cp_harness.cases.implementation.REQUIRED``);
   calls the implementation makes to its own functions internally are not
   counted, since they did not come through the API;
 - :class:`RecordingSharder` wraps a resolved sharder: ``shard``,
   ``shard_token_tensor``, ``gather_token_tensor`` and the index map
   ``local_token_global_indices`` (named ``sharder.<verb>``);
 - ``recording()`` collects the names called inside a block (one case on one
-  rank), like ``cp_harness.comm.recording``.
+  rank), like ``cp_harness.instruments.comm_meter.recording``.
 
 ``covered(claims, called)`` says which claimed names never ran (a claim
 ``"inkling2.*"`` is met by any ``inkling2`` function).
@@ -27,7 +27,7 @@ import functools
 import types
 from typing import Any, Callable, Iterable, Iterator
 
-from cp_harness.impl import REQUIRED
+from cp_harness.cases.implementation import REQUIRED
 
 SHARDER_VERBS = ("shard", "shard_token_tensor", "gather_token_tensor", "local_token_global_indices")
 
@@ -60,7 +60,7 @@ def _recorded(name: str, fn: Callable) -> Callable:
 
 
 def instrument(impl: types.SimpleNamespace) -> types.SimpleNamespace:
-    """A copy of a loaded implementation (``cp_harness.impl.load_impl``) whose documented functions record calls."""
+    """A copy of a loaded implementation (``cp_harness.cases.implementation.load_impl``) whose documented functions record calls."""
     parts = {}
     for part, functions in REQUIRED.items():
         module = getattr(impl, part)

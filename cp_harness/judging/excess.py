@@ -51,7 +51,7 @@ import math
 
 import numpy as np
 
-from cp_harness.cases import LOW_PRECISION
+from cp_harness.cases.descriptions import LOW_PRECISION
 
 ARITHMETIC_CHECKS = ("shifted_cp_loss", "model")
 
@@ -79,7 +79,7 @@ RULES: dict[tuple[str, str], ExcessRule] = {
 def rule_for(case: dict) -> ExcessRule:
     key = (case["check"], case.get("dtype", "float64"))
     if key not in RULES:
-        raise KeyError(f"no excess rule for {key}; add one to cp_harness.excess.RULES")
+        raise KeyError(f"no excess rule for {key}; add one to cp_harness.judging.excess.RULES")
     return RULES[key]
 
 
@@ -108,7 +108,7 @@ def baseline_name(name: str) -> str | None:
 def element_terms(comp, floor_ulp: float, fraction: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """``(ulp_i, floor_i)`` of a ULP comparison: each element's error and the floor of ``floor_ulp`` ULPs at the
     tensor's scale, both in the measure with floor ``fraction`` (default 1: normwise, the judge's measure)."""
-    from cp_harness.compare import eps_of
+    from cp_harness.judging.compare import eps_of
 
     actual, expected = (np.asarray(x, dtype=np.float64) for x in comp.element_values)
     unit = np.maximum(np.abs(expected), max(comp.scale * fraction, np.finfo(np.float64).tiny))

@@ -53,12 +53,12 @@ import numpy as np
 import torch
 
 from cp_harness import checks
-from cp_harness.budgets import budget_for
-from cp_harness.cases import GENERATOR_VERSION, IGNORE_INDEX, canonical, case_id, padded_length
-from cp_harness.compare import TensorComparison, TokenGrid, compare
+from cp_harness.judging.budgets import budget_for
+from cp_harness.cases.descriptions import GENERATOR_VERSION, IGNORE_INDEX, canonical, case_id, padded_length
+from cp_harness.judging.compare import TensorComparison, TokenGrid, compare
 
 FORMAT_VERSION = 2  # 2: manifests record the numerics platform (float results differ in their last bits across CPUs)
-GOLDEN_DIR = Path(os.environ.get("CP_HARNESS_GOLDEN_DIR") or Path(__file__).resolve().parent.parent / "golden")
+GOLDEN_DIR = Path(os.environ.get("CP_HARNESS_GOLDEN_DIR") or Path(__file__).resolve().parents[2] / "golden")
 MANIFEST = "manifest.json"
 ORACLE_FILE = "oracle.npz"
 IMPL_FILE = "impl.npz"
@@ -88,12 +88,12 @@ def numerics_platform() -> dict[str, str]:
 
 
 # Checks whose every output is pure data movement: compared bit for bit. The others are arithmetic:
-# their floating-point arrays are compared within cp_harness.budgets, their integer arrays bit for bit.
+# their floating-point arrays are compared within cp_harness.judging.budgets, their integer arrays bit for bit.
 DATA_MOVEMENT = frozenset({"gather_sequence", "gather_tokens", "convolution_history",
                            "inkling2_layout", "mistral_large4_layout"})
 
 # ------------------------------------------------------------------------------------------------ the cases
-# Names are folder names under golden/. Each case is an ordinary case description (cp_harness.cases): it can
+# Names are folder names under golden/. Each case is an ordinary case description (cp_harness.cases.descriptions): it can
 # be pasted into `python -m cp_harness run-case` or used as a Hypothesis @example, and vice versa.
 CASES: dict[str, dict] = {
     # -- inkling2.gather_sequence / mistral_large4.gather_tokens
@@ -297,7 +297,7 @@ def impl_arrays(case: dict, outputs: list) -> tuple[dict[str, np.ndarray], dict[
 
 def rank_outputs(arrays: dict[str, np.ndarray], rules: dict[str, dict], rank_info: list[dict]) -> list:
     """Split golden implementation arrays back into per-rank outputs (what ``checks.evaluate`` judges)."""
-    from cp_harness.pool import RankOutput
+    from cp_harness.ranks.pool import RankOutput
 
     n = len(rank_info)
     per_rank: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
@@ -523,7 +523,7 @@ def load(name: str, root: Path | str = GOLDEN_DIR, *, expected_case: dict | None
                                    f"is {canonical(expected_case)}")
     if manifest["generator_version"] != GENERATOR_VERSION:
         raise _fail(manifest_path, f"made with generator version {manifest['generator_version']}, "
-                                   f"cp_harness.cases.GENERATOR_VERSION is now {GENERATOR_VERSION}")
+                                   f"cp_harness.cases.descriptions.GENERATOR_VERSION is now {GENERATOR_VERSION}")
     oracle = _read_arrays(folder / ORACLE_FILE, manifest["files"][ORACLE_FILE])
     impl = _read_arrays(folder / IMPL_FILE, manifest["files"][IMPL_FILE])
     n = int(manifest["case"]["world_size"])
@@ -872,7 +872,7 @@ def _select(pattern: str | None) -> list[str]:
 
 
 def _runner(impl: str, backend: str, names: list[str]):
-    from cp_harness.pool import PoolConfig
+    from cp_harness.ranks.pool import PoolConfig
     from cp_harness.runner import CaseRunner
 
     return CaseRunner(PoolConfig(world_size=max(int(CASES[n]["world_size"]) for n in names), backend=backend, impl=impl))
@@ -881,7 +881,7 @@ def _runner(impl: str, backend: str, names: list[str]):
 def update(names: list[str] | None = None, root: Path | str = GOLDEN_DIR, *, impl: str | None = None,
            runner=None, out: Callable[[str], None] = print) -> list[Change]:
     """Regenerate ``names`` (default: every case; stale folders are removed then) and print the summary."""
-    from cp_harness.impl import selected_impl_name
+    from cp_harness.cases.implementation import selected_impl_name
 
     impl = impl or (runner.impl if runner is not None else selected_impl_name())
     everything = names is None
@@ -922,7 +922,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, case in CASES.items():
             print(f"{name}: {canonical(case)}")
         return 0
-    from cp_harness.impl import selected_impl_name
+    from cp_harness.cases.implementation import selected_impl_name
 
     impl = selected_impl_name(args.impl)
     names = _select(args.pattern)

@@ -23,8 +23,8 @@ One run measures, on this machine and under the same load:
   function (``convolution_history`` over widths, CP sizes and local lengths,
   both gathers in both float dtypes, differentiable and not, plus integer and
   bool payloads, ``shifted_cp_loss``), the bytes each rank sent and received
-  (counted at the dispatcher by ``cp_harness.comm``)
-  against the analytic minimum of that call (``cp_harness.comm_minimum``),
+  (counted at the dispatcher by ``cp_harness.instruments.comm_meter``)
+  against the analytic minimum of that call (``cp_harness.judging.comm_minimum``),
   payload and validation control messages apart.
 - **memory**: per-rank peak tensor memory and saved-activation bytes of the
   miniature model's forward and backward on a long sequence at several CP
@@ -55,7 +55,7 @@ from typing import Any, Iterable, Iterator
 from cp_harness.verify import json_safe
 
 DEFAULT_JSON = "reports/bench.json"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # The issue's limits. They are not loosened here: a miss is reported with its factor.
 TARGET_WARM_OVER_FRESH = 300.0
@@ -88,7 +88,7 @@ def memory_case(world_size: int, seq_len: int, dtype: str) -> dict:
 
 # ------------------------------------------------------------------ command line
 def _sizes(text: str) -> tuple[int, ...]:
-    from cp_harness.cases import parse_world_sizes
+    from cp_harness.cases.descriptions import parse_world_sizes
 
     try:
         return parse_world_sizes(text)
@@ -239,7 +239,7 @@ def _run_pipelined(runner, cases: Iterable[dict]) -> tuple[list[dict], float]:
 def _run_fresh(case: dict, impl: str, backend: str) -> dict:
     """The naive way: a new ``torchrun`` for this one case, then judge it and shut it down."""
     from cp_harness import checks
-    from cp_harness.pool import PoolConfig, RankPool
+    from cp_harness.ranks.pool import PoolConfig, RankPool
     from cp_harness.runner import failure_message
 
     started = time.perf_counter()
@@ -482,7 +482,7 @@ def _ratio(moved: int, need: int) -> float:
 
 
 def bench_comm(runner, args) -> dict:
-    from cp_harness import comm_minimum
+    from cp_harness.judging import comm_minimum
 
     grid = comm_grid(args.quick)
     _log(f"communication: {len(grid)} cases x {args.comm_repeats}")
@@ -716,8 +716,8 @@ def run_bench(args: argparse.Namespace, stream=sys.stdout, runner=None) -> tuple
     (the smoke test passes the test session's); it is used only when it has
     enough ranks and runs the selected implementation, and it is left open.
     """
-    from cp_harness.impl import selected_impl_name
-    from cp_harness.pool import PoolConfig, RankFailure
+    from cp_harness.cases.implementation import selected_impl_name
+    from cp_harness.ranks.pool import PoolConfig, RankFailure
     from cp_harness.runner import CaseRunner
 
     impl = selected_impl_name(args.impl)

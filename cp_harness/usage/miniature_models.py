@@ -10,7 +10,7 @@ rotary embedding, patch projection) are shared with the oracle because they
 are not what CP changes.
 
 The sharder a hook returns is resolved the framework's way
-(``cp_harness.sharding``), and where each local token sits is read from its
+(``cp_harness.usage.resolve_sharder``), and where each local token sits is read from its
 index map, so any layout works: attention masks use the global positions of
 queries and (gathered) keys. ``convolution_history`` and ``shifted_cp_loss``
 are defined for contiguous shards in rank order (the halo is "the ``W-1`` rows
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cp_harness.sharding import hook_sharder, local_token_indices
+from cp_harness.usage.resolve_sharder import hook_sharder, local_token_indices
 from oracle import models as oracle_models
 from oracle.attention import rotary_embedding
 

@@ -24,7 +24,7 @@ Two modes:
 tensors arrive widened to float32, which is exact, so ``exact`` still means bit for bit.
 
 Beside its ULP budget, an arithmetic comparison of a multi-rank case can carry
-the *excess* verdict of ``cp_harness.excess``: the same tensor computed by
+the *excess* verdict of ``cp_harness.judging.excess``: the same tensor computed by
 the same implementation on one rank (the baseline) has its own error against
 the oracle, and CP may add at most ``c`` times that error plus a floor
 (``TensorComparison.baseline_ulp``, ``excess``, ``excess_limit``). The
@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from cp_harness.cases import EPS
+from cp_harness.cases.descriptions import EPS
 
 FLOOR_FRACTION = 1.0 / 1024.0
 
@@ -148,7 +148,7 @@ class TensorComparison:
     ulp_dtype: str | None = None
     floor_fraction: float | None = None
     scale: float | None = None  # ulp mode: the tensor's scale (largest expected magnitude, or reference_scale)
-    # The excess judge (cp_harness.excess): the one-rank baseline's largest error in the same measure,
+    # The excess judge (cp_harness.judging.excess): the one-rank baseline's largest error in the same measure,
     # the CP excess = max_ulp / (baseline_ulp + floor / limit), and the limit c it must not exceed.
     baseline_ulp: float | None = None
     excess_error: float | None = None  # the CP error in the judge's (normwise) measure

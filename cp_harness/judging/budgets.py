@@ -5,7 +5,7 @@ Data movement has no budget: it is compared bit for bit.
 
 A budget is ``(ulp, floor_fraction)``: the largest allowed error in units in
 the last place of the compared dtype, and the floor of the per-element scale
-as a fraction of the tensor's largest magnitude (see ``cp_harness.compare``).
+as a fraction of the tensor's largest magnitude (see ``cp_harness.judging.compare``).
 
 - float64 tier: element-wise (floor 1/1024) for the models, normwise for the
   loss (see below why). The CP path sums in another
@@ -26,10 +26,10 @@ as a fraction of the tensor's largest magnitude (see ``cp_harness.compare``).
   normwise (a mean over many tokens puts gradient elements in float16's
   subnormal range, where relative errors mean nothing). The bfloat16 models
   have a ceiling only (normwise): their error is the model's own bfloat16
-  rounding; what CP adds is judged by ``cp_harness.excess``.
+  rounding; what CP adds is judged by ``cp_harness.judging.excess``.
 
 Every arithmetic tensor of a multi-rank case must also pass the excess judge
-(``cp_harness.excess``): CP error <= c x the error of the same
+(``cp_harness.judging.excess``): CP error <= c x the error of the same
 implementation on one rank + k ULPs, normwise. The budgets here are ceilings
 beside it, for what is wrong at every CP size.
 
@@ -96,5 +96,5 @@ def budget_for(check: str, case: dict) -> Budget:
     """Budget of ``check`` (``"shifted_cp_loss"`` or ``"model"``) at the case's dtype."""
     key = (check, case.get("dtype", "float64"))
     if key not in BUDGETS:
-        raise KeyError(f"no error budget for {key}; add one to cp_harness.budgets.BUDGETS")
+        raise KeyError(f"no error budget for {key}; add one to cp_harness.judging.budgets.BUDGETS")
     return BUDGETS[key]
