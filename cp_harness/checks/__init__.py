@@ -131,10 +131,11 @@ CHECKS: dict[str, Check] = {}
 _loaded = False
 
 
-def register(name: str, *, rank, evaluate, functions: tuple[str, ...] = (), expect=None) -> None:
+def register(name: str, *, rank, evaluate, functions: tuple[str, ...] = (), expect=None) -> Check:
     if name in CHECKS:
         raise ValueError(f"check {name!r} registered twice")
     CHECKS[name] = Check(name, rank, evaluate, functions, expect)
+    return CHECKS[name]
 
 
 def load_checks() -> dict[str, Check]:

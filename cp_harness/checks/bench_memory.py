@@ -145,4 +145,4 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     return report
 
 
-register("bench_memory", rank=_rank, evaluate=_evaluate)
+BENCH_MEMORY = register("bench_memory", rank=_rank, evaluate=_evaluate)

@@ -225,9 +225,9 @@ def _mistral_evaluate(case: dict, outputs: list, expected) -> CaseReport:
     return report
 
 
-register("inkling2_layout", rank=_inkling2_rank, evaluate=_inkling2_evaluate, expect=expected_layout,
+INKLING2_LAYOUT = register("inkling2_layout", rank=_inkling2_rank, evaluate=_inkling2_evaluate, expect=expected_layout,
          functions=("inkling2.prepare_cp_inputs", "inkling2.unpack_row_layout", "sharder.shard",
                     "sharder.local_token_global_indices", "sharder.shard_token_tensor"))
-register("mistral_large4_layout", rank=_mistral_rank, evaluate=_mistral_evaluate, expect=expected_layout,
+MISTRAL_LARGE4_LAYOUT = register("mistral_large4_layout", rank=_mistral_rank, evaluate=_mistral_evaluate, expect=expected_layout,
          functions=("mistral_large4.prepare_cp_inputs", "mistral_large4.prepare_packed_cp_inputs", "sharder.shard",
                     "sharder.local_token_global_indices", "sharder.shard_token_tensor"))

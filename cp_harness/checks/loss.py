@@ -188,4 +188,4 @@ def _evaluate(case: dict, outputs: list, expected: dict) -> CaseReport:
     return report
 
 
-register("shifted_cp_loss", rank=_rank, evaluate=_evaluate, expect=_expect, functions=("mistral_large4.shifted_cp_loss",))
+SHIFTED_CP_LOSS = register("shifted_cp_loss", rank=_rank, evaluate=_evaluate, expect=_expect, functions=("mistral_large4.shifted_cp_loss",))

@@ -77,4 +77,4 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     return report
 
 
-register("malformed", rank=_rank, evaluate=_evaluate, functions=tuple(sorted(malformed.FUNCTIONS)))
+MALFORMED = register("malformed", rank=_rank, evaluate=_evaluate, functions=tuple(sorted(malformed.FUNCTIONS)))

@@ -330,4 +330,4 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     return report
 
 
-register("comm_styles", rank=_rank, evaluate=_evaluate)
+METER_SELFTEST = register("comm_styles", rank=_rank, evaluate=_evaluate)

@@ -193,6 +193,6 @@ def _evaluate(case: dict, outputs: list, expected: Expected) -> CaseReport:
     return report
 
 
-register("model", rank=_rank, evaluate=_evaluate, expect=_expect,
+MODEL = register("model", rank=_rank, evaluate=_evaluate, expect=_expect,
          functions=("inkling2.*", "mistral_large4.*", "sharder.shard", "sharder.shard_token_tensor",
                     "sharder.local_token_global_indices"))

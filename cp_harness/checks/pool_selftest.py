@@ -46,4 +46,4 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     return report
 
 
-register("pool_selftest", rank=_rank, evaluate=_evaluate)
+POOL_SELFTEST = register("pool_selftest", rank=_rank, evaluate=_evaluate)

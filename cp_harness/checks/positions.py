@@ -116,5 +116,5 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     return report
 
 
-register("validate_document_positions", rank=_rank, evaluate=_evaluate,
+VALIDATE_DOCUMENT_POSITIONS = register("validate_document_positions", rank=_rank, evaluate=_evaluate,
          functions=("inkling2.validate_document_positions",))

@@ -163,11 +163,11 @@ def _history_evaluate(case: dict, outputs: list, expected: dict) -> CaseReport:
     return report
 
 
-register("gather_sequence", rank=_gather_rank(1, "gather_sequence"), evaluate=_gather_evaluate(1),
+GATHER_SEQUENCE = register("gather_sequence", rank=_gather_rank(1, "gather_sequence"), evaluate=_gather_evaluate(1),
          expect=_gather_expect(1), functions=("inkling2.gather_sequence",))
-register("gather_tokens", rank=_gather_rank(0, "gather_tokens"), evaluate=_gather_evaluate(0),
+GATHER_TOKENS = register("gather_tokens", rank=_gather_rank(0, "gather_tokens"), evaluate=_gather_evaluate(0),
          expect=_gather_expect(0), functions=("mistral_large4.gather_tokens",))
-register("convolution_history", rank=_history_rank, evaluate=_history_evaluate, expect=_history_expect,
+CONVOLUTION_HISTORY = register("convolution_history", rank=_history_rank, evaluate=_history_evaluate, expect=_history_expect,
          functions=("inkling2.convolution_history",))
 
 
@@ -233,5 +233,5 @@ def _sharder_evaluate(case: dict, outputs: list) -> CaseReport:
     return report
 
 
-register("sharder_roundtrip", rank=_sharder_rank, evaluate=_sharder_evaluate,
+SHARDER_ROUNDTRIP = register("sharder_roundtrip", rank=_sharder_rank, evaluate=_sharder_evaluate,
          functions=("sharder.shard_token_tensor", "sharder.gather_token_tensor", "sharder.local_token_global_indices"))
