@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
 import sys
 import time
 
@@ -27,10 +26,12 @@ import numpy as np
 
 from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
 
-from cp_harness.judging import budgets
-from cp_harness.judging import excess
-from cp_harness.cases import strategies
+from cp_harness import checks
 from cp_harness.cases.descriptions import canonical
+from cp_harness.checks.loss import SHIFTED_CP_LOSS, loss_cases
+from cp_harness.checks.models import MODEL, model_cases
+from cp_harness.judging import excess
+from cp_harness.judging.policy import UNJUDGED
 from cp_harness.ranks.pool import PoolConfig
 from cp_harness.runner import CaseRunner
 
@@ -53,26 +54,18 @@ def _terms(comp, ref, fraction: float) -> dict:
 
 
 def _rows(dtypes):
+    """``(name, strategy factory)`` per arithmetic check and dtype it has a budget for."""
     rows = []
     for dtype in dtypes:
-        rows.append((f"shifted_cp_loss {dtype}",
-                     lambda s, d=dtype: strategies.loss_cases(s).filter(lambda c, d=d: c["dtype"] == d)))
-        if dtype == "float16":
+        if dtype in SHIFTED_CP_LOSS.budgets:
+            rows.append((f"{SHIFTED_CP_LOSS.name} {dtype}",
+                         lambda s, d=dtype: loss_cases(s).filter(lambda c, d=d: c["dtype"] == d)))
+        if dtype not in MODEL.budgets:
             continue  # the miniature models are not float16-safe (rms_norm's eps is subnormal there)
         for model in ("inkling2", "mistral_large4"):
-            rows.append((f"model {model} {dtype}", lambda s, d=dtype, m=model: strategies.model_cases(
+            rows.append((f"{MODEL.name} {model} {dtype}", lambda s, d=dtype, m=model: model_cases(
                 s, dtypes=(d,)).filter(lambda c, m=m: c["model"] == m)))
     return rows
-
-
-def _unjudged():
-    """Budgets and excess limits switched off while measuring (restored afterwards)."""
-    saved = (dict(budgets.BUDGETS), dict(excess.RULES))
-    for key, b in budgets.BUDGETS.items():
-        budgets.BUDGETS[key] = budgets.Budget(math.inf, b.floor_fraction)
-    for key in excess.RULES:
-        excess.RULES[key] = excess.ExcessRule(math.inf, 0.0)
-    return saved
 
 
 def measure(runner: CaseRunner, strategy, sizes, examples: int, seed: int) -> list[dict]:
@@ -84,7 +77,7 @@ def measure(runner: CaseRunner, strategy, sizes, examples: int, seed: int) -> li
     @given(case=strategy(sizes))
     def property_(case):
         report = runner.run(case)
-        base_case = excess.baseline_case(case)
+        base_case = checks.check_of(case).baseline_case(case)
         reference = {}
         if base_case is not None and not report.problems:
             reference = {c.name: c for c in runner.baseline(base_case).comparisons if c.mode == "ulp"}
@@ -105,7 +98,6 @@ def measure(runner: CaseRunner, strategy, sizes, examples: int, seed: int) -> li
 
 def summary(name: str, pairs: list[dict]) -> dict:
     multi = [p for p in pairs if p["one_rank"] is not None and not p["problems"]]
-    finite = [p for p in pairs if math.isfinite(p["cp"])]
     out = {"row": name, "tensors": len(pairs), "cases": len({p["case"] for p in pairs}),
            "multi_rank_tensors": len(multi), "by_measure": {}}
     for label in MEASURES:
@@ -143,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = parse_world_sizes(args.world_sizes)
     wanted = [w for w in args.rows.split(",") if w]
     rows = [(n, s) for n, s in _rows(args.dtypes.split(",")) if not wanted or any(w in n for w in wanted)]
-    saved = _unjudged()
-    runner = CaseRunner(PoolConfig(world_size=max(sizes), impl=args.impl))
+    # Every error measured, none judged: the judge's own numbers are what is being measured.
+    runner = CaseRunner(PoolConfig(world_size=max(sizes), impl=args.impl), policy=UNJUDGED)
     results, everything = [], {}
     started = time.perf_counter()
     try:
@@ -164,8 +156,6 @@ def main(argv: list[str] | None = None) -> int:
                       f"{m['worst_ratio_tensors']}", flush=True)
     finally:
         runner.close()
-        budgets.BUDGETS.update(saved[0])
-        excess.RULES.update(saved[1])
     print(f"{time.perf_counter() - started:.0f} s, {runner.baseline_runs} one-rank runs", file=sys.stderr)
     if args.json_path:
         with open(args.json_path, "w") as f:

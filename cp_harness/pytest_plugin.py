@@ -124,15 +124,18 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.load_profile("ci")
         profile = "ci"
     sizes = _world_sizes(config)
-    strategies.configure_world_sizes(sizes, favour_small=profile == "ci")
+    impls: tuple[str, ...] = ()
     if cp_run:
         # Ranks and in-process checks must judge the same module (xdist workers inherit it too).
         selection = selected_impl_name(config.getoption("--cp-impl"))
         try:
-            strategies.configure_impls(impl_names(selection))
+            impls = tuple(impl_names(selection))
         except ValueError as exc:
             raise pytest.UsageError(f"--cp-impl: {exc}") from exc
         os.environ["CP_IMPL"] = selection
+    # The session's case space, set once before any test module builds its strategies (like a profile).
+    strategies.use_session_space(strategies.CaseSpace(world_sizes=tuple(sizes), impls=impls,
+                                                      favour_small=profile == "ci"))
     if config.getoption("--cp-backend") == "nccl":
         _configure_gpus(config, max(sizes))
 

@@ -23,7 +23,8 @@ from typing import Any, Iterable, Iterator
 from cp_harness import checks
 from cp_harness.judging import excess
 from cp_harness.cases.descriptions import canonical, case_id, payload_dtype
-from cp_harness.checks import CaseReport
+from cp_harness.judging.policy import STRICT, JudgingPolicy
+from cp_harness.judging.verdicts import CaseReport
 from cp_harness.cases.implementation import case_impl, primary_impl
 from cp_harness.ranks.pool import PoolConfig, RankFailure, RankPool, Ticket
 
@@ -61,7 +62,7 @@ def verdict_text(report: CaseReport, impl: str, *, backend: str = "gloo", error_
 
 
 def _baseline_of(case: dict) -> dict | None:
-    return excess.baseline_case(case)
+    return checks.check_of(case).baseline_case(case)
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,9 +81,10 @@ class _Job:
 class CaseRunner:
     """Runs cases on a warm pool and remembers what ran (``counts``: examples per world size)."""
 
-    def __init__(self, config: PoolConfig, *, pool: RankPool | None = None):
+    def __init__(self, config: PoolConfig, *, pool: RankPool | None = None, policy: JudgingPolicy = STRICT):
         """``pool``: run on another runner's warm pool (its ranks, this runner's own counters); ``close``
-        then leaves that pool running for its owner."""
+        then leaves that pool running for its owner. ``policy``: how arithmetic is judged."""
+        self.policy = policy
         self.config = pool.config if pool is not None else config
         self.pool = pool if pool is not None else RankPool(config)
         self._owns_pool = pool is None
@@ -168,7 +170,7 @@ class CaseRunner:
         It is counted in ``baseline_runs`` when it is used (``baseline``), as a sequential run would count it:
         a case whose report fails before the excess judge never asks for it.
         """
-        base = excess.baseline_case(case)
+        base = _baseline_of(case)
         if base is None:
             return
         key = canonical(base)
@@ -215,7 +217,7 @@ class CaseRunner:
             else:
                 if job.expect_error is not None:
                     raise job.expect_error
-                report = checks.evaluate(case, outputs, job.expected)
+                report = checks.evaluate(case, outputs, job.expected, policy=self.policy)
             finally:
                 self.baseline_runs += 1
             if len(self._baselines) >= self.BASELINE_CACHE:
@@ -225,7 +227,7 @@ class CaseRunner:
 
     def judge_excess(self, report: CaseReport, *, timeout: float | None = None) -> None:
         """Judge an arithmetic multi-rank report against its one-rank baseline (``cp_harness.judging.excess``)."""
-        base_case = excess.baseline_case(report.case)
+        base_case = _baseline_of(report.case)
         if base_case is None or report.problems or not any(c.mode == "ulp" for c in report.comparisons):
             return
         base = self.baseline(base_case, timeout=timeout)
@@ -233,7 +235,7 @@ class CaseRunner:
             report.problems.append("the one-rank baseline of this case (same implementation, world_size 1) failed: "
                                    + base.problems[0])
             return
-        excess.apply(report, base)
+        excess.apply(report, base, self.policy.excess_rule(report.case.get("dtype", "float64")))
 
     def _judge(self, job: _Job, *, timeout: float | None, excess: bool = True) -> CaseReport:
         """Collect and evaluate a submitted case; its oracle (and its baseline's) runs first, while the ranks work."""
@@ -253,7 +255,7 @@ class CaseRunner:
         if job.expect_error is not None:
             raise job.expect_error
         started = time.perf_counter()
-        report = checks.evaluate(job.case, outputs, job.expected)
+        report = checks.evaluate(job.case, outputs, job.expected, policy=self.policy)
         compared = time.perf_counter()
         if excess:
             self.judge_excess(report, timeout=timeout)
@@ -323,7 +325,7 @@ class CaseRunner:
     def sharing_pool(self) -> "CaseRunner":
         """A runner with its own counters on this runner's pool (the harness's own tests judge deliberately
         broken modules on the session's ranks without counting them as examples of the gate)."""
-        return CaseRunner(self.config, pool=self.pool)
+        return CaseRunner(self.config, pool=self.pool, policy=self.policy)
 
     def close(self) -> None:
         if self._owns_pool:

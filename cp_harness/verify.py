@@ -34,10 +34,12 @@ from typing import Any, Callable
 from hypothesis import HealthCheck, Phase, example, given, seed as hypothesis_seed, settings
 from hypothesis import strategies as st
 
-from cp_harness.judging import comm_minimum
-from cp_harness.instruments import coverage
-from cp_harness.cases import strategies
+from cp_harness import checks
 from cp_harness.cases.descriptions import canonical, payload_dtype
+from cp_harness.cases.strategies import FLOAT_DTYPES, VALUE_DTYPES, CaseSpace
+from cp_harness.instruments import coverage
+from cp_harness.judging import comm_minimum
+from cp_harness.judging.render import condensed_text
 from cp_harness.judging.error_maps import error_map_dir, write_error_maps
 from cp_harness.ranks.pool import PoolConfig, RankPool
 from cp_harness.runner import CaseRunner, repro_command
@@ -48,7 +50,7 @@ class Row:
     """One line of the report."""
 
     name: str
-    strategy: Callable[[tuple[int, ...]], st.SearchStrategy[dict]]
+    strategy: Callable[[CaseSpace], st.SearchStrategy[dict]]
     functions: tuple[str, ...] = ()  # the documented functions this row claims to exercise (each must run)
     dtypes: tuple[str, ...] = ()  # payload dtypes its cases may draw (``()``: none, layouts and positions)
     explicit: tuple[dict, ...] = ()  # cases run before the generated ones (the claims' witnesses, regressions)
@@ -102,70 +104,16 @@ class Row:
         return data
 
 
-def _gathers(check: str):
-    def make(sizes):
-        return strategies.gather_cases(sizes, check=check)
-    return make
-
-
-# Witnesses that the rows' claims are exercised whatever Hypothesis draws: a packed batch whose EOS equals the pad id
-# (inkling2.unpack_row_layout is called on it), the packed hook called directly, an image across a shard boundary.
-_INKLING2_PACKED = {"check": "inkling2_layout", "world_size": 2, "seed": 1, "model": "inkling2", "num_chunks": 1,
-                    "batch": {"format": "thd", "seq_len": 9, "docs": [[[3, 4], [4, 4]], [[2, 2], [5, 6]]],
-                              "eos_is_pad": True}}
-_MISTRAL_DIRECT_PACKED = {"check": "mistral_large4_layout", "world_size": 3, "seed": 2, "model": "mistral_large4",
-                          "num_chunks": 1, "shard_primary": True, "direct_packed": True,
-                          "batch": {"format": "thd", "seq_len": 8, "docs": [[[3, 3], [4, 5]]], "eos_is_pad": True}}
-_MISTRAL_BSHD = {"check": "mistral_large4_layout", "world_size": 2, "seed": 3, "model": "mistral_large4", "num_chunks": 1,
-                 "shard_primary": False, "batch": {"format": "bshd", "seq_len": 7, "rows": [[2, 5], [0, 7]]}}
-
-_SHARDER = ("sharder.shard", "sharder.shard_token_tensor", "sharder.local_token_global_indices")
-_INKLING2_MODEL = ("inkling2.prepare_cp_inputs", "inkling2.gather_sequence", *_SHARDER)
-_MISTRAL_MODEL = ("mistral_large4.prepare_cp_inputs", "mistral_large4.gather_tokens", *_SHARDER)
-
-
-_PAYLOADS = strategies.FLOAT_DTYPES + strategies.VALUE_DTYPES
-
-
 def default_rows() -> list[Row]:
-    """The report's rows: every documented function (grouped as they are called), the sharder, both models
-    (float64, and bfloat16 end to end: parameters, activations, gradients).
+    """The report's rows, as the checks declare them (``Check.rows``), in their table order: every documented
+    function (grouped as they are called), the sharder, both models (float64, and bfloat16 end to end:
+    parameters, activations, gradients).
 
     Each row's ``functions`` are claims: ``verify`` fails a row whose cases never called one of them through
     the documented API (``cp_harness.instruments.coverage``).
     """
-    floats = strategies.FLOAT_DTYPES
-    return [
-        Row("inkling2.gather_sequence", _gathers("gather_sequence"), ("inkling2.gather_sequence",), _PAYLOADS),
-        Row("inkling2.convolution_history", lambda s: strategies.history_cases(s), ("inkling2.convolution_history",),
-            _PAYLOADS),
-        Row("inkling2.prepare_cp_inputs + unpack_row_layout",
-            lambda s: strategies.layout_cases(s).filter(lambda c: c["model"] == "inkling2"),
-            ("inkling2.prepare_cp_inputs", "inkling2.unpack_row_layout", *_SHARDER), explicit=(_INKLING2_PACKED,)),
-        Row("inkling2.validate_document_positions", lambda s: strategies.position_cases(s),
-            ("inkling2.validate_document_positions",)),
-        Row("mistral_large4.gather_tokens", _gathers("gather_tokens"), ("mistral_large4.gather_tokens",), _PAYLOADS),
-        Row("mistral_large4.prepare_cp_inputs (BSHD/THD)",
-            lambda s: strategies.layout_cases(s).filter(lambda c: c["model"] == "mistral_large4"),
-            ("mistral_large4.prepare_cp_inputs", "mistral_large4.prepare_packed_cp_inputs", *_SHARDER),
-            explicit=(_MISTRAL_DIRECT_PACKED, _MISTRAL_BSHD)),
-        Row("mistral_large4.shifted_cp_loss", lambda s: strategies.loss_cases(s), ("mistral_large4.shifted_cp_loss",),
-            floats),
-        Row("sharder.shard_token_tensor + gather_token_tensor", lambda s: strategies.sharder_cases(s),
-            (*_SHARDER, "sharder.gather_token_tensor"), _PAYLOADS),
-        Row("model: Inkling2-mini (float64)",
-            lambda s: strategies.model_cases(s, dtypes=("float64",)).filter(lambda c: c["model"] == "inkling2"),
-            _INKLING2_MODEL, ("float64",)),
-        Row("model: MistralLarge4-mini (float64)",
-            lambda s: strategies.model_cases(s, dtypes=("float64",)).filter(lambda c: c["model"] == "mistral_large4"),
-            _MISTRAL_MODEL, ("float64",)),
-        Row("model: Inkling2-mini (bfloat16)",
-            lambda s: strategies.model_cases(s, dtypes=("bfloat16",)).filter(lambda c: c["model"] == "inkling2"),
-            _INKLING2_MODEL, ("bfloat16",)),
-        Row("model: MistralLarge4-mini (bfloat16)",
-            lambda s: strategies.model_cases(s, dtypes=("bfloat16",)).filter(lambda c: c["model"] == "mistral_large4"),
-            _MISTRAL_MODEL, ("bfloat16",)),
-    ]
+    declared = sorted((r for check in checks.load_checks().values() for r in check.rows), key=lambda r: r.position)
+    return [Row(r.label, r.cases, r.functions, r.dtypes, r.explicit) for r in declared]
 
 
 def select_rows(rows: list[Row], *, dtypes: tuple[str, ...] | None = None, names: tuple[str, ...] = ()) -> list[Row]:
@@ -215,7 +163,7 @@ class Progress:
             self.stream.flush()
 
 
-def _run_row(row: Row, runner: CaseRunner, sizes, examples: int, seed: int, progress: Progress,
+def _run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed: int, progress: Progress,
              backend: str, error_dir: str | None, shrink_seconds: float) -> None:
     failing: dict[str, Any] = {}  # canonical case -> its report, for every case seen failing
     last_failure: dict[str, Any] = {}
@@ -225,7 +173,7 @@ def _run_row(row: Row, runner: CaseRunner, sizes, examples: int, seed: int, prog
               suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate, Phase.shrink],
               report_multiple_bugs=False)
     @hypothesis_seed(seed)
-    @given(case=row.strategy(sizes))
+    @given(case=row.strategy(space))
     def property_(case):
         key = canonical(case)
         report = failing.get(key)  # seen failing already (e.g. Hypothesis' final replay): not run again
@@ -239,7 +187,7 @@ def _run_row(row: Row, runner: CaseRunner, sizes, examples: int, seed: int, prog
             dtype = payload_dtype(case)
             row.examples_by_dtype[dtype] = row.examples_by_dtype.get(dtype, 0) + 1
             progress.step(row.name if not shrink_started else f"{row.name}: shrinking a failure")
-            moved, minimum = comm_minimum.moved_and_minimum(case, report)
+            moved, minimum = comm_minimum.moved_and_minimum(report, checks.check_of(case).least_communication(case))
             if moved is None:
                 row.unaccounted_ops = sorted(set(row.unaccounted_ops) | set(comm_minimum.unaccounted_ops(report)))
             else:
@@ -263,7 +211,7 @@ def _run_row(row: Row, runner: CaseRunner, sizes, examples: int, seed: int, prog
         raise AssertionError(report.format())  # one raise site: Hypothesis tells failures apart by where they rise
 
     for case in row.explicit:
-        if int(case["world_size"]) <= max(sizes):
+        if int(case["world_size"]) <= max(space.world_sizes):
             property_ = example(case=case)(property_)
     try:
         property_()
@@ -291,30 +239,6 @@ def _run_row(row: Row, runner: CaseRunner, sizes, examples: int, seed: int, prog
         if last_failure:
             row.failing_case = last_failure["case"]
             row.reproduce = repro_command(last_failure["case"], runner.impl, backend)
-
-
-def condensed_failure(report, max_tensors: int = 4, max_also: int = 2) -> str:
-    """A failing report in a few lines: problems, the first failing tensors (with a couple of elements each), the rest by name."""
-    lines = [f"  PROBLEM: {p.splitlines()[0] if p else p}" for p in report.problems]
-    extra_problem_lines = sum(len(p.splitlines()) - 1 for p in report.problems)
-    if extra_problem_lines:
-        lines.append(f"  ({extra_problem_lines} more lines of traceback in the JSON report / run-case output)")
-    failures = report.failures()
-    for comp in failures[:max_tensors]:
-        lines.append(f"  FAIL {comp.summary()}")
-        for entry in comp.first_mismatches[1:1 + max_also]:
-            where = ""
-            if "owning_rank" in entry:
-                where = f" (row {entry['row']}, position {entry['position']}, rank {entry['owning_rank']})"
-            lines.append(f"       also index {entry['index']}: actual {entry['actual']!r}, "
-                         f"expected {entry['expected']!r}{where}")
-    if len(failures) > max_tensors:
-        rest = [c.name for c in failures[max_tensors:]]
-        lines.append(f"  ... and {len(rest)} more failing tensors: {', '.join(rest)}")
-    passed = [c.name for c in report.comparisons if c.ok]
-    if passed:
-        lines.append(f"  passed: {', '.join(passed)}")
-    return "\n".join(lines)
 
 
 TABLE_HEADER = ("function / model", "examples", "passed", "max ULP", "CP excess", "comm moved/min")
@@ -409,7 +333,7 @@ def _naming_impl(row: Row, impl: str) -> Row:
     def name(case: dict) -> dict:
         return case if "impl" in case else {**case, "impl": primary}
 
-    return dataclasses.replace(row, strategy=lambda sizes: row.strategy(sizes).map(name),
+    return dataclasses.replace(row, strategy=lambda space: row.strategy(space).map(name),
                                explicit=tuple(name(c) for c in row.explicit))
 
 
@@ -447,8 +371,6 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
         print(f"cp_harness verify: cannot run: no row matches --dtypes {dtypes} / --rows {list(row_names)}",
               file=sys.stderr)
         return 2
-    if dtypes is not None:
-        strategies.configure_dtypes(tuple(d for d in dtypes if d != "layout") or strategies.FLOAT_DTYPES)
     ranks = max(world_sizes)
     if pool is not None and pool.config.world_size < ranks:
         print(f"cp_harness verify: cannot run: the given pool has {pool.config.world_size} ranks, "
@@ -460,8 +382,8 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
         return 2
     from cp_harness.cases.implementation import impl_names
 
-    previous_impls = strategies.active_impls()
-    strategies.configure_impls(impl_names(impl))
+    drawn = (tuple(d for d in dtypes if d != "layout") or FLOAT_DTYPES) if dtypes is not None else FLOAT_DTYPES + VALUE_DTYPES
+    space = CaseSpace(world_sizes=tuple(world_sizes), dtypes=drawn, impls=impl_names(impl))
     if pool is None:
         runner = CaseRunner(PoolConfig(world_size=ranks, backend=backend, impl=impl, launcher=launcher))
     else:  # the pool's own selection stays; every case names its implementation
@@ -479,13 +401,10 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
         progress.note(f"cp_harness verify: pool up in {time.perf_counter() - started:.1f} s; "
                       f"{examples} examples per row, {len(rows)} rows")
         for row in rows:
-            _run_row(row, runner, world_sizes, examples, seed, progress, backend, error_dir, shrink_seconds)
+            _run_row(row, runner, space, examples, seed, progress, backend, error_dir, shrink_seconds)
     finally:
         progress.finish()
         runner.close()
-        strategies.configure_impls(previous_impls)
-        if dtypes is not None:
-            strategies.configure_dtypes(strategies.FLOAT_DTYPES + strategies.VALUE_DTYPES)
     seconds = time.perf_counter() - started
     print(f"cp_harness verify: implementation {impl!r}, backend {backend}, world sizes {list(world_sizes)}, "
           f"seed {seed}, {examples} examples per row", file=stream)
@@ -501,7 +420,7 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
         print(f"\nFAILED {row.name}", file=stream)
         if row.failing_case is not None:
             print(f"  case: {canonical(row.failing_case)}\n  reproduce: {row.reproduce}", file=stream)
-        print(condensed_failure(row.failing_report) if row.failing_report is not None else row.failure, file=stream)
+        print(condensed_text(row.failing_report) if row.failing_report is not None else row.failure, file=stream)
         for path in row.error_maps:
             print(f"  error map: {path}", file=stream)
     unattributed = [f"{r.name} ({', '.join(r.unaccounted_ops)})" for r in rows if r.unaccounted_ops]

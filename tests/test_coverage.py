@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 
 from cp_harness.instruments import coverage
-from cp_harness.cases import strategies
+from cp_harness.checks.transport import gather_cases
 from cp_harness.cases.implementation import load_impl
 from cp_harness.verify import Progress, Row, _run_row
 
@@ -40,7 +40,7 @@ def test_claims_with_wildcards():
 
 def test_a_row_that_never_calls_a_claimed_function_fails(cp_runner, tmp_path):
     row = Row("gathers claiming unpack_row_layout",
-              lambda sizes: strategies.gather_cases(sizes).filter(lambda c: c["check"] == "gather_sequence"),
+              lambda sizes: gather_cases(sizes).filter(lambda c: c["check"] == "gather_sequence"),
               ("inkling2.gather_sequence", "inkling2.unpack_row_layout"))
     _run_row(row, cp_runner, (1, 2), 3, 0, Progress(3, stream=io.StringIO()), "gloo", str(tmp_path), 3.0)
     assert row.passed == row.examples == 3  # every case passed its comparisons ...

@@ -20,13 +20,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cp_harness import checks
 from cp_harness.judging import excess
 from cp_harness.cases.descriptions import EPS, accumulate, upstream_values
-from cp_harness.checks import CaseReport
+from cp_harness.judging.verdicts import CaseReport
 from cp_harness.checks.loss import loss_inputs
 from cp_harness.judging.compare import TokenGrid, compare
+from cp_harness.judging.policy import ExcessRule
 
-RULE = excess.ExcessRule(limit=2.0, floor=2.0)
+RULE = ExcessRule(limit=2.0, floor=2.0)
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:
@@ -101,13 +103,14 @@ def test_a_ranks_own_loss_has_no_one_rank_counterpart():
 
 def test_the_one_rank_case_is_the_same_description_on_one_rank():
     case = {"check": "model", "world_size": 4, "mesh": "mesh", "seed": 3, "dtype": "bfloat16", "num_chunks": 2}
-    assert excess.baseline_case(case) == {"check": "model", "world_size": 1, "seed": 3, "dtype": "bfloat16",
+    assert checks.check_of(case).baseline_case(case) == {"check": "model", "world_size": 1, "seed": 3, "dtype": "bfloat16",
                                           "num_chunks": 2}
-    assert excess.baseline_case(dict(case, world_size=1)) is None
-    assert excess.baseline_case({"check": "gather_tokens", "world_size": 4}) is None
+    assert checks.check_of(case).baseline_case(dict(case, world_size=1)) is None
+    tokens = {"check": "gather_tokens", "world_size": 4}
+    assert checks.check_of(tokens).baseline_case(tokens) is None
     loss = {"check": "shifted_cp_loss", "world_size": 3, "seed": 5, "model": "mistral_large4", "dtype": "bfloat16",
             "vocab": 7, "batch": {"format": "bshd", "seq_len": 7, "rows": [[1, 5], [0, 7]]}}
-    one = excess.baseline_case(loss)
+    one = checks.check_of(loss).baseline_case(loss)
     assert one["world_size"] == 1 and one["pad_multiple"] == 3
     logits, labels, keep, _ = loss_inputs(loss)
     logits1, labels1, keep1, _ = loss_inputs(one)

@@ -18,9 +18,12 @@ import collections
 import json
 
 import expecttest
+import numpy as np
 import pytest
+import torch
 
-from cp_harness import golden
+from cp_harness import checks, golden
+from cp_harness.checks.transport import upstream_gradient
 from cp_harness import run_summary as stats
 from cp_harness.cases.descriptions import PATCH_SIZE, canonical, padded_length
 from oracle.models import Inkling2Config
@@ -83,6 +86,21 @@ def test_golden_folder_holds_exactly_the_canonical_cases(request, update_log):
         return
     stale = golden.stale_folders()
     assert not stale, f"golden folders {stale} are not in cp_harness.golden.CASES; regenerate with: {golden.REGENERATE}"
+
+
+def test_golden_oracle_is_the_checks_own_oracle():
+    """One oracle: a golden file holds what the check's own ``expect`` computes. In bfloat16 the gradient of a
+    gather is the float32 sum of every rank's contribution rounded once (the contract); a running bfloat16 sum
+    (what a second, hand-written golden extraction once did) rounds differently on this case."""
+    name = "gather_sequence-n3-bfloat16"
+    case = golden.CASES[name]
+    expected = checks.expect(case)
+    assert np.array_equal(golden.oracle_arrays(case)["expected_grad"], checks.to_numpy(expected["total"]))
+    assert np.array_equal(golden.load(name).oracle["expected_grad"], checks.to_numpy(expected["total"]))
+    shape = (1, 2 * int(case["world_size"]), 3)
+    running = sum(upstream_gradient(case, r, shape) for r in range(int(case["world_size"])))
+    assert running.dtype == torch.bfloat16
+    assert not np.array_equal(checks.to_numpy(running), golden.oracle_arrays(case)["expected_grad"])
 
 
 def _image_positions(case: dict) -> list[tuple[int, int]]:

@@ -1,14 +1,18 @@
 """Hypothesis strategies for CP cases.
 
-Small composable pieces: layouts (packed THD rows, padded BSHD rows), images
-placed on real tokens, and one ``*_cases`` strategy per check that yields a
-complete case description (see ``cp_harness.cases.descriptions``). The tensors themselves
-are not drawn here: each case carries a seed and is rebuilt deterministically
-on every rank, so what Hypothesis shrinks is the structure (lengths, layout,
-CP size), which is what CP bugs depend on.
+Small composable families: the case space (``CaseSpace``: CP sizes, dtypes,
+implementations, passed to every strategy or read from the session's), payload
+dtypes, layouts (packed THD rows, padded BSHD rows) and images placed on real
+tokens. Each check's own strategy, which yields a complete case description
+(``cp_harness.cases.descriptions``), lives in the check's module and is built
+from these. The tensors themselves are not drawn: each case carries a seed and
+is rebuilt deterministically on every rank, so what Hypothesis shrinks is the
+structure (lengths, layout, CP size), which is what CP bugs depend on.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from hypothesis import strategies as st
 
@@ -16,44 +20,94 @@ from cp_harness.cases.descriptions import PATCH_SIZE, spec_layout
 
 DEFAULT_WORLD_SIZES = (1, 2, 3, 4, 8)
 seeds = st.integers(min_value=0, max_value=2**31 - 1)
-_active_world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES
 
 # Floating dtypes (payloads, logits, models) and the integer/bool payloads of data-movement checks.
 FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
 VALUE_DTYPES = ("int64", "bool")
 ALL_DTYPES = FLOAT_DTYPES + VALUE_DTYPES + ("int32",)
-_active_dtypes: tuple[str, ...] = FLOAT_DTYPES + VALUE_DTYPES
+
+# The ci profile draws CP sizes above this half as often as the others: on 2 cores a case of 8 ranks costs
+# 5-7 times one of 2 (every collective waits for 8 processes to be scheduled), and the 1,2,3,4 cases exercise
+# the same shard boundaries; the nightly and dev profiles draw every size equally.
+CI_FULL_WEIGHT_MAX_SIZE = 4
 
 
-def configure_dtypes(names) -> None:
-    """Restrict the dtypes strategies draw (``verify --dtypes``); default: every float dtype, int64 and bool."""
-    global _active_dtypes
-    unknown = sorted(set(names) - set(ALL_DTYPES))
-    if unknown or not names:
-        raise ValueError(f"dtypes {unknown or list(names)}: choose among {list(ALL_DTYPES)}")
-    _active_dtypes = tuple(names)
+@dataclasses.dataclass(frozen=True)
+class CaseSpace:
+    """Where cases are drawn from: CP sizes, payload dtypes, implementations.
+
+    ``favour_small`` (the ci profile): sizes up to ``CI_FULL_WEIGHT_MAX_SIZE`` are drawn twice as often as
+    larger ones (every size is still drawn; shrinking still goes towards the first). ``impls``: with more
+    than one, every case that goes through a sharder draws one into its ``"impl"`` key.
+    """
+
+    world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES
+    dtypes: tuple[str, ...] = FLOAT_DTYPES + VALUE_DTYPES
+    impls: tuple[str, ...] = ()
+    favour_small: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.dtypes) - set(ALL_DTYPES))
+        if unknown or not self.dtypes:
+            raise ValueError(f"dtypes {unknown or list(self.dtypes)}: choose among {list(ALL_DTYPES)}")
+        if not self.world_sizes or any(int(n) < 1 for n in self.world_sizes):
+            raise ValueError(f"world sizes {list(self.world_sizes)}: give positive CP sizes")
+
+    @property
+    def size_draws(self) -> tuple[int, ...]:
+        """The sizes as drawn: a size listed twice is drawn twice as often."""
+        if self.favour_small and any(n <= CI_FULL_WEIGHT_MAX_SIZE for n in self.world_sizes):
+            return tuple(n for n in self.world_sizes for _ in range(2 if n <= CI_FULL_WEIGHT_MAX_SIZE else 1))
+        return tuple(self.world_sizes)
 
 
-def float_dtypes(allowed=FLOAT_DTYPES) -> st.SearchStrategy[str]:
-    """A floating dtype among ``allowed`` and the configured ones (all four by default, equally likely)."""
+_session_space = CaseSpace()
+
+
+def use_session_space(space: CaseSpace) -> None:
+    """The space of a whole pytest session (the plugin sets it once, from its options and the profile, before
+    any test module is imported). Strategies given no space read it when they draw."""
+    global _session_space
+    _session_space = space
+
+
+def session_space() -> CaseSpace:
+    return _session_space
+
+
+def as_space(space) -> CaseSpace | None:
+    """``None`` (the session's, read when drawn), a ``CaseSpace``, or a sequence of CP sizes (the session's
+    dtypes and implementations with these sizes)."""
+    if space is None or isinstance(space, CaseSpace):
+        return space
+    return dataclasses.replace(_session_space, world_sizes=tuple(space), favour_small=False)
+
+
+def _resolved(space: CaseSpace | None) -> CaseSpace:
+    return space if space is not None else _session_space
+
+
+def float_dtypes(allowed=FLOAT_DTYPES, space: CaseSpace | None = None) -> st.SearchStrategy[str]:
+    """A floating dtype among ``allowed`` and the space's (all four by default, equally likely)."""
     def pick():
-        chosen = tuple(d for d in allowed if d in _active_dtypes)
+        chosen = tuple(d for d in allowed if d in _resolved(space).dtypes)
         return st.sampled_from(chosen) if chosen else st.nothing()
     return st.deferred(pick)
 
 
-def payload_dtypes() -> st.SearchStrategy[str]:
+def payload_dtypes(space: CaseSpace | None = None) -> st.SearchStrategy[str]:
     """A data-movement payload: a float dtype two times in three, else an integer or bool payload."""
     def pick():
-        floats = tuple(d for d in FLOAT_DTYPES if d in _active_dtypes)
-        others = tuple(d for d in _active_dtypes if d not in FLOAT_DTYPES)
+        dtypes = _resolved(space).dtypes
+        floats = tuple(d for d in FLOAT_DTYPES if d in dtypes)
+        others = tuple(d for d in dtypes if d not in FLOAT_DTYPES)
         if floats and others:
             return st.one_of(st.sampled_from(floats), st.sampled_from(floats), st.sampled_from(others))
         return st.sampled_from(floats or others)
     return st.deferred(pick)
 
 
-def _payload(case: dict, name: str) -> dict:
+def with_payload(case: dict, name: str) -> dict:
     """Write a drawn payload dtype into a case: ``dtype`` for a float, else ``value_dtype`` (``dtype`` stays float64)."""
     if name in FLOAT_DTYPES:
         case["dtype"] = name
@@ -62,56 +116,20 @@ def _payload(case: dict, name: str) -> dict:
     return case
 
 
-_size_draws: tuple[int, ...] = DEFAULT_WORLD_SIZES  # the sizes as drawn: a size listed twice is drawn twice as often
-
-# The ci profile draws CP sizes above this half as often as the others: on 2 cores a case of 8 ranks costs
-# 5-7 times one of 2 (every collective waits for 8 processes to be scheduled), and the 1,2,3,4 cases exercise
-# the same shard boundaries; the nightly and dev profiles draw every size equally.
-CI_FULL_WEIGHT_MAX_SIZE = 4
-
-
-def configure_world_sizes(sizes, *, favour_small: bool = False) -> None:
-    """Set the CP sizes that strategies draw from when none are passed (the plugin's ``--cp-world-sizes``).
-
-    ``favour_small`` (the ci profile): sizes up to ``CI_FULL_WEIGHT_MAX_SIZE`` are drawn twice as often as
-    larger ones (every size is still drawn; shrinking still goes towards the first).
-    """
-    global _active_world_sizes, _size_draws
-    _active_world_sizes = tuple(sizes)
-    if favour_small and any(n <= CI_FULL_WEIGHT_MAX_SIZE for n in sizes):
-        _size_draws = tuple(n for n in sizes for _ in range(2 if n <= CI_FULL_WEIGHT_MAX_SIZE else 1))
-    else:
-        _size_draws = _active_world_sizes
-
-
-_active_impls: tuple[str, ...] = ()
-
-
-def configure_impls(names) -> None:
-    """Set the implementations a run judges (the plugin's ``--cp-impl a,b``); with more than one, every case
-    that goes through a sharder draws one of them into its ``"impl"`` key (shrinking towards the first)."""
-    global _active_impls
-    _active_impls = tuple(names)
-
-
-def active_impls() -> tuple[str, ...]:
-    """The implementations ``configure_impls`` set (to restore them after a run that changed them)."""
-    return _active_impls
-
-
 @st.composite
-def with_impl(draw, case: dict) -> dict:
-    """``case`` with an ``"impl"`` drawn from the configured implementations (unchanged when one is judged)."""
-    if len(_active_impls) > 1:
-        case = {**case, "impl": draw(st.sampled_from(_active_impls))}
+def with_impl(draw, case: dict, space: CaseSpace | None = None) -> dict:
+    """``case`` with an ``"impl"`` drawn from the space's implementations (unchanged when one is judged)."""
+    impls = _resolved(space).impls
+    if len(impls) > 1:
+        case = {**case, "impl": draw(st.sampled_from(impls))}
     return case
 
 
-def world_sizes(allowed=None) -> st.SearchStrategy[int]:
-    """A CP size from ``allowed`` (default: the configured sizes, read when drawn)."""
-    if allowed is not None:
-        return st.sampled_from(tuple(allowed))
-    return st.deferred(lambda: st.sampled_from(_size_draws))
+def world_sizes(space: CaseSpace | None = None) -> st.SearchStrategy[int]:
+    """A CP size of ``space`` (default: the session's, read when drawn)."""
+    if space is not None:
+        return st.sampled_from(space.size_draws)
+    return st.deferred(lambda: st.sampled_from(_session_space.size_draws))
 
 
 @st.composite
@@ -275,120 +293,3 @@ def mistral_image(draw, spec: dict, cp_size: int | None = None) -> dict:
     if first < n:
         spans.append([row, start + offset + first, n - first])
     return dict(spec, images={"height": h, "width": w, "spans": spans})
-
-
-# ------------------------------------------------------------------------ per-check cases
-@st.composite
-def gather_cases(draw, allowed_sizes=None, check: str | None = None) -> dict:
-    """``gather_sequence`` / ``gather_tokens`` cases, every float dtype and integer/bool payloads, mesh or ``None``."""
-    n = draw(world_sizes(allowed_sizes))
-    check = check or draw(st.sampled_from(("gather_sequence", "gather_tokens")))
-    payload = draw(payload_dtypes())
-    local = draw(st.integers(min_value=1, max_value=5))
-    rest = draw(st.lists(st.integers(min_value=1, max_value=3), min_size=0, max_size=2))
-    shape = [draw(st.integers(min_value=1, max_value=3)), local, *rest] if check == "gather_sequence" else [local, *rest]
-    case = _payload({"check": check, "world_size": n, "seed": draw(seeds)}, payload)
-    case["shape"] = shape
-    case["differentiable"] = draw(st.booleans()) if payload in FLOAT_DTYPES else False
-    if n == 1 and draw(st.booleans()):
-        case["mesh"] = "none"
-    return case
-
-
-@st.composite
-def history_cases(draw, allowed_sizes=None) -> dict:
-    """``convolution_history`` cases (every float dtype, integer and bool payloads), widths whose history is
-    often longer than a shard."""
-    n = draw(world_sizes(allowed_sizes))
-    local = draw(st.integers(min_value=1, max_value=4))
-    width = draw(st.integers(min_value=1, max_value=3 * local + 2))
-    case = _payload({"check": "convolution_history", "world_size": n, "seed": draw(seeds)}, draw(payload_dtypes()))
-    case.update({
-            "shape": [draw(st.integers(min_value=1, max_value=2)), local, draw(st.integers(min_value=1, max_value=3))],
-            "width": width})
-    if n == 1 and draw(st.booleans()):
-        case["mesh"] = "none"
-    return case
-
-
-@st.composite
-def loss_cases(draw, allowed_sizes=None) -> dict:
-    n = draw(world_sizes(allowed_sizes))
-    return {"check": "shifted_cp_loss", "world_size": n, "seed": draw(seeds), "model": "mistral_large4",
-            "dtype": draw(float_dtypes()), "vocab": draw(st.integers(min_value=2, max_value=13)),
-            "batch": draw(with_extras(layouts(min_len=2, max_len=24)))}
-
-
-@st.composite
-def layout_cases(draw, allowed_sizes=None) -> dict:
-    """Sharded-layout cases for either model, ``num_chunks`` > 1 and ``shard_primary`` both ways."""
-    n = draw(world_sizes(allowed_sizes))
-    model = draw(st.sampled_from(("inkling2", "mistral_large4")))
-    if model == "mistral_large4" and draw(st.booleans()):
-        chunks = draw(st.integers(min_value=1, max_value=3))
-        spec = draw(packed_layout(max_len=30, rows=chunks))
-    else:
-        spec = draw(layouts(max_len=30, max_rows=4))
-        rows = len(spec["docs"] if spec["format"] == "thd" else spec["rows"])
-        chunks = draw(st.sampled_from([d for d in range(1, rows + 1) if rows % d == 0]))
-        if model == "mistral_large4" and spec["format"] == "thd":
-            chunks = rows  # one packed row per micro-batch
-    spec = draw(with_extras(st.just(spec)))
-    spec = draw(inkling2_images(spec, n)) if model == "inkling2" else draw(mistral_image(spec, n))
-    case = {"check": f"{model}_layout", "world_size": n, "seed": draw(seeds), "model": model, "batch": spec,
-            "num_chunks": chunks}
-    if model == "mistral_large4":
-        case["shard_primary"] = draw(st.booleans())
-        if spec["format"] == "thd" and draw(st.booleans()):
-            case["direct_packed"] = True
-    return draw(with_impl(case))
-
-
-@st.composite
-def model_cases(draw, allowed_sizes=None, dtypes=("float64",), max_len: int = 24) -> dict:
-    """End-to-end miniature-model cases (both models, packed and padded rows, images across boundaries)."""
-    n = draw(world_sizes(allowed_sizes))
-    model = draw(st.sampled_from(("inkling2", "mistral_large4")))
-    if model == "mistral_large4" and draw(st.booleans()):
-        chunks = draw(st.integers(min_value=1, max_value=2))
-        spec = draw(packed_layout(min_len=3, max_len=max_len, rows=chunks))
-    else:
-        spec = draw(layouts(min_len=3, max_len=max_len, max_rows=2))
-        rows = len(spec["docs"] if spec["format"] == "thd" else spec["rows"])
-        chunks = rows if (model == "mistral_large4" and spec["format"] == "thd") else draw(
-            st.sampled_from([d for d in range(1, rows + 1) if rows % d == 0]))
-    spec = draw(with_extras(st.just(spec)))
-    spec = draw(inkling2_images(spec, n)) if model == "inkling2" else draw(mistral_image(spec, n))
-    case = {"check": "model", "world_size": n, "seed": draw(seeds), "model": model,
-            "dtype": draw(float_dtypes(tuple(dtypes))), "batch": spec, "num_chunks": chunks}
-    if model == "mistral_large4":
-        case["shard_primary"] = draw(st.booleans())
-    if n == 1 and draw(st.booleans()):
-        case["mesh"] = "none"
-    return draw(with_impl(case))
-
-
-@st.composite
-def sharder_cases(draw, allowed_sizes=None) -> dict:
-    """``shard_token_tensor`` / ``gather_token_tensor`` round trips (sequence not a multiple of N included)."""
-    n = draw(world_sizes(allowed_sizes))
-    case = {"check": "sharder_roundtrip", "world_size": n, "seed": draw(seeds),
-            **_payload({}, draw(payload_dtypes())),
-            "shape": [draw(st.integers(min_value=1, max_value=3)), draw(st.integers(min_value=1, max_value=19)),
-                      draw(st.integers(min_value=1, max_value=3))]}
-    if n == 1 and draw(st.booleans()):
-        case["mesh"] = "none"
-    return draw(with_impl(case))
-
-
-@st.composite
-def position_cases(draw, allowed_sizes=None) -> dict:
-    """``validate_document_positions`` cases: a layout's positions, valid or corrupted in one place."""
-    kind = draw(st.sampled_from(("none", "offset_start", "negative", "jump", "resume")))
-    spec = draw(layouts(min_len=1, max_len=24, max_rows=3))
-    case = {"check": "validate_document_positions", "world_size": draw(world_sizes(allowed_sizes)),
-            "seed": draw(seeds), "model": "inkling2", "batch": spec}
-    if kind != "none":
-        case["corruption"] = {"kind": kind, "row": draw(st.integers(min_value=0, max_value=3)),
-                              "nth": draw(st.integers(min_value=0, max_value=7))}
-    return case

@@ -1,23 +1,36 @@
-"""Checks: what a case runs on the ranks and how the test process judges it.
+"""Checks: one module per check, and each check owns everything about itself.
 
-A check has two halves, registered under one name:
+A ``Check`` is registered under one name by its own module, and every other
+unit asks it instead of switching on that name (a check's name appears as a
+string literal only in its module): what runs on the ranks (``rank``), the
+oracle half (``expect``) and the comparison (``evaluate``), whether it is
+exact data movement or arithmetic, its ULP budgets per dtype, its one-rank
+baseline rule, its communication minimum, what its golden files hold, the
+documented functions it claims to cover, its verify rows and named explicit
+examples. A new check is a new file.
 
-- ``rank(case, ctx) -> (info, tensors)`` runs on every rank of the case with
-  the implementation under test (``ctx.impl``) and returns a JSON-able
-  ``info`` dict and named local tensors.
-- ``evaluate(case, outputs) -> CaseReport`` runs in the test process: it
-  rebuilds the global inputs from the case, runs the oracle and compares.
+Modules (every module of this package not starting with ``_`` is a check
+module, loaded with ``pkgutil``):
 
-A check whose oracle costs real time splits its test-process half in two:
-``expect(case) -> expected`` does the oracle work from the case alone (no
-rank output is needed), and ``evaluate(case, outputs, expected)`` compares.
-The runner then computes ``expect`` while the ranks still run the case
-(``CaseRunner.run``, ``CaseRunner.run_many``). ``checks.evaluate(case,
-outputs)`` stays the one entry point for every caller: it computes
-``expect`` itself when it is not given.
+* ``transport`` -- ``gather_sequence``, ``gather_tokens``, ``convolution_history``
+  (bit-exact data movement, forward and backward) and ``sharder_roundtrip``
+  (the sharder's verbs).
+* ``layout`` -- ``inkling2_layout``, ``mistral_large4_layout``: the prepared
+  batch and the layout the sharder reports.
+* ``loss_mask`` -- ``loss_mask_layout``: a loss mask given to the sharder is
+  sharded at the reported index map with its padding value.
+* ``positions`` -- ``validate_document_positions``.
+* ``loss`` -- ``shifted_cp_loss`` against the oracle's shifted cross-entropy.
+* ``models`` -- ``model``: both miniature models end to end, forward and backward.
+* ``malformed`` -- ``malformed``: every entry of the malformed-input catalogue raises a clear error on every rank.
+* ``pool_selftest``, ``meter_selftest``, ``bench_memory`` -- cases that test the
+  harness itself (faults, the communication meter, per-rank memory).
+* ``_token_layout`` -- shared by the checks: rank outputs in global order, the
+  reported layout judged against the contract.
 
-Check modules register themselves on import; every module of this package
-is one (found with ``pkgutil``), so a new check is a new file.
+Flow: ``run_on_rank(case, ctx)`` on every rank; ``expect(case)`` (the oracle,
+from the case alone, while the ranks run) and ``evaluate(case, outputs,
+expected, policy=...)`` in the test process.
 """
 
 from __future__ import annotations
@@ -26,12 +39,14 @@ import contextlib
 import dataclasses
 import importlib
 import pkgutil
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
 
-from cp_harness.judging.compare import TensorComparison, TokenGrid, compare
+from cp_harness.judging.budgets import Budget
+from cp_harness.judging.policy import STRICT, JudgingPolicy
+from cp_harness.judging.verdicts import CaseReport
 
 
 @dataclasses.dataclass
@@ -54,94 +69,106 @@ class RankContext:
         return self.mesh
 
 
-@dataclasses.dataclass
-class CaseReport:
-    """The verdict on one case: every tensor comparison, every problem found, and what moved over the wire."""
+def _no_axis(case: dict, tensor: str) -> int | None:
+    return None
 
-    case: dict
-    comparisons: list[TensorComparison] = dataclasses.field(default_factory=list)
-    problems: list[str] = dataclasses.field(default_factory=list)
-    comm: list[dict] = dataclasses.field(default_factory=list)
-    info: dict = dataclasses.field(default_factory=dict)
-    called: set[str] = dataclasses.field(default_factory=set)  # documented functions some rank called
-    # Where the time went (seconds: ranks, transport, oracle, compare; set by the runner). Not part of the verdict.
-    timing: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
-    @property
-    def ok(self) -> bool:
-        return not self.problems and bool(self.comparisons) and all(c.ok for c in self.comparisons)
+@dataclasses.dataclass(frozen=True)
+class GoldenContents:
+    """What a check's golden files hold (``cp_harness.golden``).
 
-    def add(self, comparison: TensorComparison) -> TensorComparison:
-        self.comparisons.append(comparison)
-        return comparison
+    ``cases``: folder name -> case description. ``oracle_arrays(case, expected)``: the named reference arrays,
+    taken from what the check's own ``expect`` returned (one oracle for properties and golden files alike).
+    ``token_arrays``: the oracle arrays laid out ``[batch, global sequence, ...]``. ``rank_axis(case, tensor)``:
+    the axis along which the ranks' local ``tensor`` is concatenated into one array (``None``: stacked per rank;
+    index maps are always concatenated on axis 0). ``impl_mask(case, name, array, oracle)``: what the contract
+    specifies of an implementation array (``None``: all of it).
+    """
 
-    def require(self, condition: bool, problem: str) -> None:
-        if not condition:
-            self.problems.append(problem)
+    cases: Mapping[str, dict]
+    oracle_arrays: Callable[[dict, Any], dict[str, Any]]  # tensors or arrays; golden stores them as arrays
+    token_arrays: frozenset[str] = frozenset()
+    rank_axis: Callable[[dict, str], int | None] = _no_axis
+    impl_mask: Callable[..., np.ndarray | None] | None = None
 
-    @property
-    def max_ulp(self) -> float:
-        values = [c.max_ulp for c in self.comparisons if c.mode == "ulp"]
-        return max(values) if values else 0.0
 
-    @property
-    def max_excess(self) -> float | None:
-        """The largest CP excess over the one-rank baseline (``cp_harness.judging.excess``); ``None`` when not judged."""
-        values = [c.excess for c in self.comparisons if c.excess is not None]
-        return max(values) if values else None
+@dataclasses.dataclass(frozen=True)
+class VerifyRow:
+    """One row of ``verify``'s table: ``cases(allowed_sizes)`` is its Hypothesis strategy, ``functions`` the
+    documented functions it claims (checked by coverage), ``dtypes`` the payload dtypes it can draw (empty: a
+    layout row), ``explicit`` cases run before the drawn ones, ``position`` where it stands in the table."""
 
-    def failures(self) -> list[TensorComparison]:
-        return [c for c in self.comparisons if not c.ok]
+    label: str
+    cases: Callable[[Any], Any]
+    functions: tuple[str, ...]
+    dtypes: tuple[str, ...] = ()
+    explicit: tuple[dict, ...] = ()
+    position: int = 0
 
-    def format(self) -> str:
-        """Readable account: problems first, then each failing tensor, then the passing ones in one line."""
-        lines = []
-        for problem in self.problems:
-            lines.append(f"  PROBLEM: {problem}")
-        for comp in self.failures():
-            lines.append(f"  FAIL {comp.summary()}")
-            for entry in comp.first_mismatches[1:]:
-                where = ""
-                if "owning_rank" in entry:
-                    where = f" (row {entry['row']}, position {entry['position']}, rank {entry['owning_rank']})"
-                lines.append(f"       also index {entry['index']}: actual {entry['actual']!r}, expected {entry['expected']!r}{where}")
-        passed = [c for c in self.comparisons if c.ok]
-        if passed:
-            lines.append("  passed: " + ", ".join(
-                f"{c.name}" + ((f" ({c.max_ulp:.3g} ULP" + (f"; normwise {c.excess_error:.3g}, one rank {c.baseline_ulp:.3g}, excess {c.excess:.3g}"
-                                                           if c.excess is not None else "") + ")")
-                               if c.mode == "ulp" else " (exact)") for c in passed))
-        if not self.comparisons:
-            lines.append("  nothing was compared")
-        return "\n".join(lines)
+
+def _same_case_on_one_rank(case: dict) -> dict:
+    return {}
 
 
 @dataclasses.dataclass(frozen=True)
 class Check:
-    """``evaluate(case, outputs)``, or ``evaluate(case, outputs, expected)`` when ``expect`` is given."""
+    """A check and everything it owns (see the package docstring).
+
+    ``rank(case, ctx) -> (info, tensors)`` runs on every rank; ``expect(case)`` is the oracle work from the
+    case alone (``None``: ``evaluate`` does it); ``evaluate(case, outputs, expected)`` judges (arithmetic
+    checks also take the judging ``policy``). ``arithmetic``: compared within ``budgets`` (per dtype) and by
+    the excess judge against ``one_rank_changes(case)`` (what the one-rank baseline changes besides
+    ``world_size = 1``); otherwise bit for bit. ``comm_minimum(case)``: the least bytes ``[(sent, received)]``
+    per rank the case's calls must move (``None``: no closed form).
+    """
 
     name: str
     rank: Callable[[dict, RankContext], tuple[dict, dict[str, torch.Tensor]]]
     evaluate: Callable[..., CaseReport]
-    functions: tuple[str, ...] = ()  # documented functions this check exercises (for reports)
-    expect: Callable[[dict], Any] | None = None  # the oracle work, from the case alone
+    expect: Callable[[dict], Any] | None = None
+    functions: tuple[str, ...] = ()
+    arithmetic: bool = False
+    budgets: Mapping[str, Budget] = dataclasses.field(default_factory=dict)
+    one_rank_changes: Callable[[dict], dict] = _same_case_on_one_rank
+    comm_minimum: Callable[[dict], list[tuple[int, int]] | None] | None = None
+    golden: GoldenContents | None = None
+    rows: tuple[VerifyRow, ...] = ()
+    examples: Mapping[str, dict] = dataclasses.field(default_factory=dict)
+
+    def case(self, **keys) -> dict:
+        """A case description of this check."""
+        return {"check": self.name, **keys}
+
+    def least_communication(self, case: dict) -> list[tuple[int, int]] | None:
+        """``[(sent, received)]`` per rank: the least bytes the case's calls must move (``None``: no closed form)."""
+        return self.comm_minimum(case) if self.comm_minimum is not None else None
+
+    def baseline_case(self, case: dict) -> dict | None:
+        """The one-rank run an arithmetic multi-rank ``case`` is judged against (``None``: none)."""
+        if not self.arithmetic or int(case.get("world_size", 1)) <= 1:
+            return None
+        base = {k: v for k, v in case.items() if k != "mesh"}
+        base["world_size"] = 1
+        base.update(self.one_rank_changes(case))
+        return base
 
 
 CHECKS: dict[str, Check] = {}
 _loaded = False
 
 
-def register(name: str, *, rank, evaluate, functions: tuple[str, ...] = (), expect=None) -> Check:
+def register(name: str, **owned) -> Check:
+    """Register the check ``name`` (its module calls this once) and return it."""
     if name in CHECKS:
         raise ValueError(f"check {name!r} registered twice")
-    CHECKS[name] = Check(name, rank, evaluate, functions, expect)
+    CHECKS[name] = Check(name, **owned)
     return CHECKS[name]
 
 
 def load_checks() -> dict[str, Check]:
     global _loaded
     if not _loaded:
-        for module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+        for module in sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")):
             importlib.import_module(f"cp_harness.checks.{module}")
         _loaded = True
     return CHECKS
@@ -154,6 +181,11 @@ def get_check(name: str) -> Check:
     return checks[name]
 
 
+def check_of(case: dict) -> Check:
+    """The check a case description names."""
+    return get_check(case["check"])
+
+
 def to_numpy(value: torch.Tensor) -> np.ndarray:
     """A CPU numpy copy of a tensor (bfloat16 widened to float32)."""
     value = value.detach()
@@ -164,7 +196,7 @@ def to_numpy(value: torch.Tensor) -> np.ndarray:
 
 def run_on_rank(case: dict, ctx: RankContext) -> tuple[dict, dict[str, np.ndarray]]:
     """Run the rank half of ``case["check"]``; tensors come back as numpy arrays."""
-    info, tensors = get_check(case["check"]).rank(case, ctx)
+    info, tensors = check_of(case).rank(case, ctx)
     return info, {name: to_numpy(t) if isinstance(t, torch.Tensor) else np.asarray(t) for name, t in tensors.items()}
 
 
@@ -196,21 +228,22 @@ def expect(case: dict) -> Any:
     ``NOT_GIVEN`` for a check without an ``expect`` (its ``evaluate`` does all the work). Pass the result
     to ``evaluate(case, outputs, expected)``; it is read, never changed, so it may be reused.
     """
-    check = get_check(case["check"])
+    check = check_of(case)
     if check.expect is None:
         return NOT_GIVEN
     with one_intra_op_thread():
         return check.expect(case)
 
 
-def evaluate(case: dict, outputs: list, expected: Any = NOT_GIVEN) -> CaseReport:
+def evaluate(case: dict, outputs: list, expected: Any = NOT_GIVEN, *, policy: JudgingPolicy = STRICT) -> CaseReport:
     """Judge the outputs of every rank for ``case`` (test-process side).
 
     ``expected``: what ``expect(case)`` returned, when the caller computed it
     already (while the ranks ran); computed here otherwise. The oracle runs
     with one intra-op thread (as the ranks do): case tensors are tiny, and on a
     loaded machine OpenMP threads waiting for each other made the evaluation
-    10-100 times slower (``docs/benchmarks.md``).
+    10-100 times slower (``docs/benchmarks.md``). ``policy``: how arithmetic
+    checks apply their budgets.
     """
     raised = [o for o in outputs if not o.ok]
     if raised:
@@ -218,108 +251,12 @@ def evaluate(case: dict, outputs: list, expected: Any = NOT_GIVEN) -> CaseReport
         for o in raised:
             report.problems.append(f"rank {o.rank} raised {o.error_type}: {o.message}\n{o.traceback}")
     else:
-        check = get_check(case["check"])
+        check = check_of(case)
+        args = [case, outputs]
         with one_intra_op_thread():
-            if check.expect is None:
-                report = check.evaluate(case, outputs)
-            else:
-                if expected is NOT_GIVEN:
-                    expected = check.expect(case)
-                report = check.evaluate(case, outputs, expected)
+            if check.expect is not None:
+                args.append(check.expect(case) if expected is NOT_GIVEN else expected)
+            report = check.evaluate(*args, policy=policy) if check.arithmetic else check.evaluate(*args)
     report.comm = [{"rank": o.rank, "calls": o.comm} for o in outputs]
     report.called = set().union(*(o.called for o in outputs)) if outputs else set()
     return report
-
-
-def stack_ranks(outputs: list, name: str, axis: int = 1) -> np.ndarray:
-    """Concatenate a local token tensor from every rank in rank order along ``axis`` (global order)."""
-    missing = [o.rank for o in outputs if name not in o.tensors]
-    if missing:
-        raise KeyError(f"ranks {missing} returned no tensor {name!r}")
-    return np.concatenate([o.tensors[name] for o in outputs], axis=axis)
-
-
-@dataclasses.dataclass
-class ReportedLayout:
-    """The layout the ranks reported, once judged consistent: ``S`` real and ``S_pad`` padded positions,
-    each rank's index map ``[L]`` (rank order) and the grid for failure messages."""
-
-    seq_len: int
-    padded_len: int
-    index_maps: list[np.ndarray]
-    grid: TokenGrid
-
-    @property
-    def local_len(self) -> int:
-        return len(self.index_maps[0]) if self.index_maps else 0
-
-    def scatter(self, outputs: list, name: str, axis: int = 1) -> np.ndarray:
-        """A local token tensor from every rank put at its global positions: ``[.., S_pad, ..]`` in global order."""
-        missing = [o.rank for o in outputs if name not in o.tensors]
-        if missing:
-            raise KeyError(f"ranks {missing} returned no tensor {name!r}")
-        first = np.asarray(outputs[0].tensors[name])
-        shape = list(first.shape)
-        shape[axis] = self.padded_len
-        out = np.zeros(shape, dtype=first.dtype)
-        for o, indices in zip(outputs, self.index_maps):
-            where = [slice(None)] * len(shape)
-            where[axis] = indices
-            out[tuple(where)] = o.tensors[name]
-        return out
-
-
-def reported_layout(outputs: list, seq_len: int) -> ReportedLayout:
-    """The layout the ranks reported (``token_indices``), taken as it is (``judge_token_layout`` judges it)."""
-    maps = [np.asarray(o.tensors["token_indices"]).reshape(-1).astype(np.int64) for o in outputs]
-    return ReportedLayout(seq_len, sum(len(m) for m in maps), maps, TokenGrid.from_index_maps(maps))
-
-
-def judge_token_layout(report: CaseReport, outputs: list, seq_len: int, *, local_name: str) -> ReportedLayout | None:
-    """Judge the layout every rank reported (``sharding.layout_report``) against the contract; ``None`` when
-    it is not usable (the problems are in ``report``).
-
-    - every rank's index map has as many tokens as its local tensor ``local_name`` (axis 1), all ranks equally many;
-    - together they own every position of ``[0, N*L)`` exactly once, and ``N*L >= S``;
-    - the reported ``original_seq_len`` / ``padded_seq_len`` (when given) are ``S`` and ``N*L``;
-    - ``shard_token_tensor`` of the global ``arange(S)`` (fill ``-1``) selects exactly the index map's tokens.
-    """
-    maps = [np.asarray(o.tensors["token_indices"]).reshape(-1).astype(np.int64) for o in outputs]
-    usable = True
-    for o, indices in zip(outputs, maps):
-        local_len = np.asarray(o.tensors[local_name]).shape[1]
-        if len(indices) != local_len:
-            report.problems.append(f"rank {o.rank}: the index map lists {len(indices)} tokens but its local "
-                                   f"{local_name} holds {local_len}")
-            usable = False
-    lengths = {len(m) for m in maps}
-    if len(lengths) > 1:
-        report.problems.append(f"ranks own different numbers of tokens: {[len(m) for m in maps]} (the verbs need equal shards)")
-        usable = False
-    padded = sum(len(m) for m in maps)
-    if usable:
-        owned = np.concatenate(maps) if maps else np.zeros(0, dtype=np.int64)
-        counts = np.bincount(owned[(owned >= 0) & (owned < padded)], minlength=padded)
-        outside = owned[(owned < 0) | (owned >= padded)]
-        if outside.size or (counts != 1).any():
-            twice = np.flatnonzero(counts > 1)[:5].tolist()
-            nobody = np.flatnonzero(counts == 0)[:5].tolist()
-            report.problems.append(f"the index maps do not own every global position of [0, {padded}) exactly once: "
-                                   f"owned twice {twice}, by nobody {nobody}, outside {outside[:5].tolist()}")
-            usable = False
-    if padded < seq_len:
-        report.problems.append(f"the ranks hold {padded} tokens in all, fewer than the sequence's {seq_len}")
-        usable = False
-    for o in outputs:
-        original, reported = o.info.get("original_seq_len"), o.info.get("padded_seq_len")
-        if original is not None and original != seq_len:
-            report.problems.append(f"rank {o.rank}: shard_layout.original_seq_len={original}, the batch has {seq_len}")
-        if reported is not None and reported != padded:
-            report.problems.append(f"rank {o.rank}: shard_layout.padded_seq_len={reported}, but the ranks hold {padded}")
-    if not usable:
-        return None
-    layout = reported_layout(outputs, seq_len)
-    for o, indices in zip(outputs, maps):
-        report.add(compare(f"shard_token_tensor(arange(S)) agrees with the index map@rank{o.rank}",
-                           np.asarray(o.tensors["token_marker"]), np.where(indices < seq_len, indices, -1), mode="exact"))
-    return layout

@@ -38,7 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from cp_harness.cases.descriptions import padded_length
-from cp_harness.checks import CaseReport, register
+from cp_harness.checks import register
+from cp_harness.judging.verdicts import CaseReport
 from cp_harness.checks.models import cp_forward, rank_inputs
 from cp_harness.judging.compare import compare
 

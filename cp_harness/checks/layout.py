@@ -28,9 +28,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cp_harness.cases.descriptions import IGNORE_INDEX, batches_equal, build_batch, clone_batch
-from cp_harness.checks import CaseReport, ReportedLayout, judge_token_layout, register
+from hypothesis import strategies as st
+
+from cp_harness.cases.descriptions import IGNORE_INDEX, batches_equal, build_batch, clone_batch, padded_length
+from cp_harness.cases.strategies import (as_space, inkling2_images, layouts, mistral_image, packed_layout, seeds,
+                                         with_extras, with_impl, world_sizes)
+from cp_harness.checks import GoldenContents, VerifyRow, register
+from cp_harness.checks._token_layout import ReportedLayout, judge_token_layout
+from cp_harness.judging import comm_minimum
 from cp_harness.judging.compare import compare
+from cp_harness.judging.verdicts import CaseReport
 from cp_harness.usage.resolve_sharder import hook_sharder, layout_report
 from oracle.layout import layout_from_batch
 
@@ -95,6 +102,14 @@ def _inkling2_rank(case: dict, ctx) -> tuple[dict, dict]:
     info.update(unpacked_info)
     return info, {"labels": local["labels"], "position_ids": local["position_ids"], "padding_mask": local["padding_mask"],
                   **layout_tensors, **{k: v for k, v in unpacked.items() if v is not None}}
+
+
+def first_document_tokens(layout) -> torch.Tensor:
+    """``[B, S]`` bool: the first token of every document of a packed layout."""
+    first = torch.zeros_like(layout.keep)
+    first[:, 0] = True
+    first[:, 1:] = layout.document_ids[:, 1:] != layout.document_ids[:, :-1]
+    return first & (layout.document_ids >= 0)
 
 
 def expected_layout(case: dict):
@@ -200,10 +215,7 @@ def _mistral_evaluate(case: dict, outputs: list, expected) -> CaseReport:
     labels = batch["labels"].clone()
     if packed:
         # The label of each document's first token must be masked: it would be predicted from the previous document.
-        first = torch.zeros_like(layout.keep)
-        first[:, 0] = True
-        first[:, 1:] = layout.document_ids[:, 1:] != layout.document_ids[:, :-1]
-        labels = torch.where(first & (layout.document_ids >= 0), IGNORE_INDEX, labels)
+        labels = torch.where(first_document_tokens(layout), IGNORE_INDEX, labels)
         for o in outputs:
             report.require("document_ids" in o.tensors, f"rank {o.rank}: a packed batch must yield local document_ids")
     for o in outputs:
@@ -225,9 +237,126 @@ def _mistral_evaluate(case: dict, outputs: list, expected) -> CaseReport:
     return report
 
 
-INKLING2_LAYOUT = register("inkling2_layout", rank=_inkling2_rank, evaluate=_inkling2_evaluate, expect=expected_layout,
-         functions=("inkling2.prepare_cp_inputs", "inkling2.unpack_row_layout", "sharder.shard",
-                    "sharder.local_token_global_indices", "sharder.shard_token_tensor"))
-MISTRAL_LARGE4_LAYOUT = register("mistral_large4_layout", rank=_mistral_rank, evaluate=_mistral_evaluate, expect=expected_layout,
-         functions=("mistral_large4.prepare_cp_inputs", "mistral_large4.prepare_packed_cp_inputs", "sharder.shard",
-                    "sharder.local_token_global_indices", "sharder.shard_token_tensor"))
+# ------------------------------------------------------------------------------------ strategies
+@st.composite
+def layout_cases(draw, space=None) -> dict:
+    """Sharded-layout cases for either model, ``num_chunks`` > 1 and ``shard_primary`` both ways."""
+    space = as_space(space)
+    n = draw(world_sizes(space))
+    model = draw(st.sampled_from(("inkling2", "mistral_large4")))
+    if model == "mistral_large4" and draw(st.booleans()):
+        chunks = draw(st.integers(min_value=1, max_value=3))
+        spec = draw(packed_layout(max_len=30, rows=chunks))
+    else:
+        spec = draw(layouts(max_len=30, max_rows=4))
+        rows = len(spec["docs"] if spec["format"] == "thd" else spec["rows"])
+        chunks = draw(st.sampled_from([d for d in range(1, rows + 1) if rows % d == 0]))
+        if model == "mistral_large4" and spec["format"] == "thd":
+            chunks = rows  # one packed row per micro-batch
+    spec = draw(with_extras(st.just(spec)))
+    spec = draw(inkling2_images(spec, n)) if model == "inkling2" else draw(mistral_image(spec, n))
+    case = {"check": f"{model}_layout", "world_size": n, "seed": draw(seeds), "model": model, "batch": spec,
+            "num_chunks": chunks}
+    if model == "mistral_large4":
+        case["shard_primary"] = draw(st.booleans())
+        if spec["format"] == "thd" and draw(st.booleans()):
+            case["direct_packed"] = True
+    return draw(with_impl(case, space))
+
+
+def _of_model(model: str):
+    def cases(space):
+        return layout_cases(space).filter(lambda c: c["model"] == model)
+    return cases
+
+
+# ------------------------------------------------------------------------------------ golden files
+def _golden_arrays(case: dict, expected) -> dict[str, torch.Tensor]:
+    """The global layout padded as the bundled (contiguous) implementation pads: golden files pin that one."""
+    batch, layout = expected
+    S_pad = padded_length(layout.keep.shape[1], int(case["world_size"]))
+    keep = pad_sequence(layout.keep, S_pad, False)
+    labels = batch["labels"].clone()
+    out = {"keep": keep, "padding_mask": ~keep, "position_ids": pad_sequence(layout.positions, S_pad, 0),
+           "input_ids": batch["input_ids"]}
+    if case["check"] == "mistral_large4_layout" and "seq_lens" in batch:
+        labels = torch.where(first_document_tokens(layout), IGNORE_INDEX, labels)
+        out["document_ids"] = pad_sequence(layout.document_ids, S_pad, -1)
+    out["labels"] = pad_sequence(labels, S_pad, IGNORE_INDEX)
+    return out
+
+
+def _rank_axis(case: dict, tensor: str) -> int | None:
+    # Local [B, L] tensors; input_ids stay global (every rank holds all of them) unless sharded.
+    return 1 if tensor != "input_ids" or bool(case.get("shard_primary", True)) else None
+
+
+def _specified(case: dict, name: str, arr: np.ndarray, oracle: dict[str, np.ndarray]) -> np.ndarray | None:
+    """What the contract specifies of a golden implementation array: positions on real tokens, labels on real
+    tokens and divisibility padding, input ids outside divisibility padding."""
+    if "keep" not in oracle or _rank_axis(case, name) != 1:
+        return None
+    keep = np.asarray(oracle["keep"], dtype=bool)
+    S = int(case["batch"]["seq_len"])
+    if arr.shape[:2] != keep.shape:
+        return None
+    divisibility = np.zeros_like(keep)
+    divisibility[:, S:] = True
+    return {"position_ids": keep, "labels": keep | divisibility, "input_ids": ~divisibility}.get(name)
+
+
+def _golden(cases: dict, token_arrays: set[str]) -> GoldenContents:
+    return GoldenContents(cases=cases, oracle_arrays=_golden_arrays, token_arrays=frozenset(token_arrays),
+                          rank_axis=_rank_axis, impl_mask=_specified)
+
+
+_SHARDER = ("sharder.shard", "sharder.shard_token_tensor", "sharder.local_token_global_indices")
+_TOKEN_ARRAYS = {"keep", "padding_mask", "position_ids", "labels", "input_ids"}
+
+INKLING2_LAYOUT = register(
+    "inkling2_layout", rank=_inkling2_rank, evaluate=_inkling2_evaluate, expect=expected_layout,
+    functions=("inkling2.prepare_cp_inputs", "inkling2.unpack_row_layout", "sharder.shard",
+               "sharder.local_token_global_indices", "sharder.shard_token_tensor"),
+    comm_minimum=comm_minimum.nothing,
+    golden=_golden({
+        "inkling2_layout-n3-thd-eos-image": {
+            "check": "inkling2_layout", "world_size": 3, "seed": 107, "model": "inkling2", "num_chunks": 1,
+            "batch": {"format": "thd", "seq_len": 10, "docs": [[[1, 1], [0, 2], [4, 5]], [[6, 6], [3, 4]]],
+                      "eos_is_pad": True, "images": [[1, 3, 2, 4]]}},  # image tokens 3, 4 across the 3|4 boundary
+        "inkling2_layout-n2-bshd-chunks2": {
+            "check": "inkling2_layout", "world_size": 2, "seed": 108, "model": "inkling2", "num_chunks": 2,
+            "batch": {"format": "bshd", "seq_len": 7, "rows": [[3, 4], [0, 5]]}},
+    }, _TOKEN_ARRAYS),
+    # A packed batch whose EOS equals the pad id: inkling2.unpack_row_layout is called on it whatever is drawn.
+    rows=(VerifyRow("inkling2.prepare_cp_inputs + unpack_row_layout", _of_model("inkling2"),
+                    ("inkling2.prepare_cp_inputs", "inkling2.unpack_row_layout", *_SHARDER), position=2,
+                    explicit=({"check": "inkling2_layout", "world_size": 2, "seed": 1, "model": "inkling2",
+                               "num_chunks": 1,
+                               "batch": {"format": "thd", "seq_len": 9, "docs": [[[3, 4], [4, 4]], [[2, 2], [5, 6]]],
+                                         "eos_is_pad": True}},)),))
+MISTRAL_LARGE4_LAYOUT = register(
+    "mistral_large4_layout", rank=_mistral_rank, evaluate=_mistral_evaluate, expect=expected_layout,
+    functions=("mistral_large4.prepare_cp_inputs", "mistral_large4.prepare_packed_cp_inputs", "sharder.shard",
+               "sharder.local_token_global_indices", "sharder.shard_token_tensor"),
+    comm_minimum=comm_minimum.nothing,
+    golden=_golden({
+        "mistral_large4_layout-n8-thd-global-primary": {
+            "check": "mistral_large4_layout", "world_size": 8, "seed": 109, "model": "mistral_large4",
+            "num_chunks": 2, "shard_primary": False,
+            "batch": {"format": "thd", "seq_len": 9, "docs": [[[2, 3], [5, 5]], [[9, 9]]]}},
+        "mistral_large4_layout-n2-bshd-eos": {
+            "check": "mistral_large4_layout", "world_size": 2, "seed": 110, "model": "mistral_large4",
+            "num_chunks": 1, "shard_primary": True,
+            "batch": {"format": "bshd", "seq_len": 7, "rows": [[2, 4], [0, 7]], "eos_is_pad": True}},
+    }, _TOKEN_ARRAYS | {"document_ids"}),
+    # The packed hook called directly, and a padded batch with the primary stream left global.
+    rows=(VerifyRow("mistral_large4.prepare_cp_inputs (BSHD/THD)", _of_model("mistral_large4"),
+                    ("mistral_large4.prepare_cp_inputs", "mistral_large4.prepare_packed_cp_inputs", *_SHARDER),
+                    position=5,
+                    explicit=({"check": "mistral_large4_layout", "world_size": 3, "seed": 2, "model": "mistral_large4",
+                               "num_chunks": 1, "shard_primary": True, "direct_packed": True,
+                               "batch": {"format": "thd", "seq_len": 8, "docs": [[[3, 3], [4, 5]]],
+                                         "eos_is_pad": True}},
+                              {"check": "mistral_large4_layout", "world_size": 2, "seed": 3, "model": "mistral_large4",
+                               "num_chunks": 1, "shard_primary": False,
+                               "batch": {"format": "bshd", "seq_len": 7, "rows": [[2, 5], [0, 7]]}})),))

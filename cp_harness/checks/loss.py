@@ -24,10 +24,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cp_harness.judging.budgets import budget_for
+from hypothesis import strategies as st
+
 from cp_harness.cases.descriptions import IGNORE_INDEX, LOW_PRECISION, build_batch, dtype_of, padded_length, random_tensor
-from cp_harness.checks import CaseReport, register, stack_ranks
+from cp_harness.cases.strategies import FLOAT_DTYPES, as_space, float_dtypes, layouts, seeds, with_extras, world_sizes
+from cp_harness.checks import GoldenContents, VerifyRow, register
+from cp_harness.checks._token_layout import stack_ranks
+from cp_harness.judging import comm_minimum
+from cp_harness.judging.budgets import Budget
 from cp_harness.judging.compare import TokenGrid, compare
+from cp_harness.judging.verdicts import CaseReport
 from oracle.layout import layout_from_batch
 from oracle.loss import mean_loss, shifted_cross_entropy
 
@@ -145,7 +151,7 @@ def _expect(case: dict) -> dict:
             "per_position": per_position_ce(logits, labels, counted, shifted=True)}
 
 
-def _evaluate(case: dict, outputs: list, expected: dict) -> CaseReport:
+def _evaluate(case: dict, outputs: list, expected: dict, policy) -> CaseReport:
     report = CaseReport(case=case)
     n = int(case["world_size"])
     logits, labels, keep, count = expected["logits"], expected["labels"], expected["keep"], expected["count"]
@@ -154,8 +160,8 @@ def _evaluate(case: dict, outputs: list, expected: dict) -> CaseReport:
     dtype = case.get("dtype", "float64")
     # The loss is accumulated in float32 for bfloat16/float16 logits: judged as a float32 loss.
     loss_dtype = "float32" if dtype in LOW_PRECISION else dtype
-    loss_budget = budget_for("shifted_cp_loss", {"dtype": loss_dtype})
-    budget = budget_for("shifted_cp_loss", case)
+    loss_budget = policy.budget(SHIFTED_CP_LOSS, loss_dtype)
+    budget = policy.budget(SHIFTED_CP_LOSS, dtype)
     losses = np.array([float(o.tensors["loss"]) for o in outputs])
     report.require(bool(np.all(np.isfinite(losses))), f"losses must be finite, got {losses.tolist()}")
     for o in outputs:
@@ -188,4 +194,47 @@ def _evaluate(case: dict, outputs: list, expected: dict) -> CaseReport:
     return report
 
 
-SHIFTED_CP_LOSS = register("shifted_cp_loss", rank=_rank, evaluate=_evaluate, expect=_expect, functions=("mistral_large4.shifted_cp_loss",))
+@st.composite
+def loss_cases(draw, space=None) -> dict:
+    space = as_space(space)
+    n = draw(world_sizes(space))
+    return {"check": "shifted_cp_loss", "world_size": n, "seed": draw(seeds), "model": "mistral_large4",
+            "dtype": draw(float_dtypes(space=space)), "vocab": draw(st.integers(min_value=2, max_value=13)),
+            "batch": draw(with_extras(layouts(min_len=2, max_len=24)))}
+
+
+def _one_rank_changes(case: dict) -> dict:
+    """The one-rank baseline draws its logits for the sequence padded as the CP case's are: the same logits."""
+    return {"pad_multiple": int(case.get("pad_multiple", case["world_size"]))}
+
+
+def _golden_arrays(case: dict, expected: dict) -> dict:
+    return {"loss": expected["ref"], "grad": expected["ref_grad"],
+            "count": np.asarray(int(expected["count"]), dtype=np.int64)}
+
+
+# Measured and explained in cp_harness/judging/budgets.py (figures: README "Error budgets").
+BUDGETS = {
+    "float64": Budget(16.0, 1.0),
+    "float32": Budget(256.0, 1.0),
+    # bf16/fp16 logits: the gradient (the loss values use the float32 entry)
+    "bfloat16": Budget(2.0, 1 / 1024),
+    "float16": Budget(2.0, 1.0),
+}
+
+SHIFTED_CP_LOSS = register(
+    "shifted_cp_loss", rank=_rank, evaluate=_evaluate, expect=_expect, functions=("mistral_large4.shifted_cp_loss",),
+    arithmetic=True, budgets=BUDGETS, one_rank_changes=_one_rank_changes, comm_minimum=comm_minimum.boundary_labels,
+    golden=GoldenContents(
+        cases={
+            "shifted_cp_loss-n4-thd": {
+                "check": "shifted_cp_loss", "world_size": 4, "seed": 111, "model": "mistral_large4", "dtype": "float64",
+                "vocab": 5, "batch": {"format": "thd", "seq_len": 8, "docs": [[[3, 4], [4, 4]]]}},
+            "shifted_cp_loss-n3-bshd-eos-float32": {
+                "check": "shifted_cp_loss", "world_size": 3, "seed": 112, "model": "mistral_large4", "dtype": "float32",
+                "vocab": 7, "batch": {"format": "bshd", "seq_len": 7, "rows": [[1, 5], [0, 7]], "eos_is_pad": True}},
+        },
+        oracle_arrays=_golden_arrays, token_arrays=frozenset({"grad"}),
+        rank_axis=lambda case, tensor: 1 if tensor == "grad" else None),
+    rows=(VerifyRow("mistral_large4.shifted_cp_loss", loss_cases, ("mistral_large4.shifted_cp_loss",), FLOAT_DTYPES,
+                    position=6),))

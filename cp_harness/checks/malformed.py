@@ -19,7 +19,9 @@ import numpy as np
 import torch
 
 from cp_harness.cases import malformed_inputs as malformed
-from cp_harness.checks import CaseReport, register
+from cp_harness.cases.malformed_catalogue import Malformed
+from cp_harness.checks import register
+from cp_harness.judging.verdicts import CaseReport
 from cp_harness.judging.compare import compare
 
 # Meshes built on demand in this rank process, keyed by (kind, CP size): process groups are created once.
@@ -78,3 +80,8 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
 
 
 MALFORMED = register("malformed", rank=_rank, evaluate=_evaluate, functions=tuple(sorted(malformed.FUNCTIONS)))
+
+
+def case_for(entry: Malformed, world_size: int, *, control: bool = False, seed: int | None = None) -> dict:
+    """The case description of a catalogue entry at ``world_size`` (``control``: the valid base call alone)."""
+    return MALFORMED.case(**entry.description(world_size, control=control, seed=seed))

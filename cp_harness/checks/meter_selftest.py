@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch.distributed import all_gather as all_gather_imported_by_name
 
 from cp_harness.instruments import comm_meter as comm
-from cp_harness.checks import CaseReport, register
+from cp_harness.checks import register
+from cp_harness.judging.verdicts import CaseReport
 from cp_harness.judging.compare import compare
 
 THREAD_TIMEOUT_S = 60.0

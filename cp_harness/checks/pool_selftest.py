@@ -15,7 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from cp_harness.checks import CaseReport, register
+from cp_harness.checks import register
+from cp_harness.judging.verdicts import CaseReport
 from cp_harness.judging.compare import compare
 
 

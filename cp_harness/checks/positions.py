@@ -19,10 +19,13 @@ exactly when there is one, and on every rank alike.
 from __future__ import annotations
 
 import torch
+from hypothesis import strategies as st
 
 from cp_harness.cases.descriptions import build_batch
-from cp_harness.checks import CaseReport, register
+from cp_harness.cases.strategies import as_space, layouts, seeds, world_sizes
+from cp_harness.checks import VerifyRow, register
 from cp_harness.judging.compare import compare
+from cp_harness.judging.verdicts import CaseReport
 from oracle.layout import layout_from_batch
 
 
@@ -116,5 +119,21 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     return report
 
 
-VALIDATE_DOCUMENT_POSITIONS = register("validate_document_positions", rank=_rank, evaluate=_evaluate,
-         functions=("inkling2.validate_document_positions",))
+@st.composite
+def position_cases(draw, space=None) -> dict:
+    """``validate_document_positions`` cases: a layout's positions, valid or corrupted in one place."""
+    kind = draw(st.sampled_from(("none", "offset_start", "negative", "jump", "resume")))
+    spec = draw(layouts(min_len=1, max_len=24, max_rows=3))
+    case = {"check": "validate_document_positions", "world_size": draw(world_sizes(as_space(space))),
+            "seed": draw(seeds), "model": "inkling2", "batch": spec}
+    if kind != "none":
+        case["corruption"] = {"kind": kind, "row": draw(st.integers(min_value=0, max_value=3)),
+                              "nth": draw(st.integers(min_value=0, max_value=7))}
+    return case
+
+
+VALIDATE_DOCUMENT_POSITIONS = register(
+    "validate_document_positions", rank=_rank, evaluate=_evaluate,
+    functions=("inkling2.validate_document_positions",),
+    rows=(VerifyRow("inkling2.validate_document_positions", position_cases,
+                    ("inkling2.validate_document_positions",), position=3),))

@@ -22,10 +22,16 @@ differentiated; gathers and ``convolution_history``), ``width``
 from __future__ import annotations
 
 import torch
+from hypothesis import strategies as st
 
 from cp_harness.cases.descriptions import accumulate, build_batch, dtype_of, random_tensor, upstream_values
-from cp_harness.checks import CaseReport, judge_token_layout, register, stack_ranks
+from cp_harness.cases.strategies import (FLOAT_DTYPES, VALUE_DTYPES, as_space, payload_dtypes, seeds, with_impl,
+                                         with_payload, world_sizes)
+from cp_harness.checks import GoldenContents, VerifyRow, register
+from cp_harness.checks._token_layout import judge_token_layout, stack_ranks
+from cp_harness.judging import comm_minimum
 from cp_harness.judging.compare import TokenGrid, compare
+from cp_harness.judging.verdicts import CaseReport
 from cp_harness.usage.resolve_sharder import hook_sharder, layout_report
 
 _INT_DTYPES = {"int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
@@ -163,12 +169,135 @@ def _history_evaluate(case: dict, outputs: list, expected: dict) -> CaseReport:
     return report
 
 
-GATHER_SEQUENCE = register("gather_sequence", rank=_gather_rank(1, "gather_sequence"), evaluate=_gather_evaluate(1),
-         expect=_gather_expect(1), functions=("inkling2.gather_sequence",))
-GATHER_TOKENS = register("gather_tokens", rank=_gather_rank(0, "gather_tokens"), evaluate=_gather_evaluate(0),
-         expect=_gather_expect(0), functions=("mistral_large4.gather_tokens",))
-CONVOLUTION_HISTORY = register("convolution_history", rank=_history_rank, evaluate=_history_evaluate, expect=_history_expect,
-         functions=("inkling2.convolution_history",))
+# ------------------------------------------------------------------------------------ strategies
+PAYLOADS = FLOAT_DTYPES + VALUE_DTYPES
+
+
+@st.composite
+def gather_cases(draw, space=None, check: str | None = None) -> dict:
+    """``gather_sequence`` / ``gather_tokens`` cases, every float dtype and integer/bool payloads, mesh or ``None``."""
+    space = as_space(space)
+    n = draw(world_sizes(space))
+    check = check or draw(st.sampled_from(("gather_sequence", "gather_tokens")))
+    payload = draw(payload_dtypes(space))
+    local = draw(st.integers(min_value=1, max_value=5))
+    rest = draw(st.lists(st.integers(min_value=1, max_value=3), min_size=0, max_size=2))
+    shape = [draw(st.integers(min_value=1, max_value=3)), local, *rest] if check == "gather_sequence" else [local, *rest]
+    case = with_payload({"check": check, "world_size": n, "seed": draw(seeds)}, payload)
+    case["shape"] = shape
+    case["differentiable"] = draw(st.booleans()) if payload in FLOAT_DTYPES else False
+    if n == 1 and draw(st.booleans()):
+        case["mesh"] = "none"
+    return case
+
+
+@st.composite
+def history_cases(draw, space=None) -> dict:
+    """``convolution_history`` cases (every float dtype, integer and bool payloads), widths whose history is
+    often longer than a shard."""
+    space = as_space(space)
+    n = draw(world_sizes(space))
+    local = draw(st.integers(min_value=1, max_value=4))
+    width = draw(st.integers(min_value=1, max_value=3 * local + 2))
+    case = with_payload({"check": "convolution_history", "world_size": n, "seed": draw(seeds)},
+                        draw(payload_dtypes(space)))
+    case.update({
+            "shape": [draw(st.integers(min_value=1, max_value=2)), local, draw(st.integers(min_value=1, max_value=3))],
+            "width": width})
+    if n == 1 and draw(st.booleans()):
+        case["mesh"] = "none"
+    return case
+
+
+@st.composite
+def sharder_cases(draw, space=None) -> dict:
+    """``shard_token_tensor`` / ``gather_token_tensor`` round trips (sequence not a multiple of N included)."""
+    space = as_space(space)
+    n = draw(world_sizes(space))
+    case = {"check": "sharder_roundtrip", "world_size": n, "seed": draw(seeds),
+            **with_payload({}, draw(payload_dtypes(space))),
+            "shape": [draw(st.integers(min_value=1, max_value=3)), draw(st.integers(min_value=1, max_value=19)),
+                      draw(st.integers(min_value=1, max_value=3))]}
+    if n == 1 and draw(st.booleans()):
+        case["mesh"] = "none"
+    return draw(with_impl(case, space))
+
+
+# ------------------------------------------------------------------------------------ golden files
+def _gather_arrays(case: dict, expected: dict) -> dict[str, torch.Tensor]:
+    out = {"expected_output": expected["value"]}
+    if expected["differentiable"]:
+        out["expected_grad"] = expected["total"]
+    return out
+
+
+def _history_arrays(case: dict, expected: dict) -> dict[str, torch.Tensor]:
+    n = int(case["world_size"])
+    _, L, _ = case["shape"]
+    h = int(case["width"]) - 1
+    padded = expected["padded"]
+    out = {"expected_history": torch.stack([padded[:, r * L:r * L + L + h] for r in range(n)])}
+    if expected["grad_total"] is not None:
+        out["expected_grad"] = expected["grad_total"][:, h:h + n * L]
+    return out
+
+
+def _grad_axis(axis: int):
+    def rank_axis(case: dict, tensor: str) -> int | None:
+        return axis if tensor == "grad" else None
+    return rank_axis
+
+
+GATHER_SEQUENCE = register(
+    "gather_sequence", rank=_gather_rank(1, "gather_sequence"), evaluate=_gather_evaluate(1),
+    expect=_gather_expect(1), functions=("inkling2.gather_sequence",), comm_minimum=comm_minimum.gather,
+    golden=GoldenContents(
+        cases={
+            "gather_sequence-n1-nomesh": {
+                "check": "gather_sequence", "world_size": 1, "mesh": "none", "seed": 101, "dtype": "float64",
+                "shape": [2, 3, 4], "differentiable": True},
+            "gather_sequence-n4-float32": {
+                "check": "gather_sequence", "world_size": 4, "seed": 102, "dtype": "float32",
+                "shape": [2, 3, 2], "differentiable": True},
+            # bfloat16: the gradient sums in float32 and rounds once (the check's own oracle, cases.accumulate)
+            "gather_sequence-n3-bfloat16": {
+                "check": "gather_sequence", "world_size": 3, "seed": 119, "dtype": "bfloat16",
+                "shape": [1, 2, 3], "differentiable": True},
+        },
+        oracle_arrays=_gather_arrays, token_arrays=frozenset({"expected_output", "expected_grad"}),
+        rank_axis=_grad_axis(1)),
+    rows=(VerifyRow("inkling2.gather_sequence", lambda space: gather_cases(space, check="gather_sequence"),
+                    ("inkling2.gather_sequence",), PAYLOADS, position=0),))
+GATHER_TOKENS = register(
+    "gather_tokens", rank=_gather_rank(0, "gather_tokens"), evaluate=_gather_evaluate(0),
+    expect=_gather_expect(0), functions=("mistral_large4.gather_tokens",), comm_minimum=comm_minimum.gather,
+    golden=GoldenContents(
+        cases={
+            "gather_tokens-n3": {
+                "check": "gather_tokens", "world_size": 3, "seed": 103, "dtype": "float64",
+                "shape": [5, 2], "differentiable": True},
+            "gather_tokens-n8-int64": {
+                "check": "gather_tokens", "world_size": 8, "seed": 104, "dtype": "float64",
+                "shape": [2, 3], "differentiable": False, "value_dtype": "int64"},
+        },
+        oracle_arrays=_gather_arrays, rank_axis=_grad_axis(0)),
+    rows=(VerifyRow("mistral_large4.gather_tokens", lambda space: gather_cases(space, check="gather_tokens"),
+                    ("mistral_large4.gather_tokens",), PAYLOADS, position=4),))
+CONVOLUTION_HISTORY = register(
+    "convolution_history", rank=_history_rank, evaluate=_history_evaluate, expect=_history_expect,
+    functions=("inkling2.convolution_history",), comm_minimum=comm_minimum.halo,
+    golden=GoldenContents(
+        cases={  # width - 1 longer than a shard: the history spans several ranks
+            "convolution_history-n4-width5-local1": {
+                "check": "convolution_history", "world_size": 4, "seed": 105, "dtype": "float64",
+                "shape": [2, 1, 3], "width": 5},
+            "convolution_history-n8-width4-local2": {
+                "check": "convolution_history", "world_size": 8, "seed": 106, "dtype": "float32",
+                "shape": [1, 2, 2], "width": 4},
+        },
+        oracle_arrays=_history_arrays, token_arrays=frozenset({"expected_grad"}), rank_axis=_grad_axis(1)),
+    rows=(VerifyRow("inkling2.convolution_history", history_cases, ("inkling2.convolution_history",), PAYLOADS,
+                    position=1),))
 
 
 
@@ -233,5 +362,10 @@ def _sharder_evaluate(case: dict, outputs: list) -> CaseReport:
     return report
 
 
-SHARDER_ROUNDTRIP = register("sharder_roundtrip", rank=_sharder_rank, evaluate=_sharder_evaluate,
-         functions=("sharder.shard_token_tensor", "sharder.gather_token_tensor", "sharder.local_token_global_indices"))
+_SHARDER_VERBS = ("sharder.shard", "sharder.shard_token_tensor", "sharder.local_token_global_indices",
+                  "sharder.gather_token_tensor")
+SHARDER_ROUNDTRIP = register(
+    "sharder_roundtrip", rank=_sharder_rank, evaluate=_sharder_evaluate,
+    functions=("sharder.shard_token_tensor", "sharder.gather_token_tensor", "sharder.local_token_global_indices"),
+    rows=(VerifyRow("sharder.shard_token_tensor + gather_token_tensor", sharder_cases, _SHARDER_VERBS, PAYLOADS,
+                    position=7),))

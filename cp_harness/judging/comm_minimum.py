@@ -27,8 +27,9 @@ size) has no byte count, so no ratio is made from a report holding any:
 ``per_rank_moved`` raise ``UnaccountedCommunication``, and
 ``unaccounted_ops`` names the ops.
 
-``per_rank_minimum`` gives the same minimum per rank, sent and received
-apart (``minimum`` is the sum of its ``sent`` column); ``per_rank_moved``
+Each check names its pattern (``Check.comm_minimum``: ``gather``, ``halo``,
+``boundary_labels``, ``nothing``), which gives the minimum per rank, sent and
+received apart (``total`` is the sum of its ``sent`` column); ``per_rank_moved``
 reads what each rank of a report sent and received, payload and control
 apart. The received minimum is a hard lower bound for every rank (the
 bytes it needs from others); the sent minimum is each rank's share of the
@@ -78,52 +79,68 @@ def moved(report) -> tuple[int, int]:
     return payload, control
 
 
-def minimum(case: dict) -> int | None:
-    """Least bytes (summed over ranks) the case's documented call must send; ``None`` when not defined (models)."""
-    per_rank = per_rank_minimum(case)
+def total(per_rank: list[tuple[int, int]] | None) -> int | None:
+    """Least bytes summed over ranks (the ``sent`` column of a per-rank minimum); ``None``: no closed form."""
     return None if per_rank is None else sum(sent for sent, _ in per_rank)
 
 
 _NON_FLOAT = ("int64", "int32", "bool")
 
 
-def per_rank_minimum(case: dict) -> list[tuple[int, int]] | None:
-    """``[(sent, received), ...]`` per CP rank: the least bytes the case's call must move; ``None`` for models."""
+def _nothing_moves(case: dict) -> bool:
+    return int(case["world_size"]) == 1 or case.get("mesh") == "none"
+
+
+def nothing(case: dict) -> list[tuple[int, int]]:
+    """Layout and sharding hooks: every rank holds the global batch, nothing must move."""
+    return [(0, 0)] * int(case["world_size"])
+
+
+def gather(case: dict) -> list[tuple[int, int]]:
+    """A gather of local ``shape`` (``value_dtype`` or ``dtype`` payload): ``(N-1)`` shards each way per rank,
+    twice when the payload is differentiated (its backward returns every slice to its owner)."""
+    if _nothing_moves(case):
+        return nothing(case)
     n = int(case["world_size"])
-    check = case["check"]
-    if check not in ("gather_sequence", "gather_tokens", "convolution_history", "shifted_cp_loss") \
-            and not check.endswith("_layout"):
-        return None
-    if n == 1 or case.get("mesh") == "none" or check.endswith("_layout"):
-        return [(0, 0)] * n
-    if check in ("gather_sequence", "gather_tokens"):
-        value_dtype = case.get("value_dtype")
-        itemsize = _ITEMSIZE[value_dtype or case.get("dtype", "float64")]
-        local = int(np.prod(case["shape"])) * itemsize
-        # The check differentiates float payloads unless the case says otherwise (its default is True).
-        passes = 2 if case.get("differentiable", True) and value_dtype not in _NON_FLOAT else 1
-        return [(passes * (n - 1) * local,) * 2] * n
-    if check == "convolution_history":
-        B, L, C = (int(x) for x in case["shape"])
-        history = int(case["width"]) - 1
-        value_dtype = case.get("value_dtype")
-        row = B * C * _ITEMSIZE[value_dtype or case.get("dtype", "float64")]
-        differentiable = value_dtype not in _NON_FLOAT  # integer/bool payloads: no gradient travels back
+    value_dtype = case.get("value_dtype")
+    itemsize = _ITEMSIZE[value_dtype or case.get("dtype", "float64")]
+    local = int(np.prod(case["shape"])) * itemsize
+    # The gather checks differentiate float payloads unless the case says otherwise (their default is True).
+    passes = 2 if case.get("differentiable", True) and value_dtype not in _NON_FLOAT else 1
+    return [(passes * (n - 1) * local,) * 2] * n
 
-        def needs(dst: int, src: int) -> int:  # rows of src's shard inside dst's history
-            return max(0, min((src + 1) * L, dst * L) - max(dst * L - history, src * L))
 
-        out = []
-        for r in range(n):
-            incoming = sum(needs(r, s) for s in range(r))  # = min(history, r * L)
-            outgoing = sum(needs(d, r) for d in range(r + 1, n))
-            # Forward: rows in, own rows out; backward: their gradients the other way.
-            if differentiable:
-                out.append(((incoming + outgoing) * row, (incoming + outgoing) * row))
-            else:
-                out.append((outgoing * row, incoming * row))
-        return out
-    # shifted_cp_loss: rank r gets one label per row from r+1, and every rank learns every count.
+def halo(case: dict) -> list[tuple[int, int]]:
+    """A causal halo of ``width - 1`` rows before each shard of local shape ``[B, L, C]``, and its gradient back."""
+    if _nothing_moves(case):
+        return nothing(case)
+    n = int(case["world_size"])
+    B, L, C = (int(x) for x in case["shape"])
+    history = int(case["width"]) - 1
+    value_dtype = case.get("value_dtype")
+    row = B * C * _ITEMSIZE[value_dtype or case.get("dtype", "float64")]
+    differentiable = value_dtype not in _NON_FLOAT  # integer/bool payloads: no gradient travels back
+
+    def needs(dst: int, src: int) -> int:  # rows of src's shard inside dst's history
+        return max(0, min((src + 1) * L, dst * L) - max(dst * L - history, src * L))
+
+    out = []
+    for r in range(n):
+        incoming = sum(needs(r, s) for s in range(r))  # = min(history, r * L)
+        outgoing = sum(needs(d, r) for d in range(r + 1, n))
+        # Forward: rows in, own rows out; backward: their gradients the other way.
+        if differentiable:
+            out.append(((incoming + outgoing) * row, (incoming + outgoing) * row))
+        else:
+            out.append((outgoing * row, incoming * row))
+    return out
+
+
+def boundary_labels(case: dict) -> list[tuple[int, int]]:
+    """A shifted loss: rank ``r`` gets one label per row from ``r+1``, and every rank learns every count."""
+    if _nothing_moves(case):
+        return nothing(case)
+    n = int(case["world_size"])
     rows = len(case["batch"]["docs"] if case["batch"]["format"] == "thd" else case["batch"]["rows"])
     label, count = rows * 8, (n - 1) * 8
     return [((label if r > 0 else 0) + count, (label if r < n - 1 else 0) + count) for r in range(n)]
@@ -145,13 +162,14 @@ def per_rank_moved(report) -> list[dict[str, int]]:
     return out
 
 
-def moved_and_minimum(case: dict, report) -> tuple[int | None, int]:
-    """``(payload moved, minimum)`` for the verify table; models contribute to neither (no closed form).
+def moved_and_minimum(report, per_rank_minimum: list[tuple[int, int]] | None) -> tuple[int | None, int]:
+    """``(payload moved, minimum)`` for the verify table, given the check's per-rank minimum of the report's
+    case; calls without a closed form (the models) contribute to neither.
 
     Payload moved is ``None`` when the report holds unaccounted communication (``unaccounted_ops``):
     its bytes are unknown, and a ratio made from the rest would be wrong.
     """
-    need = minimum(case)
+    need = total(per_rank_minimum)
     if unaccounted_ops(report):
         return None, need or 0
     if need is None:

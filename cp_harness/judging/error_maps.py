@@ -35,7 +35,6 @@ MAX_CELL = 28
 ROW_HEIGHT = (14, 40)  # pixels per batch row: min, max
 FONT_SCALE = 2
 
-BLACK = (0, 0, 0)
 BACKGROUND = (24, 24, 28)
 TEXT = (230, 230, 230)
 DIM_TEXT = (150, 150, 160)

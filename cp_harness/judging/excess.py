@@ -46,56 +46,14 @@ budget is loose or cannot be stated.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
 
-from cp_harness.cases.descriptions import LOW_PRECISION
+from cp_harness.judging.policy import ExcessRule
 
-ARITHMETIC_CHECKS = ("shifted_cp_loss", "model")
-
-
-@dataclasses.dataclass(frozen=True)
-class ExcessRule:
-    """``limit``: the factor ``c``; ``floor``: ULPs CP may add over an exact baseline."""
-
-    limit: float
-    floor: float
-
-
-# c = 2: CP may at most double the one-rank error; k: the floor at the tensor's scale. Measured with
-# ``python -m cp_harness.calibrate`` on cp_impl and tests/fixtures/alt_reduction_order (seeds 0 and 1, 300
-# cases per row and dtype, world sizes 1-8): at these floors no tensor needed more than c = 0.37 (margin
-# 5.4); float64 needs the larger floor because its one-rank run is often exact (0 ULP) while CP's own
-# roundings (N x scaling, the average over ranks, reordered sums) reach 6.7 ULP. Figures: README.
-LIMIT = 2.0
-FLOOR = {"float64": 16.0, "float32": 4.0, "bfloat16": 4.0, "float16": 4.0}
-RULES: dict[tuple[str, str], ExcessRule] = {
-    (check, dtype): ExcessRule(LIMIT, floor) for check in ARITHMETIC_CHECKS for dtype, floor in FLOOR.items()
-}
-
-
-def rule_for(case: dict) -> ExcessRule:
-    key = (case["check"], case.get("dtype", "float64"))
-    if key not in RULES:
-        raise KeyError(f"no excess rule for {key}; add one to cp_harness.judging.excess.RULES")
-    return RULES[key]
-
-
-def baseline_case(case: dict) -> dict | None:
-    """The one-rank run that ``case`` is judged against, or ``None`` (not arithmetic, or already one rank).
-
-    Same description with ``world_size = 1`` (a mesh of size one). The loss check draws its logits for
-    the sequence padded to a multiple of the CP size: ``pad_multiple`` keeps the CP case's logits.
-    """
-    if case.get("check") not in ARITHMETIC_CHECKS or int(case.get("world_size", 1)) <= 1:
-        return None
-    base = {k: v for k, v in case.items() if k != "mesh"}
-    base["world_size"] = 1
-    if case["check"] == "shifted_cp_loss":
-        base["pad_multiple"] = int(case.get("pad_multiple", case["world_size"]))
-    return base
+# The rule (c and the floors) is the judging policy's (``cp_harness.judging.policy``); which checks are
+# arithmetic and what their one-rank baseline is, the check's (``Check.arithmetic``, ``Check.baseline_case``).
 
 
 def baseline_name(name: str) -> str | None:
@@ -151,9 +109,8 @@ def _aligned(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray] | No
     return None
 
 
-def apply(report, baseline_report, rule: ExcessRule | None = None) -> None:
+def apply(report, baseline_report, rule: ExcessRule) -> None:
     """Judge every ULP comparison of ``report`` against its counterpart in ``baseline_report`` (in place)."""
-    rule = rule or rule_for(report.case)
     reference = {c.name: c for c in baseline_report.comparisons if c.mode == "ulp"}
     for comp in report.comparisons:
         ref = reference.get(baseline_name(comp.name)) if comp.mode == "ulp" else None

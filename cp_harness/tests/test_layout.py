@@ -2,12 +2,12 @@
 
 from hypothesis import example, given, settings
 
-from cp_harness.cases import strategies
+from cp_harness.checks.layout import layout_cases
 from cp_harness.cases.profiles import examples
 
 
 @settings(max_examples=examples(3.0))
-@given(case=strategies.layout_cases())
+@given(case=layout_cases())
 @example(case={"check": "inkling2_layout", "world_size": 3, "seed": 7, "model": "inkling2", "num_chunks": 1,
                "batch": {"format": "thd", "seq_len": 10, "docs": [[[1, 1], [0, 2], [4, 5]]], "eos_is_pad": True}})
 @example(case={"check": "mistral_large4_layout", "world_size": 8, "seed": 8, "model": "mistral_large4",

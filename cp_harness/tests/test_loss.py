@@ -6,12 +6,12 @@ same implementation (``cp_harness.judging.excess``)."""
 
 from hypothesis import example, given, settings
 
-from cp_harness.cases import strategies
+from cp_harness.checks.loss import loss_cases
 from cp_harness.cases.profiles import examples
 
 
 @settings(max_examples=examples(2.0))
-@given(case=strategies.loss_cases())
+@given(case=loss_cases())
 @example(case={"check": "shifted_cp_loss", "world_size": 2, "seed": 5, "model": "mistral_large4", "dtype": "float64",
                "vocab": 7, "batch": {"format": "bshd", "seq_len": 6, "rows": [[0, 0], [0, 0]]}})  # nothing counts
 @example(case={"check": "shifted_cp_loss", "world_size": 4, "seed": 6, "model": "mistral_large4", "dtype": "float64",

@@ -1,6 +1,6 @@
 """Malformed inputs are rejected on every rank, quickly, naming the field, leaving the batch alone.
 
-Every entry of ``cp_harness.cases.malformed_inputs.CATALOGUE`` runs on the session's rank
+Every entry of ``cp_harness.cases.malformed_catalogue.CATALOGUE`` runs on the session's rank
 pool (a real gloo group; CP sizes 2, 3 and 4 in turn, within
 ``--cp-world-sizes``). Each rank must raise an accepted exception type whose
 message names the field, within ``TIME_LIMIT_S`` seconds, with the caller's
@@ -16,7 +16,9 @@ import pytest
 
 from cp_harness import run_summary as stats
 from cp_harness.cases.implementation import REQUIRED
-from cp_harness.cases.malformed_inputs import CATALOGUE, TIME_LIMIT_S, FUNCTIONS, world_size_for
+from cp_harness.cases.malformed_catalogue import CATALOGUE, world_size_for
+from cp_harness.cases.malformed_inputs import FUNCTIONS, TIME_LIMIT_S
+from cp_harness.checks.malformed import case_for
 
 COUNTER = "malformed inputs tried"
 
@@ -39,9 +41,9 @@ def test_malformed_input_is_rejected_on_every_rank(cp_runner, cp_world_sizes, in
     starts_before = pool.starts if pool.running else None
     stats.count(COUNTER)
     # The pool's own deadline is the time limit: a rank that hangs fails the test after it, naming the rank.
-    cp_runner.check(entry.case(n), timeout=TIME_LIMIT_S)
+    cp_runner.check(case_for(entry, n), timeout=TIME_LIMIT_S)
     starts = pool.starts
     assert starts_before is None or starts == starts_before, "the pool restarted while running a malformed input"
     # The next case runs on the same ranks: the valid base input must pass, without a restart.
-    cp_runner.check(entry.case(n, control=True), timeout=TIME_LIMIT_S)
+    cp_runner.check(case_for(entry, n, control=True), timeout=TIME_LIMIT_S)
     assert pool.starts == starts, "the pool had to restart after a malformed input"

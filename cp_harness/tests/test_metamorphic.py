@@ -10,10 +10,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cp_harness.cases import strategies
-from cp_harness.judging.budgets import budget_for
+from cp_harness.checks.models import MODEL, model_cases
+from cp_harness.judging.policy import STRICT
 from cp_harness.cases.descriptions import canonical, with_changes
-from cp_harness.checks import reported_layout
+from cp_harness.checks._token_layout import reported_layout
 from cp_harness.judging.compare import compare
 from cp_harness.cases.profiles import examples
 from oracle.layout import layout_from_batch
@@ -36,7 +36,7 @@ def _outputs_or_fail(cp_runner, case):
 
 
 @settings(max_examples=examples(0.3))
-@given(case=strategies.model_cases(max_len=20), padding_seed=st.integers(min_value=1, max_value=2**31 - 1))
+@given(case=model_cases(max_len=20), padding_seed=st.integers(min_value=1, max_value=2**31 - 1))
 def test_padding_contents_never_change_real_results(cp_runner, case, padding_seed):
     base = with_changes(case, batch=dict(case["batch"], given_positions=True))
     noisy = with_changes(case, batch=dict(case["batch"], given_positions=True, padding_seed=padding_seed))
@@ -62,13 +62,13 @@ def test_padding_contents_never_change_real_results(cp_runner, case, padding_see
 
 
 @settings(max_examples=examples(0.2))
-@given(case=strategies.model_cases(allowed_sizes=(2, 3, 4, 8), max_len=20))
+@given(case=model_cases((2, 3, 4, 8), max_len=20))
 def test_results_do_not_depend_on_cp_size(cp_runner, case):
     one = with_changes(case, world_size=1)
     one.pop("mesh", None)
     single, multi = _outputs_or_fail(cp_runner, one), _outputs_or_fail(cp_runner, case)
     n = int(case["world_size"])
-    budget = budget_for("model", case)
+    budget = STRICT.budget(MODEL, case.get("dtype", "float64"))
     S = build_batch(case)["input_ids"].shape[1]
     many, one_rank = reported_layout(multi, S), reported_layout(single, S)  # any padding, any index map
     kw = dict(mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction)

@@ -7,12 +7,12 @@ the data-movement checks and the loss only."""
 
 from hypothesis import example, given, settings
 
-from cp_harness.cases import strategies
+from cp_harness.checks.models import model_cases
 from cp_harness.cases.profiles import examples
 
 
 @settings(max_examples=examples(2.0))
-@given(case=strategies.model_cases(dtypes=("float64",)))
+@given(case=model_cases(dtypes=("float64",)))
 @example(case={"check": "model", "world_size": 8, "seed": 10, "model": "inkling2", "dtype": "float64", "num_chunks": 1,
                "batch": {"format": "thd", "seq_len": 13, "docs": [[[1, 1], [6, 7], [0, 1], [3, 3]]],
                          "images": [[0, 2, 2, 4]], "eos_is_pad": True}})  # image across a boundary, L=2 < W-1=3
@@ -33,13 +33,13 @@ def test_models_match_oracle_float64(cp_runner, case):
 
 
 @settings(max_examples=examples(0.5))
-@given(case=strategies.model_cases(dtypes=("float32",)))
+@given(case=model_cases(dtypes=("float32",)))
 def test_models_match_oracle_float32(cp_runner, case):
     cp_runner.check(case)
 
 
 @settings(max_examples=examples(0.5))
-@given(case=strategies.model_cases(dtypes=("bfloat16",)))
+@given(case=model_cases(dtypes=("bfloat16",)))
 @example(case={"check": "model", "world_size": 4, "seed": 19, "model": "mistral_large4", "dtype": "bfloat16",
                "num_chunks": 1, "shard_primary": True,
                "batch": {"format": "thd", "seq_len": 14, "docs": [[[6, 6], [8, 8]]]}})

@@ -2,12 +2,12 @@
 
 from hypothesis import example, given, settings
 
-from cp_harness.cases import strategies
+from cp_harness.checks.positions import position_cases
 from cp_harness.cases.profiles import examples
 
 
 @settings(max_examples=examples(1.5))
-@given(case=strategies.position_cases())
+@given(case=position_cases())
 @example(case={"check": "validate_document_positions", "world_size": 2, "seed": 1, "model": "inkling2",
                "batch": {"format": "thd", "seq_len": 9, "docs": [[[3, 4], [4, 5]]]},
                "corruption": {"kind": "resume", "row": 0, "nth": 0}})  # a gap must not resume a document
