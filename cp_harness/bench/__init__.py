@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from cp_harness.verify import json_safe
+from cp_harness.judging.serialize import json_safe
 
 DEFAULT_JSON = "reports/bench.json"
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,4 +5,5 @@
 * ``excess`` -- the excess judge: CP error against one rank of the same implementation.
 * ``comm_minimum`` -- the analytic least communication of each collective pattern.
 * ``error_maps`` -- PNG pictures of where a token-aligned tensor is wrong.
+* ``serialize`` -- report values as strict JSON (non-finite floats as strings).
 """
