@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import platform
 import sys
@@ -41,6 +40,7 @@ from cp_harness.instruments import coverage
 from cp_harness.judging import comm_minimum
 from cp_harness.judging.render import condensed_text
 from cp_harness.judging.error_maps import error_map_dir, write_error_maps
+from cp_harness.judging.serialize import json_safe
 from cp_harness.ranks.pool import PoolConfig, RankPool
 from cp_harness.runner import CaseRunner, repro_command
 
@@ -276,17 +276,6 @@ def dtype_totals(rows: list[Row]) -> tuple[dict[str, int], dict[str, int]]:
         for d, n in row.failed_by_dtype.items():
             failed[d] = failed.get(d, 0) + n
     return examples, failed
-
-
-def json_safe(value):
-    """Non-finite floats as strings (``"inf"``), so that the file is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 def report_dict(*, impl: str, backend: str, world_sizes, seed: int, examples: int, seconds: float, rows: list[Row],

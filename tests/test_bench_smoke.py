@@ -12,15 +12,15 @@ import io
 import json
 from pathlib import Path
 
-from cp_harness import bench
+from cp_harness.bench.options import parse_options
+from cp_harness.bench.run import run_bench
 
 
 def test_bench_quick_writes_report(tmp_path: Path, cp_runner) -> None:
     path = tmp_path / "bench.json"
-    args = bench._settle(bench.build_parser().parse_args(
-        ["--quick", "--skip-suite", "--skip-fresh", "--json", str(path), "--impl", cp_runner.impl]))
+    options = parse_options(["--quick", "--skip-suite", "--skip-fresh", "--json", str(path), "--impl", cp_runner.impl])
     out = io.StringIO()
-    code, _ = bench.run_bench(args, stream=out, runner=cp_runner)
+    code, _ = run_bench(options, stream=out, runner=cp_runner)
     text = out.getvalue()
     assert code == 0, text[-6000:]
     report = json.loads(path.read_text())

@@ -8,4 +8,5 @@
 * ``verdicts`` -- the verdict model (``CaseReport``): comparisons and problems as data.
 * ``render`` -- the one renderer of verdicts as text.
 * ``error_maps`` -- PNG pictures of where a token-aligned tensor is wrong.
+* ``serialize`` -- report values as strict JSON (non-finite floats as strings).
 """
