@@ -191,8 +191,8 @@ def _run_warm(pool, cases: list[dict]) -> list[dict]:
     """Sequential mode (as before the overlap): run each case, then judge it (oracle, then comparison).
 
     One timing record per case; a failing case raises. ``ranks``: the slowest rank's time on the case;
-    ``transport``: the request's and the reply's way (``RankPool._timing``); ``oracle``: ``checks.expect``;
-    ``compare``: ``checks.evaluate`` given the oracle's result.
+    ``transport``: the request's and the reply's way (``ranks.tickets.TicketQueue._timing``);
+    ``oracle``: ``checks.expect``; ``compare``: ``checks.evaluate`` given the oracle's result.
     """
     from cp_harness import checks
     from cp_harness.runner import failure_message
