@@ -13,7 +13,7 @@ from __future__ import annotations
 from cp_harness.bench.options import BenchOptions
 from cp_harness.bench.progress import log
 from cp_harness.bench.timed_runs import judge_case
-from cp_harness.checks import loss, transport
+from cp_harness.checks import check_of, loss, transport
 
 HALO_FUNCTION = "inkling2.convolution_history"
 
@@ -86,7 +86,7 @@ def _case_entry(runner, function: str, detail: str, case: dict, repeat: int) -> 
 
     report = judge_case(runner.pool, case)
     moved = comm_minimum.per_rank_moved(report)
-    need = comm_minimum.per_rank_minimum(case)
+    need = check_of(case).least_communication(case)
     entry = {"function": function, "detail": detail, "case": case, "world_size": case["world_size"],
              "sent": [m["sent"] for m in moved], "recv": [m["recv"] for m in moved],
              "min_sent": [s for s, _ in need], "min_recv": [r for _, r in need],

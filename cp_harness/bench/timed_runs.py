@@ -3,7 +3,7 @@
 Every timed case is judged; a failing case raises :class:`BenchCaseFailed`,
 because the numbers of a wrong implementation mean nothing. Per case the time
 is split into ``ranks`` (the slowest rank's time on the case), ``transport``
-(the request's and the reply's way, ``RankPool._timing``), ``oracle``
+(the request's and the reply's way, ``TicketQueue._timing``), ``oracle``
 (``checks.expect``) and ``compare`` (``checks.evaluate`` given the oracle's result).
 """
 

@@ -69,6 +69,7 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
 
     from cp_harness.checks import load_checks
     from cp_harness.cases.implementation import impl_names, load_impl
+    from cp_harness.ranks.diagnosis import exit_line
 
     torch.set_num_threads(1)  # before any tensor work: no OpenMP pool may exist at the fork
     for name in impl_names(args.impl):
@@ -108,8 +109,8 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
         code = os.waitstatus_to_exitcode(wait_status)
         if rank is None or code == 0:
             continue
-        print(f"cp_harness.ranks.worker: rank {rank} (pid {pid}) exited with {code}; ending ranks "
-              f"{sorted(children.values())}", file=sys.stderr, flush=True)
+        # The pool names the rank of the first such line as the one that failed (diagnosis.exits_in_log).
+        print(exit_line(rank, pid, code, children.values()), file=sys.stderr, flush=True)
         status = status or 1
         for other in children:
             try:

@@ -12,7 +12,7 @@ its own, point-to-point: what is sent, all-reduce ``(N-1) * bytes`` (every peer 
 any all-reduce can send. The cp_impl handshake (a first all-gather of at most 32 integers) is control, left out
 as the meter does. ``meter`` is what ``cp_harness.instruments.comm_meter`` would count today: it wraps the ``*_single`` /
 ``*_tensor`` collectives, ``all_reduce``, ``broadcast`` and point-to-point, not ``all_gather`` / ``scatter`` /
-``reduce_scatter`` on tensor lists. The minimum is ``cp_harness.judging.comm_minimum.minimum`` of the matching case.
+``reduce_scatter`` on tensor lists. The minimum is the matching case's check's ``least_communication`` (summed over ranks).
 """
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ def run_rank(rank: int, world: int, port: int, queue) -> None:
     warnings.simplefilter("ignore")  # torch.distributed.nn.functional's deprecation notice, once per call site
     from torch.distributed.device_mesh import DeviceMesh
 
+    from cp_harness.checks import check_of
     from cp_harness.judging import comm_minimum
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -162,7 +163,7 @@ def run_rank(rank: int, world: int, port: int, queue) -> None:
             ring = sum(c[2] for c in calls)
             meter = sum(c[1] for c in calls if c[0] in METER_SEES)
             ops = sorted({c[0] for c in calls})
-            rows.append((name, world, moved, ring, meter, comm_minimum.minimum(case), ops))
+            rows.append((name, world, moved, ring, meter, comm_minimum.total(check_of(case).least_communication(case)), ops))
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()

@@ -1,0 +1,116 @@
+"""Which rank failed a case, and how: a pure function of what the pool observed.
+
+``diagnose`` takes plain data -- the replies that came back, the ranks that
+did not answer, a connection that closed, which ranks the launcher saw exit
+(and with what code or signal), the launcher's log, the stacks of stuck ranks,
+the case and its timeout -- and returns the ``RankFailure`` to raise, or
+``None`` when every rank answered normally. No process is needed to call it,
+so each kind of failure is testable on its own (``tests/test_pool_diagnosis.py``);
+the pool (``tickets``) gathers the evidence and tears itself down after a failure.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+from cp_harness.ranks.outputs import RankFailure, RankOutput
+
+# How the fork launcher (``worker.launch``) reports a rank that exited abnormally: the first such line names
+# the rank that started the failure; the launcher then ends the others (their lines follow, with -9).
+_EXIT_PREFIX = "cp_harness.ranks.worker: rank"
+_EXITED = re.compile(r"^cp_harness\.ranks\.worker: rank (\d+) \(pid \d+\) exited with (-?\d+)", re.MULTILINE)
+STACK_LINES = 25  # lines of each stuck rank's stack dump that a failure shows
+
+
+def exit_line(rank: int, pid: int, code: int, others: Sequence[int]) -> str:
+    """The launcher's log line for a rank that exited with ``code`` (negative: killed by that signal)."""
+    return f"{_EXIT_PREFIX} {rank} (pid {pid}) exited with {code}; ending ranks {sorted(others)}"
+
+
+def exits_in_log(log: str) -> list[tuple[int, int]]:
+    """``(rank, exit code)`` of each abnormal exit the fork launcher logged, first first (none under torchrun)."""
+    return [(int(rank), int(code)) for rank, code in _EXITED.findall(log)]
+
+
+def looks_like_timeout(message: str | None) -> bool:
+    """Whether a rank's error is a consequence of a peer's failure (it gave up waiting, or lost the peer)."""
+    text = (message or "").lower()
+    return any(sign in text for sign in ("timed out", "timeout", "connection closed by peer", "connection reset by peer",
+                                         "broken pipe"))
+
+
+def format_stacks(stacks: Mapping[int, str], ranks: Sequence[int]) -> str:
+    """The stack dumps of ``ranks`` (those that wrote one), the last ``STACK_LINES`` non-blank lines of each."""
+    parts = []
+    for rank in ranks:
+        if rank not in stacks:
+            continue
+        lines = [line for line in stacks[rank].splitlines() if line.strip()]
+        parts.append(f"--- stack of rank {rank} ---\n" + "\n".join(lines[-STACK_LINES:]))
+    return "\n".join(parts)
+
+
+def diagnose(case: dict, *, timeout: float, replies: Mapping[int, RankOutput], unanswered: Sequence[int] = (),
+             launcher: str = "fork", send_error: tuple[int, str] | None = None,
+             closed: tuple[int, str] | None = None, off_protocol: tuple[int, str] | None = None,
+             launcher_exit: int | None = None, exits: Sequence[tuple[int, int]] = (), log: str = "",
+             stacks: Mapping[int, str] | None = None) -> RankFailure | None:
+    """The failure of ``case`` from what the pool observed, or ``None`` when every rank answered normally.
+
+    ``replies``: rank -> its decoded reply, in the order they arrived. ``unanswered``: ranks that sent no
+    reply within ``timeout`` seconds (or before the wait stopped). ``send_error``: ``(rank, message)`` when
+    the case could not be sent to a rank. ``closed``: ``(rank, wire error)`` when a rank's connection closed
+    instead of replying. ``off_protocol``: ``(rank, message)`` when a rank sent something else than its reply.
+    ``launcher_exit``: the launcher's exit code (``None``: still running). ``exits``: ``(rank, exit code)``
+    of the ranks the launcher saw exit, first first (``exits_in_log``; a negative code is a signal).
+    ``log``: the tail of the launcher's log. ``stacks``: rank -> its stack dump (stuck ranks only).
+    """
+    outputs = list(replies.values())
+    if send_error is not None:
+        rank, message = send_error
+        return _failure(case, message, rank=rank, kind="exited", outputs=[])
+    if closed is not None:
+        rank, error = closed
+        # The fork launcher ends the other ranks when one exits, so the first closed connection may be a rank
+        # it ended; it logs which rank exited first.
+        culprit = exits[0][0] if exits else rank
+        seen = "" if culprit == rank else f"; rank {rank}'s connection closed when the launcher ended it"
+        own = replies.get(culprit)
+        # A rank that replied before exiting (SystemExit in the case) left its own traceback in the reply.
+        told = (f"--- traceback of rank {culprit} ---\n{own.traceback}\n"
+                if own is not None and not own.ok and own.traceback else "")
+        return _failure(case, f"rank {culprit} exited while running the case ({error}{seen}; "
+                              f"{launcher} exit code {launcher_exit}).\n{told}"
+                              f"{launcher} log tail:\n{log}",
+                        rank=culprit, kind="exited", outputs=outputs)
+    if off_protocol is not None:
+        rank, message = off_protocol
+        return _failure(case, message, rank=rank, kind="protocol", outputs=outputs)
+    errors = sorted((o for o in outputs if not o.ok), key=lambda o: o.seconds)
+    stuck = sorted(unanswered)
+    if not stuck and not errors:
+        return None
+    # Something went wrong: name the rank that started it.
+    dumps = format_stacks(stacks or {}, stuck)
+    root = next((o for o in errors if not looks_like_timeout(o.message)), None)
+    followers = [o.rank for o in errors if o is not root]
+    if root is not None:
+        return _failure(case, f"rank {root.rank} raised {root.error_type}: {root.message}\n"
+                              + (f"ranks {followers} then failed waiting for it.\n" if followers else "")
+                              + (f"ranks {stuck} then did not answer (waiting in a collective for it).\n"
+                                 if stuck else "")
+                              + f"--- traceback of rank {root.rank} ---\n{root.traceback}{dumps}",
+                        rank=root.rank, kind="raised", outputs=outputs)
+    if stuck:
+        return _failure(case, f"ranks {stuck} did not answer within {timeout:.1f} s (hung)"
+                              + (f"; ranks {followers} timed out in a collective waiting for them" if followers else "")
+                              + f"; ranks {sorted(set(replies) - set(followers))} answered normally.\n{dumps}",
+                        rank=stuck[0], kind="hung", outputs=outputs)
+    first = errors[0]
+    return _failure(case, f"rank {first.rank} raised {first.error_type}: {first.message}\n{first.traceback}",
+                    rank=first.rank, kind="raised", outputs=outputs)
+
+
+def _failure(case: dict, message: str, *, rank: int | None, kind: str, outputs: list[RankOutput]) -> RankFailure:
+    return RankFailure(f"{message}\ncase: {case}", rank=rank, kind=kind, case=case, outputs=outputs)
