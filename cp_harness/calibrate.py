@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{m['worst_ratio_tensors']}", flush=True)
     finally:
         runner.close()
-    print(f"{time.perf_counter() - started:.0f} s, {runner.baseline_runs} one-rank runs", file=sys.stderr)
+    print(f"{time.perf_counter() - started:.0f} s, {runner.tally.baseline_runs} one-rank runs", file=sys.stderr)
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump({"impl": args.impl, "world_sizes": list(sizes), "seed": args.seed, "examples": args.examples,

@@ -38,31 +38,27 @@ Markers: ``slow`` (deselect with ``-m "not slow"``), ``gpu`` (skipped unless
 At the end of the run the plugin prints how many CP examples ran per world
 size and per dtype (summed over xdist workers; ``layout`` counts the checks
 without a floating payload), the other counters tests record with
-``cp_harness.run_summary.count``, and the error maps failing cases wrote.
+``cp_harness.run_summary.count``, and the error maps failing cases wrote (from the runner, as data).
 """
 
 from __future__ import annotations
 
-import collections
+import json
 import os
-import re
+import time
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
 from cp_harness.cases import profiles
-from cp_harness import run_summary as stats
+from cp_harness.run_summary import SUMMARY
 from cp_harness.cases.implementation import impl_names, load_impl, primary_impl, selected_impl_name
 
 profiles.register()
 
 _WORLD_SIZES_HELP = "comma-separated positive integers, e.g. 1,2,3,4,8"
-# Error maps written by failing cases of this process (workers hand theirs to the controller).
-ERROR_MAPS: list[str] = []
-_DTYPE_COUNTER = "cp examples of dtype "
-_DTYPE_ORDER = ("float64", "float32", "bfloat16", "float16", "int64", "int32", "bool", "layout")
-_ERROR_MAP_LINE = re.compile(r"^E?\s*error maps?: (.+)$", re.MULTILINE)
+_STARTED = pytest.StashKey[float]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -82,6 +78,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="seconds one case may run on the ranks before they count as hung")
     group.addoption("--update-golden", action="store_true", default=False,
                     help="rewrite golden files whose content changed (see docs/golden.md)")
+    group.addoption("--cp-summary-json", default=None, metavar="PATH",
+                    help="also write the run summary (and pytest's outcome counts and duration) to PATH as JSON")
 
 
 def _world_sizes(config: pytest.Config) -> tuple[int, ...]:
@@ -217,19 +215,13 @@ def _skip_case(reason: str) -> None:
     pytest.skip(reason)
 
 
-def _plugin_runner_class():
-    from cp_harness.runner import CaseRunner
-
-    class PluginRunner(CaseRunner):
-        """A ``CaseRunner`` that skips cases larger than its pool."""
-
-        def admit(self, case: dict) -> None:
-            n = int(case["world_size"])
-            if n > self.config.world_size:
-                _skip_case(f"case needs {n} CP ranks; this run's pool has {self.config.world_size} "
-                           f"(--cp-world-sizes)")
-
-    return PluginRunner
+def _within(ranks: int):
+    """Admission of a pool of ``ranks``: a case that needs more is skipped, saying why."""
+    def admit(case: dict) -> None:
+        n = int(case["world_size"])
+        if n > ranks:
+            _skip_case(f"case needs {n} CP ranks; this run's pool has {ranks} (--cp-world-sizes)")
+    return admit
 
 
 @pytest.fixture(scope="session")
@@ -243,81 +235,52 @@ def cp_runner(pytestconfig: pytest.Config, cp_world_sizes, cp_impl_selection):
             raise pytest.UsageError(f"--cp-impl {name}: the implementation does not import here: "
                                     f"{type(exc).__name__}: {exc}") from exc
     timeout = pytestconfig.getoption("--cp-case-timeout")
-    runner = _plugin_runner_class()(PoolConfig(world_size=max(cp_world_sizes), backend=pytestconfig.getoption("--cp-backend"),
-                                               impl=cp_impl_selection, case_timeout=timeout,
-                                               launcher=pytestconfig.getoption("--cp-launcher"),
-                                               collective_timeout=max(10.0, timeout / 2)))
+    from cp_harness.runner import CaseRunner
+
+    runner = CaseRunner(PoolConfig(world_size=max(cp_world_sizes), backend=pytestconfig.getoption("--cp-backend"),
+                                   impl=cp_impl_selection, case_timeout=timeout,
+                                   launcher=pytestconfig.getoption("--cp-launcher"),
+                                   collective_timeout=max(10.0, timeout / 2)),
+                        admit=_within(max(cp_world_sizes)))
     try:
         yield runner
     finally:
         runner.close()
-        for size, n in runner.counts.items():
-            stats.count(f"cp examples at world size {size}", n)
-        if len(impl_names(cp_impl_selection)) > 1:
-            for name, n in runner.by_impl.items():
-                stats.count(f"cp examples of implementation {name}", n)
-        for dtype, n in runner.by_dtype.items():
-            stats.count(f"cp examples of dtype {dtype}", n)
-        if runner.baseline_runs:
-            stats.count("one-rank baseline runs (excess judge)", runner.baseline_runs)
-        # More starts than pools (one per session or xdist worker) means rank faults restarted one.
-        stats.count("rank pool starts", runner.pool.starts)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """Remember the error maps named by a failing test's message (``CaseRunner.check`` prints them)."""
-    outcome = yield
-    report = outcome.get_result()
-    if report.failed and call.when == "call":
-        for match in _ERROR_MAP_LINE.finditer(report.longreprtext or ""):
-            ERROR_MAPS.extend(p.strip() for p in match.group(1).split(", ") if p.strip().endswith(".png"))
+        SUMMARY.add_runner(runner, several_impls=len(impl_names(cp_impl_selection)) > 1)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     workeroutput = getattr(session.config, "workeroutput", None)
-    if workeroutput is not None:  # an xdist worker: hand the counters and error maps to the controller
-        workeroutput["cp_harness_stats"] = dict(stats.COUNTERS)
-        workeroutput["cp_harness_notes"] = list(stats.NOTES)
-        workeroutput["cp_harness_error_maps"] = list(ERROR_MAPS)
+    if workeroutput is not None:  # an xdist worker: hand its summary to the controller
+        workeroutput["cp_harness_summary"] = SUMMARY.as_dict()
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:
-    output = getattr(node, "workeroutput", None) or {}
-    for key, value in output.get("cp_harness_stats", {}).items():
-        stats.count(key, value)
-    for text in output.get("cp_harness_notes", []):
-        stats.note(text)
-    ERROR_MAPS.extend(output.get("cp_harness_error_maps", []))
+    SUMMARY.merge((getattr(node, "workeroutput", None) or {}).get("cp_harness_summary", {}))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_STARTED] = time.time()
+
+
+def _write_summary_json(terminalreporter, exitstatus, config: pytest.Config, path: str) -> None:
+    outcomes = {key: len(terminalreporter.stats.get(key, [])) for key in ("passed", "failed", "error", "skipped")}
+    data = {"exit_status": int(exitstatus), "seconds": time.time() - config.stash.get(_STARTED, time.time()),
+            "outcomes": outcomes, "summary": SUMMARY.as_dict()}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
-    if getattr(config, "workerinput", None) is not None or not (stats.COUNTERS or stats.NOTES or ERROR_MAPS):
+    if getattr(config, "workerinput", None) is not None:
         return
-    counters = collections.OrderedDict(sorted(stats.COUNTERS.items()))
+    if config.getoption("--cp-summary-json"):
+        _write_summary_json(terminalreporter, exitstatus, config, config.getoption("--cp-summary-json"))
+    if SUMMARY.empty:
+        return
     terminalreporter.section("cp_harness")
     terminalreporter.write_line(f"implementation: {selected_impl_name(config.getoption('--cp-impl'))}, "
                                 f"backend: {config.getoption('--cp-backend')}")
-    examples = {k: v for k, v in counters.items() if k.startswith("cp examples at world size")}
-    if examples:
-        total = sum(examples.values())
-        per_size = ", ".join(f"N={k.rsplit(' ', 1)[1]}: {v}" for k, v in
-                             sorted(examples.items(), key=lambda kv: int(kv[0].rsplit(" ", 1)[1])))
-        terminalreporter.write_line(f"CP examples run: {total} ({per_size})")
-    dtypes = {k: v for k, v in counters.items() if k.startswith(_DTYPE_COUNTER)}
-    if dtypes:
-        order = {name: i for i, name in enumerate(_DTYPE_ORDER)}
-        names = sorted(dtypes, key=lambda k: (order.get(k[len(_DTYPE_COUNTER):], len(order)), k))
-        terminalreporter.write_line("CP examples per dtype: " + ", ".join(
-            f"{k[len(_DTYPE_COUNTER):]}: {dtypes[k]}" for k in names))
-    for key, value in counters.items():
-        if key not in examples and key not in dtypes:
-            terminalreporter.write_line(f"{key}: {value}")
-    for text in stats.NOTES:
-        terminalreporter.write_line(text)
-    if ERROR_MAPS:
-        unique = list(dict.fromkeys(ERROR_MAPS))
-        terminalreporter.write_line(f"error maps of the failing cases ({len(unique)}):")
-        for path in unique:
-            terminalreporter.write_line(f"  {path}")
+    for line in SUMMARY.lines():
+        terminalreporter.write_line(line)

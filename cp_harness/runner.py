@@ -18,7 +18,7 @@ import collections
 import dataclasses
 import shlex
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from cp_harness import checks
 from cp_harness.judging import excess
@@ -78,40 +78,74 @@ class _Job:
     oracle_seconds: float = 0.0
 
 
-class CaseRunner:
-    """Runs cases on a warm pool and remembers what ran (``counts``: examples per world size)."""
+@dataclasses.dataclass
+class RunCounts:
+    """What a runner ran: cases per CP size, check, implementation and payload dtype, the one-rank baselines
+    the excess judge used, the cases that failed, and the seconds spent sending to and waiting for the ranks."""
 
-    def __init__(self, config: PoolConfig, *, pool: RankPool | None = None, policy: JudgingPolicy = STRICT):
+    by_size: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    by_check: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    by_impl: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    by_dtype: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    baseline_runs: int = 0
+    failures: int = 0
+    seconds: float = 0.0
+
+    def add(self, case: dict, selection: str) -> None:
+        self.by_size[int(case["world_size"])] += 1
+        self.by_check[case["check"]] += 1
+        self.by_impl[case_impl(case, selection)] += 1
+        self.by_dtype[payload_dtype(case)] += 1
+
+
+class BaselineCache:
+    """One-rank baselines: judged reports by canonical case (``reports``), and runs queued on the pool that no
+    judge has asked for yet (``queued``). Both are bounded: the oldest entry goes first."""
+
+    def __init__(self, reports: int = 1024, queued: int = 64):
+        self.limits = (reports, queued)
+        self.reports: dict[str, CaseReport] = {}
+        self.queued: dict[str, _Job] = {}
+
+    def knows(self, key: str) -> bool:
+        return key in self.reports or key in self.queued
+
+    def queue(self, key: str, job: _Job) -> None:
+        while len(self.queued) >= self.limits[1]:
+            self.queued.pop(next(iter(self.queued)))
+        self.queued[key] = job
+
+    def keep(self, key: str, report: CaseReport) -> None:
+        if len(self.reports) >= self.limits[0]:
+            self.reports.pop(next(iter(self.reports)))
+        self.reports[key] = report
+
+
+def admit_all(case: dict) -> None:
+    """The default admission: every case is sent."""
+
+
+class CaseRunner:
+    """Runs cases on a warm pool and remembers what ran (``tally``: cases per CP size, check, dtype, ...)."""
+
+    def __init__(self, config: PoolConfig, *, pool: RankPool | None = None, policy: JudgingPolicy = STRICT,
+                 admit: Callable[[dict], None] = admit_all):
         """``pool``: run on another runner's warm pool (its ranks, this runner's own counters); ``close``
-        then leaves that pool running for its owner. ``policy``: how arithmetic is judged."""
+        then leaves that pool running for its owner. ``policy``: how arithmetic is judged. ``admit(case)``
+        raises to refuse a case before it is sent (the pytest plugin skips cases larger than its pool)."""
         self.policy = policy
+        self.admit = admit
         self.config = pool.config if pool is not None else config
         self.pool = pool if pool is not None else RankPool(config)
         self._owns_pool = pool is None
-        self.counts: collections.Counter[int] = collections.Counter()
-        self.by_check: collections.Counter[str] = collections.Counter()
-        self.by_impl: collections.Counter[str] = collections.Counter()
-        self.by_dtype: collections.Counter[str] = collections.Counter()
-        self.baseline_runs = 0
-        self._baselines: dict[str, CaseReport] = {}
-        self._baseline_jobs: dict[str, _Job] = {}  # baselines queued on the pool, not yet used
-        self.failures = 0
-        self.seconds = 0.0
-        self.error_maps: list[str] = []
+        self.tally = RunCounts()
+        self.baselines = BaselineCache()
+        self.error_maps: list[str] = []  # error-map PNGs that ``check`` wrote for failing cases
 
     @property
     def impl(self) -> str:
         """The primary implementation (the one cases without an ``"impl"`` key run)."""
         return primary_impl(self.config.impl)
-
-    def admit(self, case: dict) -> None:
-        """Raise to refuse ``case`` before it is sent (the pytest plugin skips cases larger than its pool)."""
-
-    def _count(self, case: dict) -> None:
-        self.counts[int(case["world_size"])] += 1
-        self.by_check[case["check"]] += 1
-        self.by_impl[case_impl(case, self.config.impl)] += 1
-        self.by_dtype[payload_dtype(case)] += 1
 
     def run_outputs(self, case: dict, *, timeout: float | None = None):
         """The raw per-rank outputs (``RankFailure`` on a rank fault)."""
@@ -138,31 +172,23 @@ class CaseRunner:
         except BaseException as exc:  # noqa: BLE001 - a skip is raised at the case's turn
             job.error = exc
             return job
-        started = time.perf_counter()
-        try:
-            job.ticket = self.pool.submit(case, timeout=timeout)
-        except BaseException as exc:  # noqa: BLE001 - raised at the case's turn
-            job.error = exc
-        finally:
-            self.seconds += time.perf_counter() - started
-            if count:
-                self._count(case)
+        self._send(job, timeout=timeout)
+        if count:
+            self.tally.add(case, self.config.impl)
         if excess and job.error is None:
             self._prefetch_baseline(case, timeout=timeout)
         return job
 
-    def _submit_raw(self, case: dict, *, timeout: float | None) -> _Job:
-        job = _Job(case)
+    def _send(self, job: _Job, *, timeout: float | None) -> _Job:
+        """Put ``job`` on the pool; an error is kept and raised at the job's turn."""
         started = time.perf_counter()
         try:
-            job.ticket = self.pool.submit(case, timeout=timeout)
-        except BaseException as exc:  # noqa: BLE001
+            job.ticket = self.pool.submit(job.case, timeout=timeout)
+        except BaseException as exc:  # noqa: BLE001 - raised at the case's turn
             job.error = exc
         finally:
-            self.seconds += time.perf_counter() - started
+            self.tally.seconds += time.perf_counter() - started
         return job
-
-    BASELINES_IN_FLIGHT = 64
 
     def _prefetch_baseline(self, case: dict, *, timeout: float | None) -> None:
         """Queue the one-rank baseline right behind ``case`` so that it is ready when the excess judge asks.
@@ -174,11 +200,8 @@ class CaseRunner:
         if base is None:
             return
         key = canonical(base)
-        if key in self._baselines or key in self._baseline_jobs:
-            return
-        while len(self._baseline_jobs) >= self.BASELINES_IN_FLIGHT:
-            self._baseline_jobs.pop(next(iter(self._baseline_jobs)))
-        self._baseline_jobs[key] = self._submit_raw(base, timeout=timeout)
+        if not self.baselines.knows(key):
+            self.baselines.queue(key, self._send(_Job(base), timeout=timeout))
 
     def _expect(self, job: _Job) -> None:
         """The oracle half of ``job`` (``checks.expect``), once; an error is raised where evaluate would raise it."""
@@ -197,15 +220,13 @@ class CaseRunner:
         try:
             return self.pool.collect(job.ticket)
         finally:
-            self.seconds += time.perf_counter() - started
-
-    BASELINE_CACHE = 1024
+            self.tally.seconds += time.perf_counter() - started
 
     def baseline(self, case: dict, *, timeout: float | None = None) -> CaseReport:
         """The one-rank run ``case`` is judged against, evaluated (cached per description)."""
         key = canonical(case)
-        if key not in self._baselines:
-            job = self._baseline_jobs.pop(key, None) or self._submit_raw(case, timeout=timeout)
+        if key not in self.baselines.reports:
+            job = self.baselines.queued.pop(key, None) or self._send(_Job(case), timeout=timeout)
             try:
                 if job.error is not None:
                     raise job.error
@@ -219,11 +240,9 @@ class CaseRunner:
                     raise job.expect_error
                 report = checks.evaluate(case, outputs, job.expected, policy=self.policy)
             finally:
-                self.baseline_runs += 1
-            if len(self._baselines) >= self.BASELINE_CACHE:
-                self._baselines.pop(next(iter(self._baselines)))
-            self._baselines[key] = report
-        return self._baselines[key]
+                self.tally.baseline_runs += 1
+            self.baselines.keep(key, report)
+        return self.baselines.reports[key]
 
     def judge_excess(self, report: CaseReport, *, timeout: float | None = None) -> None:
         """Judge an arithmetic multi-rank report against its one-rank baseline (``cp_harness.judging.excess``)."""
@@ -242,13 +261,13 @@ class CaseRunner:
         if job.error is not None:
             raise job.error
         self._expect(job)
-        base = self._baseline_jobs.get(canonical(b)) if excess and (b := _baseline_of(job.case)) else None
+        base = self.baselines.queued.get(canonical(b)) if excess and (b := _baseline_of(job.case)) else None
         if base is not None and base.error is None:
             self._expect(base)
         try:
             outputs = self._collect(job)
         except RankFailure as exc:
-            self.failures += 1
+            self.tally.failures += 1
             report = CaseReport(case=job.case)
             report.problems.append(f"rank {exc.rank} {exc.kind}: {exc}")
             return report
@@ -260,7 +279,7 @@ class CaseRunner:
         if excess:
             self.judge_excess(report, timeout=timeout)
         if not report.ok:
-            self.failures += 1
+            self.tally.failures += 1
         report.timing = {**job.ticket.timing, "oracle": job.oracle_seconds, "compare": compared - started,
                          "excess": time.perf_counter() - compared}
         return report
@@ -325,7 +344,7 @@ class CaseRunner:
     def sharing_pool(self) -> "CaseRunner":
         """A runner with its own counters on this runner's pool (the harness's own tests judge deliberately
         broken modules on the session's ranks without counting them as examples of the gate)."""
-        return CaseRunner(self.config, pool=self.pool, policy=self.policy)
+        return CaseRunner(self.config, pool=self.pool, policy=self.policy, admit=self.admit)
 
     def close(self) -> None:
         if self._owns_pool:

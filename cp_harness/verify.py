@@ -168,6 +168,7 @@ def _run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed
     failing: dict[str, Any] = {}  # canonical case -> its report, for every case seen failing
     last_failure: dict[str, Any] = {}
     shrink_started: list[float] = []
+    in_flight: dict[str, Any] = {}  # the case being run, and whether it was counted yet (a crash names it)
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
               suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate, Phase.shrink],
@@ -175,6 +176,7 @@ def _run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed
     @hypothesis_seed(seed)
     @given(case=row.strategy(space))
     def property_(case):
+        in_flight.update(case=case, counted=False)
         key = canonical(case)
         report = failing.get(key)  # seen failing already (e.g. Hypothesis' final replay): not run again
         if report is None:
@@ -184,6 +186,7 @@ def _run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed
             report = runner.run(case)
             row.called |= report.called
             row.examples += 1
+            in_flight["counted"] = True
             dtype = payload_dtype(case)
             row.examples_by_dtype[dtype] = row.examples_by_dtype.get(dtype, 0) + 1
             progress.step(row.name if not shrink_started else f"{row.name}: shrinking a failure")
@@ -234,11 +237,21 @@ def _run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed
         row.reproduce = repro_command(case, runner.impl, backend)
         row.error_maps = write_error_maps(report, error_dir)
     except Exception:  # noqa: BLE001 - a harness or Hypothesis error fails this row, the others still run
+        crashed = in_flight.get("case")
+        if crashed is not None and not in_flight.get("counted"):
+            row.examples += 1  # the crashed case counts as run and failed, never as passed
         row.failed = max(row.failed, 1)
-        row.failure = "the row could not run:\n" + traceback.format_exc(limit=6)
-        if last_failure:
-            row.failing_case = last_failure["case"]
-            row.reproduce = repro_command(last_failure["case"], runner.impl, backend)
+        row.failure = ("  PROBLEM: the harness crashed on this case (no verdict on the implementation):\n"
+                       + _traceback_head())
+        case = crashed if crashed is not None else last_failure.get("case")
+        if case is not None:
+            row.failing_case = case
+            row.reproduce = repro_command(case, runner.impl, backend)
+
+
+def _traceback_head(frames: int = 4) -> str:
+    """The exception and its innermost ``frames`` frames, indented (the whole one: run-case, or --json)."""
+    return "".join("    " + line for line in traceback.format_exc(limit=-frames).splitlines(keepends=True))
 
 
 TABLE_HEADER = ("function / model", "examples", "passed", "max ULP", "CP excess", "comm moved/min")
@@ -401,10 +414,10 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
     total = sum(r.examples for r in rows)
     failed = [r for r in rows if not r.ok]
     print(f"{total} examples in {seconds:.1f} s; examples per world size: "
-          + ", ".join(f"N={n}: {runner.counts[n]}" for n in sorted(runner.counts)), file=stream)
+          + ", ".join(f"N={n}: {runner.tally.by_size[n]}" for n in sorted(runner.tally.by_size)), file=stream)
     per_dtype, failed_dtype = dtype_totals(rows)
     print(f"examples per dtype: {_by_dtype(per_dtype)}; failed per dtype: {_by_dtype(failed_dtype)}; "
-          f"one-rank baseline runs: {runner.baseline_runs}", file=stream)
+          f"one-rank baseline runs: {runner.tally.baseline_runs}", file=stream)
     for row in failed:
         print(f"\nFAILED {row.name}", file=stream)
         if row.failing_case is not None:
@@ -428,7 +441,7 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
         directory = os.path.dirname(os.path.abspath(json_path))
         os.makedirs(directory, exist_ok=True)
         data = report_dict(impl=impl, backend=backend, world_sizes=world_sizes, seed=seed, examples=examples,
-                           seconds=seconds, rows=rows, counts=dict(runner.counts))
+                           seconds=seconds, rows=rows, counts=dict(runner.tally.by_size))
         data["error_map_dir"] = os.path.abspath(error_map_dir(error_dir))
         with open(json_path, "w") as f:
             json.dump(data, f, indent=2, allow_nan=False)

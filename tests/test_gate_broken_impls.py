@@ -24,17 +24,15 @@ import io
 import json
 import os
 import re
-import struct
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
+from helpers import check_png, error_maps
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 LOSS_ROW = "mistral_large4.shifted_cp_loss"
 MISTRAL_MODEL_ROW = "model: MistralLarge4-mini (float64)"
@@ -43,6 +41,7 @@ HISTORY_ROW = "inkling2.convolution_history"
 INKLING2_MODEL_ROW = "model: Inkling2-mini (float64)"
 INKLING2_LAYOUT_ROW = "inkling2.prepare_cp_inputs + unpack_row_layout"
 INKLING2_BF16_ROW = "model: Inkling2-mini (bfloat16)"
+LOSS_MASK_ROW = "sharder.shard(loss_mask=...)"
 
 
 def _run(args: list[str], tmp_path: Path, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -66,32 +65,6 @@ def _table(stdout: str) -> dict[str, bool]:
         name = line.split("  ")[0].rstrip()  # names are left-aligned and padded; the numbers follow
         rows[name] = failed
     return rows
-
-
-def _check_png(path: Path) -> tuple[int, int]:
-    """Parse a PNG completely (signature, chunk CRCs, IHDR, IDAT size); returns ``(width, height)``."""
-    data = path.read_bytes()
-    assert data.startswith(PNG_SIGNATURE), f"{path} does not start with the PNG signature"
-    pos, chunks, idat = 8, [], b""
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        tag, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
-        assert crc == zlib.crc32(tag + body) & 0xFFFFFFFF, f"{path}: bad CRC in chunk {tag!r}"
-        chunks.append(tag)
-        if tag == b"IDAT":
-            idat += body
-        pos += 12 + length
-    assert chunks[0] == b"IHDR" and chunks[-1] == b"IEND" and b"IDAT" in chunks, chunks
-    width, height, depth, colour = struct.unpack(">IIBB", data[16:26])
-    assert (depth, colour) == (8, 2), "expected 8-bit truecolour"
-    assert len(zlib.decompress(idat)) == height * (1 + 3 * width)
-    assert width >= 100 and height >= 50, f"error map {width}x{height} is too small to read"
-    return width, height
-
-
-def _error_maps(stdout: str) -> list[Path]:
-    return [Path(line.split("error map:", 1)[1].strip()) for line in stdout.splitlines() if "error map:" in line]
 
 
 def _verify(impl: str, tmp_path: Path, cp_runner, *, world_sizes=(2, 3), examples: int = 4,
@@ -173,11 +146,11 @@ def test_verify_fails_on_a_loss_divided_by_the_local_count(tmp_path, cp_runner):
     assert f"FAILED {LOSS_ROW}" in stdout
     assert "d loss / d logits" in stdout or "loss (mean over ranks)" in stdout
     assert "reproduce: python -m cp_harness run-case --impl broken_gate_loss_local_count" in stdout
-    maps = _error_maps(stdout)
+    maps = error_maps(stdout)
     assert maps, f"no error map printed:\n{stdout}"
     for path in maps:
         assert path.is_file() and path.parent == tmp_path / "error-maps", path
-        _check_png(path)
+        check_png(path)
     assert any("d_loss_d_logits" in p.name for p in maps), maps
     loss_row = next(r for r in report["rows"] if r["name"] == LOSS_ROW)
     assert report["ok"] is False and LOSS_ROW in report["failed_rows"]
@@ -205,12 +178,24 @@ def test_verify_fails_on_a_halo_that_drops_the_boundary_row(tmp_path, cp_runner)
     assert failed <= {HISTORY_ROW, INKLING2_MODEL_ROW, INKLING2_BF16_ROW}, \
         f"only the halo and the model using it may fail:\n{stdout}"
     assert "history@rank" in stdout or "gradient returned to each owner" in stdout
-    maps = _error_maps(stdout)
+    maps = error_maps(stdout)
     assert maps, stdout
     for path in maps:
-        _check_png(path)
+        check_png(path)
     history_row = next(r for r in report["rows"] if r["name"] == HISTORY_ROW)
     assert any(t["name"].startswith(("history@rank", "gradient returned to each owner")) for t in history_row["failing_tensors"])
+
+
+@pytest.mark.parametrize(("impl", "says"), [
+    ("broken_gate_loss_mask_dropped", "its local batch holds no 'loss_mask'"),
+    ("broken_gate_loss_mask_padding", "FAIL loss_mask (at the reported index map; padding False / 0)"),
+])
+def test_verify_fails_on_a_sharder_that_mishandles_the_loss_mask(tmp_path, cp_runner, impl, says):
+    """A sharder that drops the caller's loss mask, or pads it with True / 1, fails the loss-mask row (the
+    miniature models never read the mask: nothing else would see it)."""
+    stdout, table, _ = _verify_broken(impl, tmp_path, cp_runner, rows=("loss_mask",))
+    assert table == {LOSS_MASK_ROW: True}, stdout
+    assert says in stdout, stdout
 
 
 @pytest.mark.slow
@@ -240,7 +225,7 @@ def test_gate_suite_fails_on_the_broken_modules(tmp_path):
     maps = [Path(p.strip()) for m in re.finditer(r"^E\s+error maps: (.+)$", out, re.MULTILINE)
             for p in m.group(1).split(", ")]
     assert maps and all(p.suffix == ".png" for p in maps), out
-    _check_png(maps[-1])
+    check_png(maps[-1])
     summary = out[out.index("error maps of the failing cases"):]  # the end-of-run summary lists them again
     assert str(maps[-1]) in summary
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 
 from cp_harness.runner import verdict_text
-from test_gate_broken_impls import _check_png, _error_maps
+from helpers import check_png, error_maps
 
 
 @pytest.fixture
@@ -91,9 +91,9 @@ def test_an_attention_fed_bfloat16_keys_fails_the_float32_model_by_its_excess(ru
     assert len(judged) >= 10 and all("CP ADDS ERROR" in line for line in judged), out  # both errors named
     assert any(line.startswith("  FAIL logits") for line in judged), out
     assert any(line.startswith("  FAIL grad blocks.0.wk") for line in judged), out
-    maps = _error_maps(out)
+    maps = error_maps(out)
     assert maps, out
-    _check_png(maps[0])
+    check_png(maps[0])
 
 
 def test_a_halo_bug_in_the_bfloat16_model_is_mapped_where_cp_adds_error(run_case):
@@ -102,6 +102,6 @@ def test_a_halo_bug_in_the_bfloat16_model_is_mapped_where_cp_adds_error(run_case
         "batch": {"format": "bshd", "seq_len": 10, "rows": [[0, 10], [2, 8]]}})
     logits = next(line for line in out.splitlines() if line.startswith("  FAIL logits"))
     assert "[ulp, float32" in logits and "bfloat16 ULP" in logits and "CP ADDS ERROR" in logits, logits
-    maps = [p for p in _error_maps(out) if p.name.endswith("-logits.png")]
+    maps = [p for p in error_maps(out) if p.name.endswith("-logits.png")]
     assert maps, out
-    _check_png(maps[0])
+    check_png(maps[0])

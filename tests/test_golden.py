@@ -24,7 +24,7 @@ import torch
 
 from cp_harness import checks, golden
 from cp_harness.checks.transport import upstream_gradient
-from cp_harness import run_summary as stats
+from cp_harness import run_summary
 from cp_harness.cases.descriptions import PATCH_SIZE, canonical, padded_length
 from oracle.models import Inkling2Config
 
@@ -74,9 +74,9 @@ def test_golden_case(name, cp_runner, cp_world_sizes, request, update_log):
     except golden.GoldenError as exc:
         pytest.fail(str(exc), pytrace=False)
     verdict = golden.verify(pinned, outputs, implementation=cp_runner.impl, backend=backend)
-    stats.count("golden cases compared")
+    run_summary.count("golden cases compared")
     if verdict.bit_identical:
-        stats.count("golden cases bit-identical to a fresh regeneration")
+        run_summary.count("golden cases bit-identical to a fresh regeneration")
     assert verdict.ok, verdict.format()
 
 

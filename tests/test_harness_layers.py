@@ -119,3 +119,38 @@ def test_every_folder_says_what_it_holds():
     top_doc = ast.get_docstring(ast.parse((ROOT / "__init__.py").read_text())) or ""
     missing += [f"cp_harness/__init__.py does not name {unit}" for unit in RANK if unit not in top_doc]
     assert not missing, missing
+
+
+API_TABLES = {"cp_harness.cases.implementation": "REQUIRED"}
+
+
+def _check_names() -> dict[str, str]:
+    """Every registered check's name -> the module that registers it."""
+    from cp_harness.checks import load_checks
+
+    return {name: check.rank.__module__ for name, check in load_checks().items()}
+
+
+def test_a_check_name_is_a_string_literal_only_in_its_own_module():
+    """Other units ask the check (its module constant, ``check_of(case)``) instead of switching on its name. Case
+    keys that happen to equal a check's name (``case["model"]``) are keys, not names, and are left alone."""
+    names = _check_names()
+    offending = []
+    for path in _sources():
+        module = _module(path)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        keys = {id(k) for node in ast.walk(tree) if isinstance(node, ast.Dict) for k in node.keys if k is not None}
+        keys |= {id(node.slice) for node in ast.walk(tree) if isinstance(node, ast.Subscript)}
+        keys |= {id(node.args[0]) for node in ast.walk(tree)
+                 if isinstance(node, ast.Call) and getattr(node.func, "attr", None) in ("get", "pop") and node.args}
+        # The documented API's function names: several checks are named after the function they judge.
+        keys |= {id(c) for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                 and API_TABLES.get(module) in {getattr(t, "id", None) for t in
+                                                (node.targets if isinstance(node, ast.Assign) else [node.target])}
+                 for c in ast.walk(node)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+                    and id(node) not in keys and names[node.value] != module):
+                offending.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {node.value!r} "
+                                 f"(owned by {names[node.value]})")
+    assert not offending, "\n".join(offending)

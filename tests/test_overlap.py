@@ -61,8 +61,8 @@ def signature(report) -> tuple:
 
 
 def counters(runner) -> tuple:
-    return (dict(runner.counts), dict(runner.by_check), dict(runner.by_dtype), dict(runner.by_impl),
-            runner.baseline_runs, runner.failures)
+    t = runner.tally
+    return (dict(t.by_size), dict(t.by_check), dict(t.by_dtype), dict(t.by_impl), t.baseline_runs, t.failures)
 
 
 def delta(after: tuple, before: tuple) -> tuple:
@@ -76,12 +76,12 @@ def test_pipelined_reports_equal_sequential_ones(cp_runner):
     cases = mixed_cases(cp_runner.config.world_size)
     assert len({c["check"] for c in cases}) >= 4 and len({c["world_size"] for c in cases}) >= 2
 
-    cp_runner._baselines.clear()  # both passes run their one-rank baselines (the cache is only a cache)
+    cp_runner.baselines.reports.clear()  # both passes run their one-rank baselines (the cache is only a cache)
     before = counters(cp_runner)
     sequential = [cp_runner.run(case) for case in cases]
     seq_counts = delta(counters(cp_runner), before)
 
-    cp_runner._baselines.clear()
+    cp_runner.baselines.reports.clear()
     before = counters(cp_runner)
     pipelined = list(cp_runner.run_many(cases))
     pipe_counts = delta(counters(cp_runner), before)
@@ -154,7 +154,7 @@ def test_fault_in_a_pipeline_fails_only_its_own_case(fault_runner):
     assert fault_runner.pool.starts >= starts + 2  # each fault tore its pool down
 
     # The healthy cases, one by one on a healthy pool: the pipelined verdicts must be these.
-    fault_runner._baselines.clear()
+    fault_runner.baselines.reports.clear()
     sequential = {canonical(c): fault_runner.run(c) for c in healthy}
     for case, report in zip(cases, reports):
         key = canonical(case)
@@ -168,7 +168,7 @@ def test_fault_in_a_pipeline_fails_only_its_own_case(fault_runner):
         else:
             assert report.ok, f"{key}:\n{report.format()}"
             assert signature(report) == signature(sequential[key]), key
-    assert fault_runner.failures == 2
+    assert fault_runner.tally.failures == 2
 
 
 def test_fault_at_submit_time_is_not_blamed_on_the_next_case(fault_runner):

@@ -1,15 +1,16 @@
 """The suite section: examples run and wall time of the full CPU test command.
 
-The command runs from the repository root as a subprocess; its pass and fail
-counts, pytest's own time and the plugin's ``CP examples run: N (...)`` line
-are read from its terminal output.
+The command runs from the repository root as a subprocess with ``--cp-summary-json``; its outcome counts,
+pytest's own time and the CP examples per size are read from that JSON (the plugin's run summary), not
+from the terminal.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,29 +18,23 @@ from cp_harness.bench.progress import log
 
 ROOT = Path(__file__).resolve().parents[2]
 
-_PASSED = re.compile(r"(\d+) passed")
-_FAILED = re.compile(r"(\d+) (failed|error|errors)\b")
-_EXAMPLES = re.compile(r"CP examples run: (\d+)(?: \(([^)]*)\))?")
-_PYTEST_TIME = re.compile(r" in ([\d.]+)s")
-
 
 def measure(command: str) -> dict:
     log(f"suite: running {command!r} (the full CPU test command)")
-    started = time.perf_counter()
-    load_before = os.getloadavg()[0]
-    proc = subprocess.run(command, shell=True, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, stdin=subprocess.DEVNULL)
-    seconds = time.perf_counter() - started
-    out = proc.stdout
-    passed = _PASSED.findall(out)
-    last_line = out.splitlines()[-1] if out.strip() else ""
-    failed = sum(int(m[0]) for m in _FAILED.findall(last_line))
-    examples = _EXAMPLES.findall(out)
-    timing = _PYTEST_TIME.findall(last_line)
+    with tempfile.TemporaryDirectory(prefix="cp-harness-suite-") as folder:
+        summary_path = Path(folder) / "summary.json"
+        started = time.perf_counter()
+        load_before = os.getloadavg()[0]
+        proc = subprocess.run(f"{command} --cp-summary-json {summary_path}", shell=True, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+        seconds = time.perf_counter() - started
+        data = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    outcomes = data.get("outcomes", {})
+    by_size = {int(n): v for n, v in data.get("summary", {}).get("by_size", {}).items()}
     return {"command": command, "returncode": proc.returncode, "seconds": seconds,
-            "pytest_seconds": float(timing[-1]) if timing else None,
-            "passed": int(passed[-1]) if passed else 0, "failed": failed,
-            "cp_examples": int(examples[-1][0]) if examples else 0,
-            "cp_examples_per_size": examples[-1][1] if examples else None,
+            "pytest_seconds": data.get("seconds"),
+            "passed": int(outcomes.get("passed", 0)), "failed": int(outcomes.get("failed", 0) + outcomes.get("error", 0)),
+            "cp_examples": sum(by_size.values()),
+            "cp_examples_per_size": ", ".join(f"N={n}: {by_size[n]}" for n in sorted(by_size)) or None,
             "load_average": [load_before, os.getloadavg()[0]],
-            "output_tail": out[-4000:]}
+            "output_tail": proc.stdout[-4000:]}

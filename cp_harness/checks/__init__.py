@@ -94,7 +94,7 @@ class GoldenContents:
 
 @dataclasses.dataclass(frozen=True)
 class VerifyRow:
-    """One row of ``verify``'s table: ``cases(allowed_sizes)`` is its Hypothesis strategy, ``functions`` the
+    """One row of ``verify``'s table: ``cases(space)`` is its Hypothesis strategy, ``functions`` the
     documented functions it claims (checked by coverage), ``dtypes`` the payload dtypes it can draw (empty: a
     layout row), ``explicit`` cases run before the drawn ones, ``position`` where it stands in the table."""
 
@@ -103,7 +103,7 @@ class VerifyRow:
     functions: tuple[str, ...]
     dtypes: tuple[str, ...] = ()
     explicit: tuple[dict, ...] = ()
-    position: int = 0
+    position: float = 0
 
 
 def _same_case_on_one_rank(case: dict) -> dict:
@@ -134,6 +134,10 @@ class Check:
     golden: GoldenContents | None = None
     rows: tuple[VerifyRow, ...] = ()
     examples: Mapping[str, dict] = dataclasses.field(default_factory=dict)
+    # Share of the profile's examples that the gate suite's generic property (cp_harness/tests/
+    # test_declared_checks.py) spends on each of the check's rows, its named examples included; 0 for the
+    # checks that have a gate test module of their own.
+    gate_share: float = 0.0
 
     def case(self, **keys) -> dict:
         """A case description of this check."""

@@ -56,7 +56,7 @@ class ReportedLayout:
 def reported_layout(outputs: list, seq_len: int) -> ReportedLayout:
     """The layout the ranks reported (``token_indices``), taken as it is (``judge_token_layout`` judges it)."""
     maps = [np.asarray(o.tensors["token_indices"]).reshape(-1).astype(np.int64) for o in outputs]
-    return ReportedLayout(seq_len, sum(len(m) for m in maps), maps, TokenGrid.from_index_maps(maps))
+    return ReportedLayout(seq_len, sum(len(m) for m in maps), maps, TokenGrid.from_index_maps(maps, seq_len))
 
 
 def judge_token_layout(report: CaseReport, outputs: list, seq_len: int, *, local_name: str) -> ReportedLayout | None:
@@ -104,6 +104,11 @@ def judge_token_layout(report: CaseReport, outputs: list, seq_len: int, *, local
         return None
     layout = reported_layout(outputs, seq_len)
     for o, indices in zip(outputs, maps):
-        report.add(compare(f"shard_token_tensor(arange(S)) agrees with the index map@rank{o.rank}",
-                           np.asarray(o.tensors["token_marker"]), np.where(indices < seq_len, indices, -1), mode="exact"))
+        marker, expected = np.asarray(o.tensors["token_marker"]), np.where(indices < seq_len, indices, -1)
+        comp = report.add(compare(f"shard_token_tensor(arange(S)) agrees with the index map@rank{o.rank}",
+                                  marker, expected, mode="exact"))
+        if not comp.ok and marker.shape == expected.shape and np.array_equal(np.sort(marker), np.sort(expected)):
+            report.problems.append(f"rank {o.rank}: the local tensors hold the tokens of its index map in another "
+                                   f"order (shard_token_tensor gives {marker.tolist()[:12]}, the index map reports "
+                                   f"{expected.tolist()[:12]}): the sharder reports one layout and cuts another")
     return layout

@@ -139,10 +139,10 @@ def _common(report: CaseReport, outputs: list, layout, labels_expected: torch.Te
         # Divisibility padding: positions keep counting from the row's last slot (SPEC).
         counting = got_positions[:, S - 1:S] + np.arange(1, S_pad - S + 1)[None, :]
         report.add(compare("position_ids (divisibility padding keeps counting)", got_positions[:, S:], counting,
-                           mode="exact"))
+                           mode="exact", grid=grid.sliced(S)))
     if S_pad > S:
         report.add(compare("labels (divisibility padding)", got_labels[:, S:], np.full((keep.shape[0], S_pad - S), IGNORE_INDEX),
-                           mode="exact"))
+                           mode="exact", grid=grid.sliced(S)))
     return reported
 
 

@@ -34,37 +34,8 @@ Every arithmetic tensor of a multi-rank case must also pass the excess judge
 implementation on one rank + k ULPs, normwise. The budgets here are ceilings
 beside it, for what is wrong at every CP size.
 
-Measured (``python -m cp_harness.calibrate``, world sizes 1, 2, 3, 4, 8,
-seeds 0 and 1, 300 examples per row and dtype over the two seeds, on
-``cp_impl`` and on ``tests/fixtures/alt_reduction_order``; 2026-12-01), worst
-error in the budget's measure, both implementations:
-
-=============================  =========  ====================  ======  ========
-row (cases over both runs)     measure    worst seen            budget  earlier
-=============================  =========  ====================  ======  ========
-shifted_cp_loss float64 (438)  normwise*  2.5 ULP (alt)         16      16 elem.
-shifted_cp_loss float32 (464)  normwise*  3.1 ULP (alt)         256     256
-shifted_cp_loss bf16 gradient  element    0.50 ULP              2       -
-shifted_cp_loss fp16 gradient  normwise*  0.64 ULP              2       -
-bf16/fp16 loss values          normwise*  1.6 / 1.1 f32 ULP     256     -
-model float64 (988)            element    2,208 ULP (alt)       16,384  16,384
-model float32 (988)            normwise   5.9 ULP               128     128
-model bfloat16 (988)           normwise   3.9 ULP               16      -
-=============================  =========  ====================  ======  ========
-
-(*) at the scale a cross-entropy rounds at: loss values at the mean of
-``max(|logsumexp|, max |logit|)`` over the counted rows, the logits'
-gradient at ``1 / count`` (``checks.loss.cross_entropy_scale``).
-
-The float64 loss was judged element-wise (floor 1/1024) and relative to its own
-value until the second implementation came; it computes the same cross-entropy
-as ``logsumexp - picked``: its gradient elements that cancel (``p - 1`` with
-``p`` near 1) carried up to 1,010 ULPs of themselves, and a single confident
-target (a 0.002 loss) 396 ULPs, while the rounding was 2e-16 absolute. Both
-measures had followed the rounding of PyTorch's fused log-softmax, which the
-oracle and ``cp_impl`` share: false alarms on a correct implementation. The
-budget is unchanged; the scale is the one any cross-entropy rounds at. No
-broken fixture gets through: a lost target or a scaling error is 1e13 ULPs.
+The measurements behind every number, and how the float64 loss came to be judged
+at a cross-entropy's rounding scale: README "Error budgets" and ``docs/history.md``.
 """
 
 from __future__ import annotations

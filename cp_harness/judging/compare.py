@@ -58,6 +58,19 @@ def eps_of(dtype_name: str) -> float:
     return float(np.finfo(np.dtype(dtype_name)).eps)
 
 
+def describe_location(loc: dict[str, Any]) -> str:
+    """``row r, global position p, owned by rank k, ...`` of a ``TokenGrid.describe`` entry: how far the nearest
+    shard boundary is (only where the layout has one: a boundary can explain the defect only there), and
+    whether the position is divisibility padding."""
+    parts = [f"row {loc['row']}", f"global position {loc['position']}", f"owned by rank {loc['owning_rank']}"]
+    if loc.get("divisibility_padding"):
+        parts.append("divisibility padding")
+    distance = loc.get("distance_to_shard_boundary")
+    if distance is not None:
+        parts.append(f"{distance} tokens from a shard boundary" + (", AT A SHARD BOUNDARY" if distance == 0 else ""))
+    return ", ".join(parts)
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenGrid:
     """How a ``[batch, padded_sequence, ...]`` tensor in global order maps onto CP shards.
@@ -65,15 +78,20 @@ class TokenGrid:
     ``local_len`` tokens per rank, ``cp_size`` ranks; ``owners``: the owning rank of
     every global position (any index map: contiguous, load-balanced, ...);
     ``None`` means contiguous (rank ``r`` owns ``[r*L, (r+1)*L)``). A shard
-    boundary is where the owner changes.
+    boundary is where the owner changes between two neighbouring positions (the
+    sequence's first and last positions are not boundaries). ``seq_len``: the
+    real length ``S`` when known (positions ``>= S`` are divisibility padding);
+    ``start``: the global position of index 0 of a compared slice (``sliced``).
     """
 
     local_len: int
     cp_size: int
     owners: tuple[int, ...] | None = None
+    seq_len: int | None = None
+    start: int = 0
 
     @classmethod
-    def from_index_maps(cls, index_maps: list) -> "TokenGrid":
+    def from_index_maps(cls, index_maps: list, seq_len: int | None = None) -> "TokenGrid":
         """The grid of a layout given each rank's ``local_token_global_indices`` (rank order)."""
         local_len = len(index_maps[0]) if index_maps else 0
         total = sum(len(m) for m in index_maps)
@@ -82,7 +100,15 @@ class TokenGrid:
             for g in np.asarray(indices).reshape(-1).tolist():
                 if 0 <= g < total:
                     owners[g] = rank
-        return cls(local_len, len(index_maps), tuple(owners))
+        return cls(local_len, len(index_maps), tuple(owners), seq_len)
+
+    def sliced(self, start: int) -> "TokenGrid":
+        """The grid of a comparison of positions ``start:`` (index ``j`` is global position ``start + j``)."""
+        return dataclasses.replace(self, start=self.start + start)
+
+    @property
+    def length(self) -> int:
+        return len(self.owners) if self.owners is not None else self.local_len * self.cp_size
 
     def owner(self, position: int) -> int:
         if self.owners is not None:
@@ -91,8 +117,7 @@ class TokenGrid:
 
     def segments(self, length: int | None = None) -> list[tuple[int, int, int]]:
         """``(start, end, rank)`` of every maximal run of positions one rank owns, in global order."""
-        length = length if length is not None else (len(self.owners) if self.owners is not None
-                                                   else self.local_len * self.cp_size)
+        length = length if length is not None else self.length
         out: list[tuple[int, int, int]] = []
         for p in range(length):
             r = self.owner(p)
@@ -102,22 +127,17 @@ class TokenGrid:
                 out.append((p, p + 1, r))
         return out
 
-    def describe(self, row: int, position: int) -> dict[str, Any]:
+    def describe(self, row: int, index: int) -> dict[str, Any]:
+        """Where element ``index`` along the sequence axis lies: global position, owning rank, its distance to the
+        nearest shard boundary (``None`` when the layout has none: one rank), whether it is divisibility padding."""
+        position = self.start + index
         owner = self.owner(position)
-        if self.owners is None:
-            start = owner * self.local_len
-            end = start + self.local_len
-        else:
-            start = end = position
-            while start > 0 and self.owner(start - 1) == owner:
-                start -= 1
-            while end < len(self.owners) and self.owner(end) == owner:
-                end += 1
-        offset = position - start
-        to_boundary = min(offset, end - 1 - position)
-        return {"row": row, "position": position, "owning_rank": owner,
-                "offset_in_shard": offset, "distance_to_shard_boundary": to_boundary,
-                "at_shard_boundary": to_boundary == 0 and self.cp_size > 1}
+        boundaries = [p for p in range(1, self.length) if self.owner(p) != self.owner(p - 1)]
+        # A boundary between p-1 and p: position p-1 is 0 tokens from it on the left, p on the right.
+        distance = min((p - 1 - position if position < p else position - p for p in boundaries), default=None)
+        return {"row": row, "position": position, "owning_rank": owner, "distance_to_shard_boundary": distance,
+                "at_shard_boundary": distance == 0,
+                "divisibility_padding": self.seq_len is not None and position >= self.seq_len}
 
 
 @dataclasses.dataclass
@@ -190,10 +210,7 @@ class TensorComparison:
         if (self.mismatched or self.excess_failed) and self.worst_index is not None:
             head += f"; worst at index {list(self.worst_index)}: actual {self.worst_actual!r}, expected {self.worst_expected!r}"
             if self.location:
-                loc = self.location
-                head += (f" (row {loc['row']}, global position {loc['position']}, owned by rank {loc['owning_rank']}, "
-                         f"{loc['distance_to_shard_boundary']} tokens from a shard boundary"
-                         f"{', AT A SHARD BOUNDARY' if loc['at_shard_boundary'] else ''})")
+                head += f" ({describe_location(self.location)})"
         return head
 
     def as_dict(self) -> dict[str, Any]:
@@ -306,7 +323,7 @@ def compare(name: str, actual, expected, *, mode: str, budget_ulp: float | None 
             base.location = grid.describe(int(worst[0]), int(worst[1]))
     if grid is not None and e.ndim >= 2:
         base.grid = grid
-    if base.mismatched and grid is not None and e.ndim >= 2:
+    if base.mismatched and grid is not None and grid.start == 0 and e.ndim >= 2:  # a picture of whole rows only
         per_element = np.where(bad, np.where(np.isfinite(score), np.maximum(score, 0.0), np.inf), 0.0)
         if per_element.ndim > 2:
             per_element = per_element.reshape(per_element.shape[0], per_element.shape[1], -1).max(axis=-1)

@@ -235,8 +235,10 @@ def _titles(report, comp) -> list[str]:
                      f"{comp.baseline_ulp:.3g} + {comp.excess_floor:g} (normwise)")
     if comp.location:
         loc = comp.location
+        distance = loc.get("distance_to_shard_boundary")
         lines.append(f"worst: row {loc['row']} position {loc['position']} rank {loc['owning_rank']}"
-                     f"  {loc['distance_to_shard_boundary']} from a boundary")
+                     + ("  divisibility padding" if loc.get("divisibility_padding") else "")
+                     + (f"  {distance} from a boundary" if distance is not None else ""))
     return lines
 
 

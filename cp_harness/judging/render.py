@@ -11,7 +11,8 @@ from cp_harness.judging.verdicts import CaseReport
 def _where(entry: dict) -> str:
     if "owning_rank" not in entry:
         return ""
-    return f" (row {entry['row']}, position {entry['position']}, rank {entry['owning_rank']})"
+    padding = ", divisibility padding" if entry.get("divisibility_padding") else ""
+    return f" (row {entry['row']}, position {entry['position']}, rank {entry['owning_rank']}{padding})"
 
 
 def _also_lines(comp, limit: int | None = None) -> list[str]:

@@ -7,7 +7,7 @@ Ranks are started one of two ways, both with torchrun's environment
   the checks and the implementations once, then forks ``N`` ranks and waits
   for them; when one exits abnormally it ends the others and exits non-zero
   (what torchrun's monitor does). A rank then costs no import of its own:
-  starting 8 ranks went from 9 Python start-ups to one.
+  8 ranks cost one Python start-up, not 9.
 - under ``torchrun`` (``PoolConfig(launcher="torchrun")``; the default for
   nccl, and the fresh-torchrun baseline of ``cp_harness bench``).
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from cp_harness import run_summary as stats
+from cp_harness import run_summary
 from cp_harness.cases.implementation import REQUIRED
 from cp_harness.cases.malformed_catalogue import CATALOGUE, world_size_for
 from cp_harness.cases.malformed_inputs import FUNCTIONS, TIME_LIMIT_S
@@ -39,7 +39,7 @@ def test_malformed_input_is_rejected_on_every_rank(cp_runner, cp_world_sizes, in
         pytest.skip(f"{entry.name} needs world size >= {entry.min_world_size}; --cp-world-sizes gives {cp_world_sizes}")
     pool = cp_runner.pool
     starts_before = pool.starts if pool.running else None
-    stats.count(COUNTER)
+    run_summary.count(COUNTER)
     # The pool's own deadline is the time limit: a rank that hangs fails the test after it, naming the rank.
     cp_runner.check(case_for(entry, n), timeout=TIME_LIMIT_S)
     starts = pool.starts
