@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "draw none of them are left out (default: all)")
     verify.add_argument("--rows", type=lambda t: tuple(x for x in t.split(",") if x), default=(), metavar="TEXT",
                         help="only the rows whose name contains one of these comma-separated texts")
-    verify.add_argument("--shrink-seconds", type=float, default=120.0, metavar="SECONDS",
-                        help="time a failing row may spend shrinking its failure to a small case (default 120)")
+    verify.add_argument("--shrink-seconds", type=float, default=None, metavar="SECONDS",
+                        help="time a failing row may spend shrinking its failure to a small case (default 20)")
 
     run_case = sub.add_parser("run-case", help="run one case description and print its report")
     _add_common(run_case)
@@ -100,15 +100,16 @@ def main(argv: list[str] | None = None) -> int:
 
     impl = selected_impl_name(args.impl)
     if args.command == "verify":
-        from cp_harness.verify import run_verify
+        from cp_harness.verify import SHRINK_SECONDS, run_verify
 
+        shrink = SHRINK_SECONDS if args.shrink_seconds is None else args.shrink_seconds
         return run_verify(impl=impl, world_sizes=args.world_sizes, examples=args.examples, backend=args.backend,
-                          launcher=args.launcher,
-                          seed=args.seed, json_path=args.json_path, error_dir=args.error_dir,
-                          shrink_seconds=args.shrink_seconds, dtypes=args.dtypes, row_names=args.rows)
+                          launcher=args.launcher, seed=args.seed, json_path=args.json_path, error_dir=args.error_dir,
+                          shrink_seconds=shrink, dtypes=args.dtypes, row_names=args.rows)
     if args.command == "run-case":
         from cp_harness.ranks.pool import PoolConfig
-        from cp_harness.runner import CaseRunner, verdict_text
+        from cp_harness.judging.render import verdict_text
+        from cp_harness.runner import CaseRunner
 
         try:
             case = json.loads(args.case)

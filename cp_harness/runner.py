@@ -1,9 +1,10 @@
-"""Running cases on the pool and turning verdicts into readable failures.
+"""Running cases on the pool and judging them.
 
 ``CaseRunner`` owns one ``RankPool`` (started lazily, restarted after a rank
-failure), runs a case, evaluates it and keeps per-world-size counts. On a
-failing case ``failure_message`` gives the case, a one-line command that
-reproduces it, and the per-tensor account of what differs and where.
+failure), runs a case, evaluates it and keeps what ran (``RunCounts``). On a
+failing case ``check`` raises with the text of ``cp_harness.judging.render``:
+the case, a one-line command that reproduces it, and the per-tensor account
+of what differs and where.
 
 An arithmetic case of ``N > 1`` ranks is also judged against the same
 implementation on one rank (``cp_harness.judging.excess``): that baseline runs on
@@ -16,49 +17,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import shlex
 import time
 from typing import Any, Callable, Iterable, Iterator
 
 from cp_harness import checks
 from cp_harness.judging import excess
-from cp_harness.cases.descriptions import canonical, case_id, payload_dtype
+from cp_harness.cases.descriptions import canonical, payload_dtype
 from cp_harness.judging.policy import STRICT, JudgingPolicy
 from cp_harness.judging.verdicts import CaseReport
 from cp_harness.cases.implementation import case_impl, primary_impl
+from cp_harness.judging.render import failure_message
 from cp_harness.ranks.pool import PoolConfig, RankFailure, RankPool, Ticket
-
-
-def repro_command(case: dict, impl: str, backend: str = "gloo") -> str:
-    """A shell command that runs exactly this case again and prints its report (``impl``: the run's selection)."""
-    parts = ["python", "-m", "cp_harness", "run-case", "--impl", case_impl(case, impl)]
-    if backend != "gloo":
-        parts += ["--backend", backend]
-    return " ".join(shlex.quote(p) for p in parts + [canonical(case)])
-
-
-def failure_message(case: dict, report: CaseReport | None, impl: str, *, backend: str = "gloo",
-                    error: BaseException | None = None) -> str:
-    lines = [f"CP case {case_id(case)} failed against implementation {case_impl(case, impl)!r}",
-             f"case: {canonical(case)}",
-             f"reproduce: {repro_command(case, impl, backend)}"]
-    if error is not None:
-        lines.append(f"rank failure: {error}")
-    if report is not None:
-        lines.append(report.format())
-    return "\n".join(lines)
-
-
-def verdict_text(report: CaseReport, impl: str, *, backend: str = "gloo", error_dir: str | None = None) -> str:
-    """What ``python -m cp_harness run-case`` prints for ``report``: the pass line, or the failure message
-    followed by one ``error map: PATH`` line per map written (into ``error_dir``)."""
-    if report.ok:
-        return f"case passed against {case_impl(report.case, impl)!r}:\n{report.format()}"
-    from cp_harness.judging.error_maps import write_error_maps
-
-    lines = [failure_message(report.case, report, impl, backend=backend)]
-    lines += [f"error map: {path}" for path in write_error_maps(report, error_dir)]
-    return "\n".join(lines)
 
 
 def _baseline_of(case: dict) -> dict | None:

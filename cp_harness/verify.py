@@ -42,7 +42,8 @@ from cp_harness.judging.render import condensed_text
 from cp_harness.judging.error_maps import error_map_dir, write_error_maps
 from cp_harness.judging.serialize import json_safe
 from cp_harness.ranks.pool import PoolConfig, RankPool
-from cp_harness.runner import CaseRunner, repro_command
+from cp_harness.judging.render import repro_command
+from cp_harness.runner import CaseRunner
 
 
 @dataclasses.dataclass
@@ -209,6 +210,10 @@ def _run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed
             row.failed_by_dtype[dtype] = row.failed_by_dtype.get(dtype, 0) + 1
             if not shrink_started:
                 shrink_started.append(time.perf_counter())
+                first = (report.problems[0].splitlines()[0] if report.problems
+                         else report.failures()[0].summary() if report.failures() else "failed")
+                progress.note(f"FAILED {row.name}: {first[:160]}\n  case: {key}\n"
+                              f"  (shrinking it for up to {shrink_seconds:g} s; the smallest failure is printed at the end)")
             failing[key] = report
         last_failure["case"], last_failure["report"] = case, report
         raise AssertionError(report.format())  # one raise site: Hypothesis tells failures apart by where they rise
@@ -253,6 +258,10 @@ def _traceback_head(frames: int = 4) -> str:
     """The exception and its innermost ``frames`` frames, indented (the whole one: run-case, or --json)."""
     return "".join("    " + line for line in traceback.format_exc(limit=-frames).splitlines(keepends=True))
 
+
+# How long a failing row may shrink its failure. Rows whose ranks raise restart the pool on every failing
+# run (seconds each at 8 ranks), rows that fail by value do not; one budget in seconds bounds both the same.
+SHRINK_SECONDS = 20.0
 
 TABLE_HEADER = ("function / model", "examples", "passed", "max ULP", "CP excess", "comm moved/min")
 
@@ -360,7 +369,7 @@ def _preflight(impl: str, backend: str, world_size: int) -> str | None:
 
 def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backend: str, seed: int,
                json_path: str | None, rows: list[Row] | None = None, stream=None, error_dir: str | None = None,
-               progress_stream=None, shrink_seconds: float = 120.0, dtypes: tuple[str, ...] | None = None,
+               progress_stream=None, shrink_seconds: float = SHRINK_SECONDS, dtypes: tuple[str, ...] | None = None,
                row_names: tuple[str, ...] = (), pool: RankPool | None = None, launcher: str | None = None) -> int:
     """Run the verification; print the table (and failures); return the exit code (0 = all passed, 1 = a failure, 2 = could not run).
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pytest
 
-from cp_harness.runner import verdict_text
+from cp_harness.judging.render import verdict_text
 from helpers import check_png, error_maps
 
 

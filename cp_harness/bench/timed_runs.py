@@ -23,7 +23,7 @@ class BenchCaseFailed(AssertionError):
 def judge_case(pool, case: dict, *, timeout: float | None = None):
     """Run and evaluate one case on ``pool`` (the runner's counters are left alone); a failure raises."""
     from cp_harness import checks
-    from cp_harness.runner import failure_message
+    from cp_harness.judging.render import failure_message
 
     report = checks.evaluate(case, pool.run(case, timeout=timeout))
     if not report.ok:
@@ -37,7 +37,7 @@ def run_sequential(pool, cases: list[dict]) -> list[dict]:
     One timing record per case (the parts in the module docstring, plus ``wall`` and ``run``).
     """
     from cp_harness import checks
-    from cp_harness.runner import failure_message
+    from cp_harness.judging.render import failure_message
 
     records = []
     for case in cases:
@@ -64,7 +64,7 @@ def run_pipelined(runner, cases: Iterable[dict]) -> tuple[list[dict], float]:
 
     Returns one timing record per case and the wall time of the whole batch (per-case walls overlap).
     """
-    from cp_harness.runner import failure_message
+    from cp_harness.judging.render import failure_message
 
     records = []
     started = time.perf_counter()
@@ -82,7 +82,7 @@ def run_fresh(case: dict, impl: str, backend: str) -> dict:
     """The naive way: a new ``torchrun`` for this one case, then judge it and shut it down."""
     from cp_harness import checks
     from cp_harness.ranks.pool import PoolConfig, RankPool
-    from cp_harness.runner import failure_message
+    from cp_harness.judging.render import failure_message
 
     started = time.perf_counter()
     pool = RankPool(PoolConfig(world_size=int(case["world_size"]), backend=backend, impl=impl, launcher="torchrun"))

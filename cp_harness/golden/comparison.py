@@ -10,11 +10,12 @@ import numpy as np
 import torch
 
 from cp_harness import checks
-from cp_harness.cases.descriptions import canonical, padded_length
+from cp_harness.cases.descriptions import padded_length
 from cp_harness.golden.contents import REGENERATE, GoldenError, combine_rule, impl_arrays, numerics_platform, oracle_arrays
 from cp_harness.golden.storage import Golden, encode_npz
 from cp_harness.judging.compare import TensorComparison, TokenGrid, compare
 from cp_harness.judging.policy import STRICT
+from cp_harness.judging.render import golden_text
 
 
 def _grid(case: dict, kind: str, name: str, arr: np.ndarray) -> TokenGrid | None:
@@ -95,16 +96,7 @@ class Verdict:
         return not self.problems and all(c.ok for c in self.comparisons)
 
     def format(self) -> str:
-        lines = [f"golden case {self.name!r} ({self.path or self.name}) does not match the current results",
-                 f"case: {canonical(self.case)}"]
-        lines += [f"  PROBLEM: {p}" for p in self.problems]
-        lines += [f"  FAIL {c.summary()}" for c in self.comparisons if not c.ok]
-        passed = [c for c in self.comparisons if c.ok]
-        if passed:
-            lines.append(f"  passed: {len(passed)} of {len(self.comparisons)} array comparisons")
-        lines += [f"  note: {n}" for n in self.notes]
-        lines.append(f"if the change is intended, regenerate with: {REGENERATE}")
-        return "\n".join(lines)
+        return golden_text(self, REGENERATE)
 
 
 def verify(golden: Golden, outputs: list | None, *, implementation: str = "cp_impl", backend: str = "gloo") -> Verdict:

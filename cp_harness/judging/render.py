@@ -1,10 +1,15 @@
-"""The one renderer of verdicts: the text a failing case prints in pytest, verify, run-case and golden.
+"""The one renderer of verdicts: the text a failing case prints in pytest, verify, run-case, golden and bench.
 
-Everything here reads data (``CaseReport``, ``TensorComparison``) and returns text; nothing judges.
+Everything here reads data (``CaseReport``, ``TensorComparison``, a golden ``Verdict``) and returns text;
+nothing judges. ``repro_command`` is the one-line command that runs a case again.
 """
 
 from __future__ import annotations
 
+import shlex
+
+from cp_harness.cases.descriptions import canonical, case_id
+from cp_harness.cases.implementation import case_impl
 from cp_harness.judging.verdicts import CaseReport
 
 
@@ -60,4 +65,50 @@ def condensed_text(report: CaseReport, max_tensors: int = 4, max_also: int = 2) 
     passed = [c.name for c in report.comparisons if c.ok]
     if passed:
         lines.append(f"  passed: {', '.join(passed)}")
+    return "\n".join(lines)
+
+
+def repro_command(case: dict, impl: str, backend: str = "gloo") -> str:
+    """A shell command that runs exactly this case again and prints its report (``impl``: the run's selection)."""
+    parts = ["python", "-m", "cp_harness", "run-case", "--impl", case_impl(case, impl)]
+    if backend != "gloo":
+        parts += ["--backend", backend]
+    return " ".join(shlex.quote(p) for p in parts + [canonical(case)])
+
+
+def failure_message(case: dict, report: CaseReport | None, impl: str, *, backend: str = "gloo",
+                    error: BaseException | None = None) -> str:
+    lines = [f"CP case {case_id(case)} failed against implementation {case_impl(case, impl)!r}",
+             f"case: {canonical(case)}",
+             f"reproduce: {repro_command(case, impl, backend)}"]
+    if error is not None:
+        lines.append(f"rank failure: {error}")
+    if report is not None:
+        lines.append(report.format())
+    return "\n".join(lines)
+
+
+def verdict_text(report: CaseReport, impl: str, *, backend: str = "gloo", error_dir: str | None = None) -> str:
+    """What ``python -m cp_harness run-case`` prints for ``report``: the pass line, or the failure message
+    followed by one ``error map: PATH`` line per map written (into ``error_dir``)."""
+    if report.ok:
+        return f"case passed against {case_impl(report.case, impl)!r}:\n{report.format()}"
+    from cp_harness.judging.error_maps import write_error_maps  # PNG writing, only when something failed
+
+    lines = [failure_message(report.case, report, impl, backend=backend)]
+    lines += [f"error map: {path}" for path in write_error_maps(report, error_dir)]
+    return "\n".join(lines)
+
+
+def golden_text(verdict, regenerate: str) -> str:
+    """A golden case that does not match (``cp_harness.golden.comparison.Verdict``), and how to regenerate."""
+    lines = [f"golden case {verdict.name!r} ({verdict.path or verdict.name}) does not match the current results",
+             f"case: {canonical(verdict.case)}"]
+    lines += [f"  PROBLEM: {p}" for p in verdict.problems]
+    lines += [f"  FAIL {c.summary()}" for c in verdict.comparisons if not c.ok]
+    passed = [c for c in verdict.comparisons if c.ok]
+    if passed:
+        lines.append(f"  passed: {len(passed)} of {len(verdict.comparisons)} array comparisons")
+    lines += [f"  note: {n}" for n in verdict.notes]
+    lines.append(f"if the change is intended, regenerate with: {regenerate}")
     return "\n".join(lines)

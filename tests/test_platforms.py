@@ -1,0 +1,47 @@
+"""The suite holds on every CPU family: the golden, storage and oracle tests under other ATen kernel sets.
+
+Machines differ in the last bits their float kernels produce (AVX2, AVX-512, ARM, the portable
+``default`` kernels). ``ATEN_CPU_CAPABILITY`` makes PyTorch use another kernel set, so this one machine runs
+the tests that read float results against stored ones as a machine of another family would: the golden
+comparisons must pass within their budgets, and byte identity is asserted only where the golden manifest
+records this very platform (README "Golden files": which guarantee holds where).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ["tests/test_golden.py", "tests/test_golden_storage.py", "tests/test_oracle_layout.py",
+         "tests/test_oracle_attention.py", "tests/test_oracle_convolution.py", "tests/test_oracle_loss.py",
+         "tests/test_oracle_models.py"]
+
+
+def _capabilities() -> list[str]:
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    return ["default", "avx2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability", _capabilities() or [pytest.param("none", marks=pytest.mark.skip(
+    reason="ATEN_CPU_CAPABILITY kernel sets other than the native one exist on x86-64 only"))])
+def test_golden_and_oracle_tests_pass_under_another_kernel_set(capability, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("CP_IMPL", "PYTEST_XDIST_WORKER")}
+    env["ATEN_CPU_CAPABILITY"] = capability
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert probe.stdout.strip().lower() == capability, probe.stdout + probe.stderr  # the kernels really changed
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                             "--cp-world-sizes", "1,2,3,4,8", *TESTS], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=900)
+    tail = result.stdout[-3000:] + result.stderr[-2000:]
+    assert result.returncode == 0, tail
+    assert " passed" in result.stdout and " failed" not in result.stdout.splitlines()[-1], tail
