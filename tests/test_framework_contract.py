@@ -120,6 +120,23 @@ def test_framework_shard_batch_contiguous_passes_the_layout_properties(cp_runner
     assert any(p != -(-_seq_len(c) // c["world_size"]) * c["world_size"] for c, p in padded), padded
 
 
+ROUND_ROBIN = "examples.automodel.round_robin_from_functions"
+DROPS_LOSS_MASK = "broken_rr_drops_loss_mask"  # tests/fixtures: ROUND_ROBIN that forgets the constructor's loss_mask
+
+
+def test_a_round_robin_sharder_that_drops_loss_mask_fails(cp_runner):
+    """Issue 19: built from the framework's round-robin functions, with and without the loss_mask defect; the
+    loss-mask row passes the mask (bool, float) to the sharder's constructor, padded (S=3) and not (S=4)."""
+    for kind in ("bool", "float"):
+        for seq_len in (3, 4):
+            case = {"check": "loss_mask_layout", "world_size": 2, "seed": 11, "model": "mistral_large4",
+                    "num_chunks": 1, "loss_mask": kind, "batch": {"format": "bshd", "seq_len": seq_len,
+                                                                  "rows": [[0, seq_len]]}}
+            cp_runner.check({**case, "impl": ROUND_ROBIN})
+            report = cp_runner.run({**case, "impl": DROPS_LOSS_MASK})
+            assert not report.ok and any("holds no 'loss_mask'" in p for p in report.problems), report.problems
+
+
 def _seq_len(case):
     return case["batch"]["seq_len"] if "batch" in case else case["shape"][1]
 

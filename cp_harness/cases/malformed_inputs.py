@@ -112,9 +112,12 @@ BASES: dict[str, Callable[[int, int, Any], dict]] = {
 
 def _shard_with_mesh(impl, a):
     """Prepare (outside the timed call), then run the returned strategy ``shard_batch(cp_mesh, tp_mesh, batch)``
-    with ``mesh`` as its CP mesh: the strategy's mesh check (the framework hands it the 1-D ``"cp"`` sub-mesh)."""
+    with ``mesh`` as its CP mesh, and enter the context it returns: the strategy's mesh check (the framework hands
+    it the 1-D ``"cp"`` sub-mesh)."""
     sharder = a.pop("_sharder")
-    return sharder.shard_batch(a["mesh"], None, a["batch"])
+    ctx_factory, local, layout = sharder.shard_batch(a["mesh"], None, a["batch"])
+    with ctx_factory():  # as the framework's train step uses it: a context_parallel context checks its mesh here
+        return ctx_factory, local, layout
 
 
 def _prepare_sharder(impl, a):

@@ -38,7 +38,7 @@ from cp_harness.checks._token_layout import ReportedLayout, judge_token_layout
 from cp_harness.judging import comm_minimum
 from cp_harness.judging.compare import compare
 from cp_harness.judging.verdicts import CaseReport
-from cp_harness.usage.resolve_sharder import hook_sharder, layout_report
+from cp_harness.usage.resolve_sharder import hook_sharder, layout_report, sharded
 from oracle.layout import layout_from_batch
 
 
@@ -49,12 +49,6 @@ def pad_sequence(value: torch.Tensor, length: int, fill) -> torch.Tensor:
 
 
 _CONTENT_KEYS = ("input_ids", "labels", "image_mask", "pixel_values")
-
-
-def _caller_changes(hooked: list[str], original: dict, snapshot: dict) -> list[str]:
-    """What the hook changed in the caller's batch (``hooked``), plus tensors of the caller modified in place
-    (by the hook or by ``shard``: a framework sharder may replace the batch's entries, never their data)."""
-    return hooked + [f"{key} (in place)" for key in _content_changes(original, snapshot) if key not in hooked]
 
 
 def _content_changes(batch: dict, snapshot: dict) -> list[str]:
@@ -77,6 +71,11 @@ def _unpack_directly(case: dict, ctx) -> tuple[dict, dict]:
     return info, {"unpacked.padding_mask": batch.get("padding_mask"), "unpacked.position_ids": batch.get("position_ids")}
 
 
+def _local_copies(local: dict, keys) -> dict:
+    """Copies of the local tensors, taken inside the sharder's context (which may restore buffers on exit)."""
+    return {key: local[key].clone() for key in keys if isinstance(local.get(key), torch.Tensor)}
+
+
 def _inkling2_rank(case: dict, ctx) -> tuple[dict, dict]:
     unpacked_info, unpacked = _unpack_directly(case, ctx) if case["batch"]["format"] == "thd" else ({}, {})
     batch = build_batch(case)
@@ -86,22 +85,25 @@ def _inkling2_rank(case: dict, ctx) -> tuple[dict, dict]:
     sharder = hook_sharder(ctx.impl.inkling2.prepare_cp_inputs(batch, num_chunks=int(case.get("num_chunks", 1))), mesh)
     after_prepare = sorted(batch)
     hooked = _content_changes(batch, snapshot)
-    _, local = sharder.shard(batch)
-    info, layout_tensors = layout_report(sharder, mesh, local["labels"].shape[1], snapshot["input_ids"].shape[1], ctx.device)
-    info.update({
-        "keys_after_prepare": after_prepare,
-        "local_keys": sorted(local),
-        "input_ids_global_and_unchanged": local.get("input_ids") is not None
-        and tuple(local["input_ids"].shape) == tuple(snapshot["input_ids"].shape)
-        and bool(torch.equal(local["input_ids"], snapshot["input_ids"])),
-        "image_mask_global": "image_mask" not in original or (
-            local.get("image_mask") is not None and bool(torch.equal(local["image_mask"], snapshot["image_mask"]))),
-        "pixel_values_global": "pixel_values" not in original or local.get("pixel_values") is original["pixel_values"],
-        "caller_content_changed": _caller_changes(hooked, original, snapshot),
-    })
+    with sharded(sharder, batch, caller=original) as shard:
+        local = shard.local
+        info, layout_tensors = layout_report(sharder, mesh, local["labels"].shape[1], snapshot["input_ids"].shape[1],
+                                             ctx.device)
+        info.update({
+            "keys_after_prepare": after_prepare,
+            "local_keys": sorted(local),
+            "input_ids_global_and_unchanged": local.get("input_ids") is not None
+            and tuple(local["input_ids"].shape) == tuple(snapshot["input_ids"].shape)
+            and bool(torch.equal(local["input_ids"], snapshot["input_ids"])),
+            "image_mask_global": "image_mask" not in original or (
+                local.get("image_mask") is not None and bool(torch.equal(local["image_mask"], snapshot["image_mask"]))),
+            "pixel_values_global": "pixel_values" not in original or local.get("pixel_values") is original["pixel_values"],
+            "caller_content_changed": hooked,
+        })
+        tensors = _local_copies(local, ("labels", "position_ids", "padding_mask"))
+    info["caller_changed_by_shard"] = shard.caller_changes
     info.update(unpacked_info)
-    return info, {"labels": local["labels"], "position_ids": local["position_ids"], "padding_mask": local["padding_mask"],
-                  **layout_tensors, **{k: v for k, v in unpacked.items() if v is not None}}
+    return info, {**tensors, **layout_tensors, **{k: v for k, v in unpacked.items() if v is not None}}
 
 
 def first_document_tokens(layout) -> torch.Tensor:
@@ -155,6 +157,8 @@ def _inkling2_evaluate(case: dict, outputs: list, expected) -> CaseReport:
         report.require(o.info["pixel_values_global"], f"rank {o.rank}: pixel_values must stay global (the same object)")
         report.require(not o.info.get("caller_content_changed"),
                        f"rank {o.rank}: the caller's batch changed (hooks may only add layout keys): {o.info.get('caller_content_changed')}")
+        for change in o.info.get("caller_changed_by_shard", []):
+            report.problems.append(f"rank {o.rank}: {change}")
         if "seq_lens" in batch:
             for gone in ("seq_lens", "seq_lens_padded", "qkv_format"):
                 report.require(gone not in o.info["keys_after_prepare"], f"rank {o.rank}: {gone} must be removed by unpack_row_layout")
@@ -198,13 +202,14 @@ def _mistral_rank(case: dict, ctx) -> tuple[dict, dict]:
         returned = ml.prepare_cp_inputs(batch, num_chunks=chunks, shard_primary=shard_primary)
     sharder = hook_sharder(returned, mesh)
     hooked = _content_changes(batch, snapshot)
-    _, local = sharder.shard(batch)
-    info, layout_tensors = layout_report(sharder, mesh, local["labels"].shape[1], snapshot["input_ids"].shape[1], ctx.device)
-    tensors = {"labels": local["labels"], "position_ids": local["position_ids"], "padding_mask": local["padding_mask"],
-               "input_ids": local["input_ids"], **layout_tensors}
-    if "document_ids" in local:
-        tensors["document_ids"] = local["document_ids"]
-    info.update({"caller_content_changed": _caller_changes(hooked, original, snapshot), "local_keys": sorted(local)})
+    with sharded(sharder, batch, caller=original) as shard:
+        local = shard.local
+        info, layout_tensors = layout_report(sharder, mesh, local["labels"].shape[1], snapshot["input_ids"].shape[1],
+                                             ctx.device)
+        tensors = {**_local_copies(local, ("labels", "position_ids", "padding_mask", "input_ids", "document_ids")),
+                   **layout_tensors}
+        info.update({"caller_content_changed": hooked, "local_keys": sorted(local)})
+    info["caller_changed_by_shard"] = shard.caller_changes
     return info, tensors
 
 
@@ -221,6 +226,8 @@ def _mistral_evaluate(case: dict, outputs: list, expected) -> CaseReport:
     for o in outputs:
         report.require(not o.info.get("caller_content_changed"),
                        f"rank {o.rank}: the caller's batch changed (hooks may only add layout keys): {o.info.get('caller_content_changed')}")
+        for change in o.info.get("caller_changed_by_shard", []):
+            report.problems.append(f"rank {o.rank}: {change}")
     reported = _common(report, outputs, layout, labels)
     if reported is None:
         return report

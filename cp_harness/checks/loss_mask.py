@@ -24,7 +24,7 @@ from cp_harness.checks._token_layout import judge_token_layout
 from cp_harness.judging import comm_minimum
 from cp_harness.judging.compare import compare
 from cp_harness.judging.verdicts import CaseReport
-from cp_harness.usage.resolve_sharder import hook_sharder, layout_report
+from cp_harness.usage.resolve_sharder import hook_sharder, layout_report, sharded
 
 KINDS = ("bool", "float", "absent")
 
@@ -45,18 +45,21 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
     batch = build_batch(case)
     S = batch["input_ids"].shape[1]
     mask = global_loss_mask(case, tuple(batch["input_ids"].shape))
+    mask = None if mask is None else mask.to(ctx.device)
     module = getattr(ctx.impl, case["model"])
     mesh = ctx.mesh_for(case)
+    caller = {**batch, "loss_mask": mask}
     sharder = hook_sharder(module.prepare_cp_inputs(batch, num_chunks=int(case.get("num_chunks", 1))), mesh,
-                           loss_mask=None if mask is None else mask.to(ctx.device))
-    ctx_factory, local = sharder.shard(batch)
-    with ctx_factory():
+                           loss_mask=mask)
+    with sharded(sharder, batch, caller=caller) as shard:
+        local = shard.local
         info, tensors = layout_report(sharder, mesh, local["labels"].shape[1], S, ctx.device)
-        tensors["labels"] = local["labels"]
+        tensors["labels"] = local["labels"].clone()  # copies: a sharder's context may restore buffers on exit
         info["has_loss_mask"] = "loss_mask" in local
         if "loss_mask" in local:
-            tensors["loss_mask"] = local["loss_mask"]
+            tensors["loss_mask"] = local["loss_mask"].clone()
             info["loss_mask_dtype"] = str(local["loss_mask"].dtype)
+    info["caller_changed_by_shard"] = shard.caller_changes
     return info, tensors
 
 
@@ -68,6 +71,9 @@ def _expect(case: dict) -> tuple[int, torch.Tensor | None]:
 def _evaluate(case: dict, outputs: list, expected) -> CaseReport:
     report = CaseReport(case=case)
     S, mask = expected
+    for o in outputs:
+        for change in o.info.get("caller_changed_by_shard", []):
+            report.problems.append(f"rank {o.rank}: {change}")
     if mask is None:
         for o in outputs:
             report.require(not o.info["has_loss_mask"], f"rank {o.rank}: no loss_mask was given to the sharder, "

@@ -32,7 +32,7 @@ from cp_harness.checks._token_layout import judge_token_layout, stack_ranks
 from cp_harness.judging import comm_minimum
 from cp_harness.judging.compare import TokenGrid, compare
 from cp_harness.judging.verdicts import CaseReport
-from cp_harness.usage.resolve_sharder import hook_sharder, layout_report
+from cp_harness.usage.resolve_sharder import hook_sharder, layout_report, sharded
 
 _INT_DTYPES = {"int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 
@@ -308,7 +308,11 @@ def _sharder_rank(case: dict, ctx) -> tuple[dict, dict]:
     batch = build_batch({"seed": case["seed"], "batch": spec, "model": "inkling2"})
     mesh = ctx.mesh_for(case)
     sharder = hook_sharder(ctx.impl.inkling2.prepare_cp_inputs(batch), mesh)
-    sharder.shard(batch)
+    with sharded(sharder, batch):  # the verbs are used inside the sharder's context, as in a train step
+        return _sharder_roundtrip(case, ctx, sharder, mesh, B, S, C)
+
+
+def _sharder_roundtrip(case: dict, ctx, sharder, mesh, B: int, S: int, C: int) -> tuple[dict, dict]:
     value = global_value(case, [B, S, C], 1)[:, :S].clone().to(ctx.device)
     info, layout_tensors = {}, {}
     if not value.is_floating_point():  # integer and bool payloads: the round trip without autograd

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from cp_harness.cases.descriptions import FILLER, IGNORE_INDEX
 from cp_harness.cases.malformed_inputs import input_changes, snapshot_inputs
 from cp_harness.cases.profiles import examples
-from cp_harness.usage.resolve_sharder import hook_sharder, local_token_indices
+from cp_harness.usage.resolve_sharder import hook_sharder, local_token_indices, sharded
 from oracle.layout import layout_from_attention_mask, layout_from_batch
 
 CALL_LIMIT_S = 10
@@ -312,11 +312,12 @@ def test_prepare_hooks_fuzz(cp_impl, data):
     # One rank: the local batch, put at the global positions the sharder reports, is the global one (whatever
     # the layout's divisibility padding).
     sharder = hook_sharder(module.prepare_cp_inputs(batch, num_chunks=num_chunks), None)
-    _, local = sharder.shard(batch)
     S = batch["input_ids"].shape[1]
-    indices = local_token_indices(sharder, None, local["padding_mask"].shape[1])
-    order = torch.argsort(indices)[:S]
-    local = {k: local[k].index_select(1, order) for k in ("padding_mask", "position_ids", "labels") if k in local}
+    with sharded(sharder, batch) as shard:  # read inside the sharder's context, as a train step does
+        indices = local_token_indices(sharder, None, shard.local["padding_mask"].shape[1])
+        order = torch.argsort(indices)[:S]
+        local = {k: shard.local[k].index_select(1, order) for k in ("padding_mask", "position_ids", "labels")
+                 if k in shard.local}
     keep = layout.keep
     assert torch.equal(local["padding_mask"], ~keep)
     assert torch.equal(local["position_ids"][keep], batch["position_ids"][keep])

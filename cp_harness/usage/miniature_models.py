@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cp_harness.usage.resolve_sharder import hook_sharder, local_token_indices
+from cp_harness.usage.resolve_sharder import hook_sharder, local_token_indices, sharded
 from oracle import models as oracle_models
 from oracle.attention import rotary_embedding
 
@@ -45,7 +45,8 @@ class CPModelOutput:
     ``logits``: local ``[B, L, V]``, ``loss``: this rank's loss, already scaled
     so that averaging gradients over the CP ranks gives the gradient of the
     global mean loss, ``local_batch``: the sharded batch, ``sharder``: the
-    resolved sharder, ``positions``: the :class:`TokenPositions` of the layout.
+    resolved sharder, ``positions``: the :class:`TokenPositions` of the layout, ``caller_changes``: the caller's
+    tensors ``shard()`` changed in place, by key (``sharding.sharded``).
     """
 
     inputs_embeds: torch.Tensor
@@ -57,6 +58,7 @@ class CPModelOutput:
     local_len: int
     sharder: Any
     positions: "TokenPositions"
+    caller_changes: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -182,10 +184,11 @@ def inkling2_cp_forward(impl, params: dict[str, torch.Tensor], config, batch: di
                         num_chunks: int = 1) -> CPModelOutput:
     """Inkling2-mini on one CP rank. ``batch`` is the global batch (every rank gets the same); it is normalised in place as the hooks document."""
     ink = impl.inkling2
+    caller = dict(batch)
     sharder = hook_sharder(ink.prepare_cp_inputs(batch, num_chunks=num_chunks), mesh)
-    ctx_factory, local = sharder.shard(batch)
     rank, size = _mesh_rank_size(mesh)
-    with ctx_factory():
+    with sharded(sharder, batch, caller=caller) as shard:
+        local = shard.local
         x0 = sharder.shard_token_tensor(_global_embeddings(params, config, local), fill=0)
         keep, positions, x = _masked_input(x0, local)
         L = x0.shape[1]
@@ -213,10 +216,10 @@ def inkling2_cp_forward(impl, params: dict[str, torch.Tensor], config, batch: di
         x = x + attn.flatten(-2) @ params["wo"]
         logits = (oracle_models.rms_norm(x, params["norm2"]) @ params["lm_head"]) * keep[..., None].to(x.dtype)
 
-    # The recipe's loss: aligned labels, local sum x N / global count.
-    labels = local["labels"]
-    loss = _recipe_loss(logits, labels, keep & (labels != -100), mesh, size)
-    return CPModelOutput(x0, logits, loss, local, size, rank, L, sharder, where)
+        # The recipe's loss: aligned labels, local sum x N / global count.
+        labels = local["labels"]
+        loss = _recipe_loss(logits, labels, keep & (labels != -100), mesh, size)
+    return CPModelOutput(x0, logits, loss, local, size, rank, L, sharder, where, shard.caller_changes)
 
 
 def _gather_tokens_bshd(gather_tokens, value: torch.Tensor, mesh, differentiable: bool) -> torch.Tensor:
@@ -228,10 +231,11 @@ def mistral_large4_cp_forward(impl, params: dict[str, torch.Tensor], config, bat
                               num_chunks: int = 1, shard_primary: bool = True) -> CPModelOutput:
     """MistralLarge4-mini on one CP rank; packed batches go through the same hook (it dispatches to the packed path)."""
     ml = impl.mistral_large4
+    caller = dict(batch)
     sharder = hook_sharder(ml.prepare_cp_inputs(batch, num_chunks=num_chunks, shard_primary=shard_primary), mesh)
-    ctx_factory, local = sharder.shard(batch)
     rank, size = _mesh_rank_size(mesh)
-    with ctx_factory():
+    with sharded(sharder, batch, caller=caller) as shard:
+        local = shard.local
         has_image = local.get("image_mask") is not None and local.get("pixel_values") is not None
         if shard_primary:
             x0 = params["embed"][local["input_ids"]]
@@ -261,10 +265,10 @@ def mistral_large4_cp_forward(impl, params: dict[str, torch.Tensor], config, bat
         raw = oracle_models.rms_norm(x, params["final_norm"]) @ params["lm_head"]
         cap = config.logit_softcap
         logits = cap * torch.tanh(raw / cap) * keep[..., None].to(raw.dtype)
-    if where.contiguous:
-        loss = ml.shifted_cp_loss(logits, local["labels"], keep.flatten(), mesh)
-    else:
-        gather_rows = lambda t: _gather_tokens_bshd(ml.gather_tokens, t, mesh, False)  # noqa: E731
-        targets, next_kept = _next_token_targets(local["labels"], keep, where, gather_rows)
-        loss = _recipe_loss(logits, targets, keep & next_kept & (targets != -100), mesh, size)
-    return CPModelOutput(x0, logits, loss, local, size, rank, L, sharder, where)
+        if where.contiguous:
+            loss = ml.shifted_cp_loss(logits, local["labels"], keep.flatten(), mesh)
+        else:
+            gather_rows = lambda t: _gather_tokens_bshd(ml.gather_tokens, t, mesh, False)  # noqa: E731
+            targets, next_kept = _next_token_targets(local["labels"], keep, where, gather_rows)
+            loss = _recipe_loss(logits, targets, keep & next_kept & (targets != -100), mesh, size)
+    return CPModelOutput(x0, logits, loss, local, size, rank, L, sharder, where, shard.caller_changes)

@@ -8,10 +8,14 @@ the device mesh (which has a ``"cp"`` dimension)::
                   local_token_global_indices=sharder.local_token_global_indices,
                   padding_token_id=..., loss_mask=...)
 
-then calls ``shard(batch) -> (ctx_factory, local_batch)``. Every check and
-both miniature models go through :func:`resolve_sharder`, so a sharder of any
-class that follows this contract (``cp_impl``'s mirror, the framework's own
-``ContextParallelSharder``) is judged the same way.
+then calls ``shard(batch) -> (ctx_factory, local_batch)`` and reads and uses
+the local tensors inside ``with ctx_factory():`` (the framework's default
+path, ``shard_batch_load_balanced``, returns full-length tensors and a torch
+``context_parallel`` context that shards them in place when entered). Every
+check and both miniature models go through :func:`resolve_sharder` and
+:func:`sharded`, so a sharder of any class that follows this contract
+(``cp_impl``'s mirror, the framework's own ``ContextParallelSharder``) is
+judged the same way.
 
 Where local tokens live is answered from one coordinate system, the index
 map: :func:`local_token_indices` returns the global position of each local
@@ -23,14 +27,16 @@ device)``. Nothing in the harness assumes a padding rule or contiguous shards.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import dataclasses
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from cp_harness.instruments import coverage
 from cp_harness.cases.descriptions import PAD_ID
 
-__all__ = ["hook_sharder", "local_token_indices", "padded_seq_len", "resolve_sharder"]
+__all__ = ["Sharded", "hook_sharder", "local_token_indices", "padded_seq_len", "resolve_sharder", "sharded"]
 
 
 def resolve_sharder(returned: Any, mesh: Any, *, padding_token_id: int = PAD_ID, loss_mask: torch.Tensor | None = None):
@@ -55,6 +61,50 @@ def hook_sharder(hook_result: Any, mesh: Any, **kwargs: Any):
         raise TypeError(f"prepare_cp_inputs must return {{'cp_sharder': sharder}}, got {type(hook_result).__name__}"
                         + (f" with keys {sorted(hook_result)}" if isinstance(hook_result, dict) else ""))
     return resolve_sharder(hook_result["cp_sharder"], mesh, **kwargs)
+
+
+@dataclasses.dataclass
+class Sharded:
+    """What :func:`sharded` yields: ``local``, the local batch (valid inside the ``with``), and, once the
+    ``with`` has exited, ``caller_changes``: one sentence per tensor of the caller's that ``shard()`` or its
+    context changed in place, by key (empty when none)."""
+
+    local: dict[str, Any]
+    caller_changes: list[str] = dataclasses.field(default_factory=list)
+
+
+def _describe_change(key: str, tensor: torch.Tensor, shape: tuple[int, ...], saved: torch.Tensor) -> str | None:
+    if tuple(tensor.shape) != shape:
+        return (f"shard() resized the caller's {key} in place from {list(shape)} to {list(tensor.shape)} (the "
+                "caller's own tensor, not a copy: a sharder must leave the caller's tensors unchanged)")
+    if tensor.dtype != saved.dtype or not torch.equal(tensor, saved):
+        return f"shard() overwrote the caller's {key} in place (a sharder must leave the caller's tensors unchanged)"
+    return None
+
+
+@contextlib.contextmanager
+def sharded(sharder: Any, batch: dict[str, Any], caller: Mapping[str, Any] | None = None) -> Iterator[Sharded]:
+    """Shard ``batch`` the way the framework's train step does, the one way every check and model shards.
+
+    ``ctx_factory, local = sharder.shard(batch)``, then ``with ctx_factory():``
+    yields :class:`Sharded` (``.local``): read and use the local tensors inside
+    the ``with`` (a ``context_parallel`` context shards buffers in place on
+    entry and may restore some on exit; copy what must outlive it). ``caller``:
+    the tensors the caller owns, by key (default: those of ``batch`` at the
+    call); after the ``with``, ``caller_changes`` names each one that was
+    resized or overwritten in place. Replacing a dict entry is not such a
+    change (the framework's ``shard`` mutates the batch dict by contract).
+    """
+    owned = {k: v for k, v in (batch if caller is None else caller).items() if isinstance(v, torch.Tensor)}
+    saved = {k: (v, tuple(v.shape), v.detach().clone()) for k, v in owned.items()}
+    ctx_factory, local = sharder.shard(batch)
+    result = Sharded(local)
+    with ctx_factory():
+        yield result
+    for key, (tensor, shape, copy) in saved.items():
+        change = _describe_change(key, tensor, shape, copy)
+        if change is not None:
+            result.caller_changes.append(change)
 
 
 def _cp_size(mesh: Any) -> int:
