@@ -161,3 +161,22 @@ def test_decode_reply_reads_every_field():
 
 def test_format_stacks_skips_ranks_without_a_dump():
     assert format_stacks({1: "a\n\n b\n"}, [0, 1]) == "--- stack of rank 1 ---\na\n b"
+
+
+def test_a_start_failure_names_the_rank_that_ended_first_with_its_own_traceback():
+    from cp_harness.ranks.diagnosis import start_failure_report
+
+    exits = [(2, 1), (0, -9), (1, -9)]  # rank 2 exited with 1; the launcher then killed the others
+    text = start_failure_report(exits, {2: "Traceback ...\nRuntimeError: injected\n", 0: "not this one"})
+    assert text.startswith("rank 2 failed first during the start: it exited with 1")
+    assert "--- traceback of rank 2 ---\nTraceback ...\nRuntimeError: injected" in text and "not this one" not in text
+    killed = start_failure_report([(5, -9)], {})
+    assert "rank 5 failed first during the start: it was killed by signal 9" in killed and "out of memory?" in killed
+    assert start_failure_report([], {1: "x"}) == ""
+
+
+def test_a_rank_that_exited_without_replying_shows_the_traceback_it_left():
+    log = exit_line(3, 1234, 1, [0, 1, 2])
+    failure = diagnose(CASE, timeout=TIMEOUT, replies={}, closed=(0, "connection closed by peer"), launcher_exit=1,
+                       exits=exits_in_log(log), log=log, rank_errors={3: "Traceback\nValueError: left behind\n"})
+    assert failure.rank == 3 and "--- traceback of rank 3 ---\nTraceback\nValueError: left behind" in str(failure)

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from cp_harness.cases.descriptions import canonical
-from cp_harness.ranks.pool import PoolConfig
+from cp_harness.ranks.pool import PoolConfig, RankPool
 from cp_harness.runner import CaseRunner
 
 CASE_TIMEOUT = 4.0
@@ -230,3 +230,32 @@ def test_pool_exits_by_itself_when_its_owner_disappears(faulty):
     left = faulty.wait_gone(pids, timeout=15.0)
     runner.close()  # reaps the launcher (our child) and forgets the pool
     assert not left, f"an abandoned pool left processes behind: {left}"
+
+
+def test_a_rank_that_fails_at_start_is_named_with_its_own_traceback(tmp_path, monkeypatch):
+    """One rank of eight raises while it loads the implementation: the start error shows that rank's traceback
+    first, not only the log tail of the ranks the launcher ended after it (signal 9)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(FIXTURES), os.environ.get("PYTHONPATH")) if p))
+    world, failing = 8, 2  # failing: tests/fixtures/fault_start_rank.FAILING_RANK
+    pool = RankPool(PoolConfig(world_size=world, impl="fault_start_rank", collective_timeout=COLLECTIVE_TIMEOUT,
+                               start_timeout=60.0, log_dir=str(tmp_path)))
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError) as failure:
+            pool.start()
+        elapsed = time.monotonic() - started
+        message = str(failure.value)
+    finally:
+        pool.close()
+    assert message.startswith("rank pool did not start"), message
+    head = message.split("fork log tail:")[0]  # what comes before the log's tail
+    assert f"rank {failing} failed first during the start: it exited with 1" in head, message
+    assert f"--- traceback of rank {failing} ---" in head, message
+    assert f"RuntimeError: injected start fault: rank {failing} cannot load mistral_large4" in head, message
+    assert "_refuse_to_load" in head, message  # the frame that raised, from the rank's own traceback
+    assert elapsed < 30.0, f"a start fault took {elapsed:.1f} s to report"
+    # the failed start left no process behind
+    deadline = time.monotonic() + 10
+    while (left := processes_mentioning(str(tmp_path))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"the failed start left processes behind: {left}"

@@ -33,6 +33,20 @@ def exits_in_log(log: str) -> list[tuple[int, int]]:
     return [(int(rank), int(code)) for rank, code in _EXITED.findall(log)]
 
 
+def start_failure_report(exits: Sequence[tuple[int, int]], rank_errors: Mapping[int, str]) -> str:
+    """Which rank ended first while the pool started, how, and its own traceback (``rank_errors``: what each
+    forked rank that ended with an exception left); empty when the launcher logged no exit. The log's tail
+    shows the ranks the launcher ended after it, not the cause."""
+    if not exits:
+        return ""
+    rank, code = exits[0]
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
+    own = rank_errors.get(rank)
+    return (f"rank {rank} failed first during the start: it {how}; the launcher then ended the others.\n"
+            + (f"--- traceback of rank {rank} ---\n{own}" if own else
+               f"(rank {rank} left no traceback{': out of memory?' if code == -9 else ''})\n"))
+
+
 def looks_like_timeout(message: str | None) -> bool:
     """Whether a rank's error is a consequence of a peer's failure (it gave up waiting, or lost the peer)."""
     text = (message or "").lower()
@@ -55,7 +69,8 @@ def diagnose(case: dict, *, timeout: float, replies: Mapping[int, RankOutput], u
              launcher: str = "fork", send_error: tuple[int, str] | None = None,
              closed: tuple[int, str] | None = None, off_protocol: tuple[int, str] | None = None,
              launcher_exit: int | None = None, exits: Sequence[tuple[int, int]] = (), log: str = "",
-             stacks: Mapping[int, str] | None = None) -> RankFailure | None:
+             stacks: Mapping[int, str] | None = None, rank_errors: Mapping[int, str] | None = None
+             ) -> RankFailure | None:
     """The failure of ``case`` from what the pool observed, or ``None`` when every rank answered normally.
 
     ``replies``: rank -> its decoded reply, in the order they arrived. ``unanswered``: ranks that sent no
@@ -65,6 +80,7 @@ def diagnose(case: dict, *, timeout: float, replies: Mapping[int, RankOutput], u
     ``launcher_exit``: the launcher's exit code (``None``: still running). ``exits``: ``(rank, exit code)``
     of the ranks the launcher saw exit, first first (``exits_in_log``; a negative code is a signal).
     ``log``: the tail of the launcher's log. ``stacks``: rank -> its stack dump (stuck ranks only).
+    ``rank_errors``: rank -> the traceback a forked rank left when it ended with an exception.
     """
     outputs = list(replies.values())
     if send_error is not None:
@@ -78,8 +94,10 @@ def diagnose(case: dict, *, timeout: float, replies: Mapping[int, RankOutput], u
         seen = "" if culprit == rank else f"; rank {rank}'s connection closed when the launcher ended it"
         own = replies.get(culprit)
         # A rank that replied before exiting (SystemExit in the case) left its own traceback in the reply.
+        left = (rank_errors or {}).get(culprit)
         told = (f"--- traceback of rank {culprit} ---\n{own.traceback}\n"
-                if own is not None and not own.ok and own.traceback else "")
+                if own is not None and not own.ok and own.traceback else
+                f"--- traceback of rank {culprit} ---\n{left}" if left else "")
         return _failure(case, f"rank {culprit} exited while running the case ({error}{seen}; "
                               f"{launcher} exit code {launcher_exit}).\n{told}"
                               f"{launcher} log tail:\n{log}",

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from cp_harness.ranks import wire
+from cp_harness.ranks.diagnosis import exits_in_log, start_failure_report
 from cp_harness.ranks.outputs import SHUTDOWN, PoolConfig
 
 STACK_DUMP_WAIT = 0.5  # seconds the ranks get to write their stacks after SIGUSR1
@@ -117,6 +118,7 @@ class RankProcesses:
                 raise RuntimeError(
                     f"rank pool did not start: {len(self.socks)} of {cfg.world_size} ranks connected "
                     f"within {cfg.start_timeout:.0f} s ({self.launcher} exit code {self.proc.poll()}).\n"
+                    f"{start_failure_report(exits_in_log(self.log_tail(1 << 24)), self.rank_errors())}"
                     f"{self.launcher} log tail:\n{self.log_tail()}")
             listener.settimeout(min(remaining, 1.0))
             try:
@@ -124,7 +126,13 @@ class RankProcesses:
             except socket.timeout:
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            body, _ = wire.recv(conn, timeout=max(deadline - time.monotonic(), 1.0))
+            try:
+                body, _ = wire.recv(conn, timeout=max(deadline - time.monotonic(), 1.0))
+            except wire.WireError:
+                # A rank ended (by the launcher, after another rank failed) between connecting and saying hello:
+                # the next turn of the loop sees the launcher exit and reports the rank that failed.
+                conn.close()
+                continue
             rank = int(body["rank"])
             if body.get("launcher") != self.launcher:
                 raise RuntimeError(f"rank {rank} was started by {body.get('launcher')!r}, not {self.launcher!r}")
@@ -188,6 +196,18 @@ class RankProcesses:
         except (OSError, TypeError):
             return "(no log)"
         return text[-limit:]
+
+    def rank_errors(self) -> dict[int, str]:
+        """The tracebacks forked ranks left when they ended with an exception (``<workdir>/rank<r>.error``)."""
+        if self._workdir is None:
+            return {}
+        found = {}
+        for path in self._workdir.glob("rank*.error"):
+            try:
+                found[int(path.stem[4:])] = path.read_text(errors="replace")
+            except (OSError, ValueError):
+                continue
+        return found
 
     def wait_exit(self) -> int | None:
         """The launcher's exit code, waiting up to 5 s for it (``None``: still running, or never started)."""

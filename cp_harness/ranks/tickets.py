@@ -158,7 +158,8 @@ class TicketQueue:
                     code = procs.wait_exit()
                     return self._fail(ticket, diagnose(
                         **evidence, replies=outputs, closed=(rank, str(exc)), launcher_exit=code,
-                        exits=exits_in_log(procs.log_tail(1 << 20)), log=procs.log_tail()))
+                        exits=exits_in_log(procs.log_tail(1 << 20)), log=procs.log_tail(),
+                        rank_errors=procs.rank_errors()))
                 try:
                     outputs[rank] = decode_reply(body, arrays, rank=rank, case_id=ticket.case_id,
                                                  received_at=time.monotonic())

@@ -57,6 +57,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _write_error(stack_dir: str | None, rank: int, text: str) -> None:
+    """Keep a rank's own traceback in ``<stack-dir>/rank<r>.error``: in the shared log it is interleaved with,
+    and pushed out of the tail by, the lines of the ranks ended after it (the pool shows it first)."""
+    if not stack_dir:
+        return
+    try:
+        with open(os.path.join(stack_dir, f"rank{rank}.error"), "w") as f:
+            f.write(text)
+    except OSError:
+        pass
+
+
 def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
     """Import once, fork ``args.ranks`` ranks, wait for them (see the module docstring); returns the exit status."""
     if args.backend == "nccl":
@@ -72,6 +84,14 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
     from cp_harness.ranks.diagnosis import exit_line
 
     torch.set_num_threads(1)  # before any tensor work: no OpenMP pool may exist at the fork
+    # What the ranks would otherwise import on their own, each in its own pages: autograd's backward with an
+    # explicit gradient imports symbolic_shapes, i.e. sympy and mpmath (about 490 modules, 2.5 s of CPU). On the
+    # first such case 64 ranks importing it at once on 2 cores took over 60 s, past the case timeout.
+    import encodings.idna  # noqa: F401 - socket.create_connection("127.0.0.1") imports it
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
+
+    from cp_harness.instruments import comm_meter, coverage  # noqa: F401 - the rank's own imports
+    from cp_harness.ranks import wire  # noqa: F401
     for name in impl_names(args.impl):
         load_impl(name)  # one that does not import stops the launcher here; the pool shows its traceback
     load_checks()
@@ -94,6 +114,7 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
                 code = main(argv)
             except BaseException:  # noqa: BLE001 - the traceback goes to the pool's log
                 traceback.print_exc()
+                _write_error(args.stack_dir, rank, traceback.format_exc())
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
@@ -147,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device = torch.device("cpu")
     timeout = datetime.timedelta(seconds=args.collective_timeout)
+    if args.backend == "gloo":
+        # Connect gloo pairs when a collective first uses them, not a full mesh per group at the start: with a
+        # subgroup per CP size, eager setup opens sum(n*(n-1)/2) connections (43,680 at 64 ranks), took 23-40 s
+        # on 2 cores and failed the start when one rank's share outlasted the collective timeout.
+        os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     dist.init_process_group(args.backend, timeout=timeout, device_id=device if args.backend == "nccl" else None)
 
     # One subgroup and mesh per CP size; new_group is collective, so every rank creates all of them.
