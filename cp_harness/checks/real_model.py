@@ -3,8 +3,9 @@ model computes on one device (logits at valid positions, the loss, every paramet
 
 No float64 oracle exists for real models (their eager attention computes in float32), so the reference is the
 same model on one device, in the same dtype, in the same rank process: rank 0 runs it twice, plainly and under a
-semantically neutral change of reduction order (the batch rows reversed and the loss cut into ``max(2, N)``
-position chunks backpropagated one by one, so that parameter gradients accumulate as partial sums, as CP's do).
+semantically neutral change of reduction order (the batch rows reversed and the loss's gradient cut into
+``max(2, N)`` position chunks backpropagated one by one, so that parameter gradients accumulate as partial
+sums, as CP's do).
 The difference of those two runs is the *reference spread*; a CP tensor passes when its normwise error (ULPs of
 the model's dtype at the tensor's largest one-device value) is at most ``C x spread + FLOOR[dtype]``
 (calibration: ``docs/real_models.md``). Every rank runs the CP path the framework's way
@@ -53,15 +54,14 @@ def _agree_ready(ctx, error: BaseException | None) -> None:
         if error is not None:
             raise error
         return
-    flags = torch.zeros(ctx.cp_size, dtype=torch.int32)
-    flags[ctx.rank] = int(error is not None)
-    torch.distributed.all_reduce(flags, group=group)
-    if error is not None:
-        raise RuntimeError(f"rank {ctx.rank}: building the model or batch raised {type(error).__name__}: {error}") \
-            from error
-    failed = [r for r in range(ctx.cp_size) if flags[r]]
+    errors: list = [None] * ctx.cp_size
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    torch.distributed.all_gather_object(errors, mine, group=group)
+    failed = {r: e for r, e in enumerate(errors) if e is not None}
     if failed:
-        raise RuntimeError(f"rank {ctx.rank}: not run, rank(s) {failed} could not build the model or batch")
+        named = "; ".join(f"rank {r} raised {e}" for r, e in failed.items())
+        raise RuntimeError(f"building the model or batch failed on rank(s) {sorted(failed)} ({named}); "
+                           f"rank {ctx.rank} did not run the case") from error
 
 
 def _outputs(prefix: str, result: dict) -> dict[str, torch.Tensor]:

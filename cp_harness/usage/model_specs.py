@@ -10,8 +10,9 @@ check needs ``pad_batch`` and ``cp_padded_length``). ``step`` runs one forward a
   parameter gradients and the loss summed over the CP group (in float32, rounded once to the parameter's
   dtype), the logits gathered to global order with ``spec.gather_logits``;
 * on one device (``mesh=None``), optionally under a semantically neutral change of reduction order
-  (``split``: the loss cut into that many position chunks, each backpropagated on its own so that the
-  gradients accumulate as partial sums; ``reverse``: the batch rows in reverse order). The difference between
+  (``split``: the loss's gradient with respect to the logits cut into that many position chunks, each
+  backpropagated on its own so that the parameter gradients accumulate as partial sums; the loss itself is
+  computed once, as in the plain run, so a defect in the spec's loss cannot widen the spread; ``reverse``: the batch rows in reverse order). The difference between
   the plain and the reordered one-device run is the *reference spread* the judge scales its bound with.
 """
 
@@ -87,13 +88,18 @@ def step(spec: types.ModuleType, model: torch.nn.Module, mesh: Any, batch: dict,
     with ctx_factory():
         logits = spec.forward(model, local)
         labels = spec.local_labels(local) if hasattr(spec, "local_labels") else local["labels"]
-        bounds = np.linspace(0, logits.shape[1], max(1, split) + 1).round().astype(int)
-        parts = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-        total = torch.zeros((), dtype=torch.float32)
-        for i, (a, b) in enumerate(parts):
-            part = spec.loss(logits[:, a:b].contiguous(), labels[:, a:b].contiguous(), count)
-            part.backward(retain_graph=i < len(parts) - 1)
-            total = total + part.detach().float()
+        value = spec.loss(logits, labels, count)
+        if split <= 1:
+            value.backward()
+        else:  # the same loss, its backward cut into position chunks: parameter gradients accumulate partial sums
+            (upstream,) = torch.autograd.grad(value, logits, retain_graph=True)
+            bounds = np.linspace(0, logits.shape[1], split + 1).round().astype(int)
+            parts = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+            for i, (a, b) in enumerate(parts):
+                chunk = torch.zeros_like(upstream)
+                chunk[:, a:b] = upstream[:, a:b]
+                logits.backward(chunk, retain_graph=i < len(parts) - 1)
+        total = value.detach().float().clone()
     full = spec.gather_logits(sharder, logits.detach())
     grads = {}
     for name, parameter in model.named_parameters():
