@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--world-sizes", type=_world_sizes, default=(1, 2, 3, 4, 8),
                         help="CP sizes the cases use, e.g. 1,2,3,4,8 (the pool starts max ranks; default 1,2,3,4,8)")
     verify.add_argument("--examples", type=_positive, default=25, help="generated examples per row (default 25)")
+    verify.add_argument("--model", default=None, metavar="MODULE",
+                        help="model spec module(s), comma-separated: run the real-model rows (the framework's own CP "
+                             "path against the same model on one device) instead of the implementation's rows")
     verify.add_argument("--seed", type=int, default=0, help="seed of the example generator (default 0)")
     verify.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="also write the report as JSON")
     verify.add_argument("--dtypes", type=_dtypes, default=None, metavar="DTYPES",
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         shrink = SHRINK_SECONDS if args.shrink_seconds is None else args.shrink_seconds
         return run_verify(impl=impl, world_sizes=args.world_sizes, examples=args.examples, backend=args.backend,
                           launcher=args.launcher, seed=args.seed, json_path=args.json_path, error_dir=args.error_dir,
-                          shrink_seconds=shrink, dtypes=args.dtypes, row_names=args.rows)
+                          shrink_seconds=shrink, dtypes=args.dtypes, row_names=args.rows, model=args.model)
     if args.command == "run-case":
         from cp_harness.ranks.pool import PoolConfig
         from cp_harness.judging.render import verdict_text

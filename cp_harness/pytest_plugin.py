@@ -7,6 +7,7 @@ repository gates its own implementation with::
 
 Options:
 
+- ``--cp-model MODULE``: model spec(s) whose real model the gate suite also judges (``test_real_models``);
 - ``--cp-impl MODULE``: implementation under test (else ``$CP_IMPL``, else ``cp_impl``);
   ``MODULE,MODULE,...`` judges several in one run (each sharder-using case
   draws one; the first is the primary one).
@@ -78,6 +79,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="seconds one case may run on the ranks before they count as hung")
     group.addoption("--update-golden", action="store_true", default=False,
                     help="rewrite golden files whose content changed (see docs/golden.md)")
+    group.addoption("--cp-model", default=None, metavar="MODULE",
+                    help="model spec module(s), comma-separated: the gate suite also judges these real models (the "
+                         "framework's own CP path against the same model on one device; cp_harness/tests/"
+                         "test_real_models.py); the ranks import them once, before they are forked")
     group.addoption("--cp-summary-json", default=None, metavar="PATH",
                     help="also write the run summary (and pytest's outcome counts and duration) to PATH as JSON")
 
@@ -132,8 +137,13 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--cp-impl: {exc}") from exc
         os.environ["CP_IMPL"] = selection
     # The session's case space, set once before any test module builds its strategies (like a profile).
+    models = tuple(m for m in (config.getoption("--cp-model") or "").split(",") if m)
+    if models:
+        from cp_harness.usage.model_specs import PRELOAD_ENV
+
+        os.environ[PRELOAD_ENV] = ",".join(models)  # the pool's launcher imports them before it forks
     strategies.use_session_space(strategies.CaseSpace(world_sizes=tuple(sizes), impls=impls,
-                                                      favour_small=profile == "ci"))
+                                                      favour_small=profile == "ci", models=models))
     if config.getoption("--cp-backend") == "nccl":
         _configure_gpus(config, max(sizes))
 

@@ -72,6 +72,7 @@ class Row:
     reproduce: str | None = None
     error_maps: list[str] = dataclasses.field(default_factory=list)
     failing_report: Any = dataclasses.field(default=None, repr=False)
+    needs_model: bool = False  # a real-model row (``--model``)
 
     @property
     def comm_ratio(self) -> float | None:
@@ -93,7 +94,7 @@ class Row:
 
     def as_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("strategy", "failing_report", "explicit", "called")}
+                if f.name not in ("strategy", "failing_report", "explicit", "called", "needs_model")}
         data["functions"] = list(self.functions)
         data["called"] = sorted(self.called)
         data["claimed_but_never_called"] = coverage.covered(self.functions, self.called)
@@ -114,7 +115,7 @@ def default_rows() -> list[Row]:
     the documented API (``cp_harness.instruments.coverage``).
     """
     declared = sorted((r for check in checks.load_checks().values() for r in check.rows), key=lambda r: r.position)
-    return [Row(r.label, r.cases, r.functions, r.dtypes, r.explicit) for r in declared]
+    return [Row(r.label, r.cases, r.functions, r.dtypes, r.explicit, needs_model=r.needs_model) for r in declared]
 
 
 def select_rows(rows: list[Row], *, dtypes: tuple[str, ...] | None = None, names: tuple[str, ...] = ()) -> list[Row]:
@@ -367,17 +368,33 @@ def _preflight(impl: str, backend: str, world_size: int) -> str | None:
     return None
 
 
+def _preflight_models(models: tuple[str, ...]) -> str | None:
+    """Why the model specs cannot be used (``None`` when they can): each imports and has every required field."""
+    from cp_harness.usage.model_specs import load_spec
+
+    for name in models:
+        try:
+            load_spec(name)
+        except Exception as exc:  # noqa: BLE001 - a missing field, or an import failure, stops the run
+            return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backend: str, seed: int,
                json_path: str | None, rows: list[Row] | None = None, stream=None, error_dir: str | None = None,
                progress_stream=None, shrink_seconds: float = SHRINK_SECONDS, dtypes: tuple[str, ...] | None = None,
-               row_names: tuple[str, ...] = (), pool: RankPool | None = None, launcher: str | None = None) -> int:
+               row_names: tuple[str, ...] = (), pool: RankPool | None = None, launcher: str | None = None,
+               model: str | None = None) -> int:
     """Run the verification; print the table (and failures); return the exit code (0 = all passed, 1 = a failure, 2 = could not run).
 
     ``pool``: run on this warm pool (its ranks load ``impl`` on first use; it needs ``max(world_sizes)``
-    ranks and stays up afterwards) instead of starting one.
+    ranks and stays up afterwards) instead of starting one. ``model``: model spec module(s), comma-separated:
+    run the real-model rows (``cp_harness.checks.real_model``) instead of the implementation's rows.
     """
     stream = stream if stream is not None else sys.stdout
-    rows = select_rows(rows or default_rows(), dtypes=dtypes, names=row_names)
+    models = tuple(m for m in (model or "").split(",") if m)
+    rows = [r for r in (rows or default_rows()) if r.needs_model == bool(models)]
+    rows = select_rows(rows, dtypes=dtypes, names=row_names)
     if not rows:
         print(f"cp_harness verify: cannot run: no row matches --dtypes {dtypes} / --rows {list(row_names)}",
               file=sys.stderr)
@@ -387,14 +404,18 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
         print(f"cp_harness verify: cannot run: the given pool has {pool.config.world_size} ranks, "
               f"world sizes {list(world_sizes)} need {ranks}", file=sys.stderr)
         return 2
-    problem = _preflight(impl, backend, ranks)
+    problem = _preflight(impl, backend, ranks) or _preflight_models(models)
     if problem:
         print(f"cp_harness verify: cannot run: {problem}", file=sys.stderr)
         return 2
     from cp_harness.cases.implementation import impl_names
 
     drawn = (tuple(d for d in dtypes if d != "layout") or FLOAT_DTYPES) if dtypes is not None else FLOAT_DTYPES + VALUE_DTYPES
-    space = CaseSpace(world_sizes=tuple(world_sizes), dtypes=drawn, impls=impl_names(impl))
+    space = CaseSpace(world_sizes=tuple(world_sizes), dtypes=drawn, impls=impl_names(impl), models=models)
+    if models:  # the launcher imports the specs (and transformers) once, before it forks the ranks
+        from cp_harness.usage.model_specs import PRELOAD_ENV
+
+        os.environ[PRELOAD_ENV] = ",".join(models)
     if pool is None:
         runner = CaseRunner(PoolConfig(world_size=ranks, backend=backend, impl=impl, launcher=launcher))
     else:  # the pool's own selection stays; every case names its implementation
@@ -417,7 +438,8 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
         progress.finish()
         runner.close()
     seconds = time.perf_counter() - started
-    print(f"cp_harness verify: implementation {impl!r}, backend {backend}, world sizes {list(world_sizes)}, "
+    subject = f"model spec(s) {', '.join(models)}" if models else f"implementation {impl!r}"
+    print(f"cp_harness verify: {subject}, backend {backend}, world sizes {list(world_sizes)}, "
           f"seed {seed}, {examples} examples per row", file=stream)
     print(format_table(rows), file=stream)
     total = sum(r.examples for r in rows)

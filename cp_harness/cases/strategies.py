@@ -45,6 +45,7 @@ class CaseSpace:
     dtypes: tuple[str, ...] = FLOAT_DTYPES + VALUE_DTYPES
     impls: tuple[str, ...] = ()
     favour_small: bool = False
+    models: tuple[str, ...] = ()  # model spec modules the real-model rows draw (``--model`` / ``--cp-model``)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.dtypes) - set(ALL_DTYPES))

@@ -22,6 +22,8 @@ module, loaded with ``pkgutil``):
 * ``positions`` -- ``validate_document_positions``.
 * ``loss`` -- ``shifted_cp_loss`` against the oracle's shifted cross-entropy.
 * ``models`` -- ``model``: both miniature models end to end, forward and backward.
+* ``real_model`` -- a real framework model through a model spec: its own CP path against the same model on
+  one device, within a bound scaled by a measured reference spread; padding sensitivity told apart.
 * ``malformed`` -- ``malformed``: every entry of the malformed-input catalogue raises a clear error on every rank.
 * ``pool_selftest``, ``meter_selftest``, ``bench_memory`` -- cases that test the
   harness itself (faults, the communication meter, per-rank memory).
@@ -104,6 +106,7 @@ class VerifyRow:
     dtypes: tuple[str, ...] = ()
     explicit: tuple[dict, ...] = ()
     position: float = 0
+    needs_model: bool = False  # a real-model row: runs only when a model spec is given (``--model``)
 
 
 def _same_case_on_one_rank(case: dict) -> dict:

@@ -4,7 +4,8 @@ Ranks are started one of two ways, both with torchrun's environment
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``):
 
 - ``--ranks N`` (the default launcher for gloo): this process imports torch,
-  the checks and the implementations once, then forks ``N`` ranks and waits
+  the checks, the implementations and the model specs named in
+  ``$CP_HARNESS_MODEL_SPECS`` once, then forks ``N`` ranks and waits
   for them; when one exits abnormally it ends the others and exits non-zero
   (what torchrun's monitor does). A rank then costs no import of its own:
   8 ranks cost one Python start-up, not 9.
@@ -95,6 +96,10 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
     for name in impl_names(args.impl):
         load_impl(name)  # one that does not import stops the launcher here; the pool shows its traceback
     load_checks()
+    from cp_harness.usage.model_specs import preload
+
+    for problem in preload():  # $CP_HARNESS_MODEL_SPECS: the real models' specs (and transformers), once
+        print(f"cp_harness.ranks.worker: {problem}", file=sys.stderr, flush=True)
     import threading
 
     if threading.active_count() > 1:  # a fork carries only this thread over; the others' locks may be held

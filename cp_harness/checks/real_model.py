@@ -1,0 +1,276 @@
+"""Check ``real_model``: a real framework model, sharded by the framework's own CP path, computes what the same
+model computes on one device (logits at valid positions, the loss, every parameter gradient).
+
+No float64 oracle exists for real models (their eager attention computes in float32), so the reference is the
+same model on one device, in the same dtype, in the same rank process: rank 0 runs it twice, plainly and under a
+semantically neutral change of reduction order (the batch rows reversed and the loss's gradient cut into
+``max(2, N)`` position chunks backpropagated one by one, so that parameter gradients accumulate as partial
+sums, as CP's do).
+The difference of those two runs is the *reference spread*; a CP tensor passes when its normwise error (ULPs of
+the model's dtype at the tensor's largest one-device value) is at most ``C x spread + FLOOR[dtype]``
+(calibration: ``docs/real_models.md``). Every rank runs the CP path the framework's way
+(``cp_harness.usage.model_specs.step``).
+
+**Padding sensitivity.** When a tensor fails on an unpacked batch whose CP padded length exceeds its length,
+rank 0 also runs one device on the batch right-padded (masked pad tokens, ``spec.pad_batch``) to that length.
+If CP matches that run within the same bound and that run differs from the unpadded one, the report says
+"padding changes this model's result on one rank" with a one-process repro command: a property of the model,
+not a CP defect. It still fails the case (the CP run does not compute what one device computes on the batch
+as given); its problem line says which kind of failure it is.
+
+Case keys: ``spec`` (module path of a model spec), ``dtype`` (``float32``, ``bfloat16``), ``seed`` (model
+weights), ``overrides`` (optional config fields), ``batch`` (``kind``, ``seq_len`` and ``spec.make_batch``'s
+keywords: ``batch_size``, ``seed``, ``documents``, ``pad``), ``world_size``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+
+from cp_harness.cases.strategies import as_space, world_sizes
+from cp_harness.checks import VerifyRow, register
+from cp_harness.judging.compare import TensorComparison
+from cp_harness.judging.verdicts import CaseReport
+from cp_harness.usage import model_specs
+
+C = 4.0
+FLOOR = {"float32": 1024.0, "bfloat16": 8.0}  # ULPs of the dtype at the tensor's largest value (docs/real_models.md)
+TENSORS = ("logits", "loss")
+
+
+def _prepare(case: dict):
+    spec = model_specs.load_spec(case["spec"])
+    model = model_specs.cached_model(case["spec"], case["dtype"], int(case.get("seed", 0)), case.get("overrides"))
+    return spec, model, model_specs.make_batch(spec, case["batch"])
+
+
+def _agree_ready(ctx, error: BaseException | None) -> None:
+    """Every rank of the case says whether it could build its model and batch before any collective of the CP
+    path, so that one rank's failure is named by that rank instead of hanging the others."""
+    group = ctx.mesh.get_group() if ctx.mesh is not None and ctx.cp_size > 1 else None
+    if group is None:
+        if error is not None:
+            raise error
+        return
+    errors: list = [None] * ctx.cp_size
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    torch.distributed.all_gather_object(errors, mine, group=group)
+    failed = {r: e for r, e in enumerate(errors) if e is not None}
+    if failed:
+        named = "; ".join(f"rank {r} raised {e}" for r, e in failed.items())
+        raise RuntimeError(f"building the model or batch failed on rank(s) {sorted(failed)} ({named}); "
+                           f"rank {ctx.rank} did not run the case") from error
+
+
+def _outputs(prefix: str, result: dict) -> dict[str, torch.Tensor]:
+    out = {f"{prefix}logits": result["logits"].float(), f"{prefix}loss": result["loss"].float()}
+    out.update({f"{prefix}grad {name}": g.float() for name, g in result["grads"].items()})
+    return out
+
+
+def _rank(case: dict, ctx) -> tuple[dict, dict]:
+    error = None
+    try:
+        spec, model, batch = _prepare(case)
+    except Exception as exc:  # noqa: BLE001 - reported by every rank of the case, naming this one
+        error = exc
+    _agree_ready(ctx, error)
+    cp = model_specs.step(spec, model, ctx.mesh, batch)
+    if ctx.rank != 0:
+        return {}, {}
+    ref = model_specs.step(spec, model, None, batch)
+    other = model_specs.step(spec, model, None, batch, split=max(2, ctx.cp_size), reverse=True)
+    tensors = {"valid": spec.valid_positions(batch).to(torch.bool), **_outputs("cp ", cp), **_outputs("ref ", ref),
+               **_outputs("other ", other)}
+    info = {"padded_len": None}
+    arrays = {k: model_specs_np(v) for k, v in tensors.items()}
+    if not all(r["ok"] for r in _judged(case, arrays).values()):
+        padded_len = _padded_length(spec, model, batch, ctx.cp_size)
+        if padded_len is not None:
+            seq_len = batch["input_ids"].shape[1]
+            padded = model_specs.step(spec, model, None, spec.pad_batch(batch, padded_len))
+            padded["logits"] = padded["logits"][:, :seq_len]
+            tensors.update(_outputs("padded ", padded))
+            info["padded_len"] = padded_len
+    return info, tensors
+
+
+def model_specs_np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().float().numpy() if t.dtype != torch.bool else t.numpy()
+
+
+def _padded_length(spec, model, batch: dict, cp_size: int) -> int | None:
+    if cp_size <= 1 or batch.get("seq_lens") is not None or not all(
+            hasattr(spec, f) for f in ("pad_batch", "cp_padded_length")):
+        return None
+    length = int(spec.cp_padded_length(model, batch["input_ids"].shape[1], cp_size))
+    return length if length > batch["input_ids"].shape[1] else None
+
+
+def _names(arrays: dict) -> list[str]:
+    return [k[len("cp "):] for k in arrays if k.startswith("cp ")]
+
+
+def _kind(name: str) -> str:
+    return "grad" if name.startswith("grad ") else name
+
+
+def _judged(case: dict, arrays: dict, against: str = "ref ") -> dict[str, dict]:
+    """Every tensor of the CP run judged against the one-device run ``against`` (``ref``, or ``padded`` whose
+    spread is taken as the unpadded runs'). The reference spread of a tensor is the worst spread of its kind in
+    the case (logits, loss, all parameter gradients): one small tensor's own spread can be zero by chance."""
+    dtype = case["dtype"]
+    own = {name: model_specs.judge_tensor(arrays[f"other {name}"], arrays[f"ref {name}"], arrays[f"ref {name}"],
+                                          dtype, C, FLOOR[dtype], arrays["valid"] if name == "logits" else None)
+           for name in _names(arrays)}
+    spread: dict[str, float] = {}
+    for name, verdict in own.items():
+        spread[_kind(name)] = max(spread.get(_kind(name), 0.0), verdict["error"])
+    out = {}
+    for name in _names(arrays):
+        out[name] = model_specs.judge_tensor(arrays[f"cp {name}"], arrays[f"{against}{name}"],
+                                             arrays[f"other {name}"], dtype, C, FLOOR[dtype],
+                                             arrays["valid"] if name == "logits" else None, spread[_kind(name)])
+    return out
+
+
+def _where(name: str, index: tuple) -> str:
+    if name == "logits" and len(index) == 3:
+        return f"row {index[0]}, position {index[1]}, vocabulary entry {index[2]}"
+    if name.startswith("grad "):
+        return f"parameter {name[len('grad '):]}, element {list(index)}"
+    return f"index {list(index)}"
+
+
+def _comparison(name: str, verdict: dict, arrays: dict, dtype: str, label: str) -> TensorComparison:
+    shape = tuple(arrays[f"cp {name}"].shape)
+    if "shape_problem" in verdict:
+        return TensorComparison(name, "ulp", dtype, shape, 0, 0, float("nan"), float("nan"), float("inf"),
+                                problem=verdict["shape_problem"])
+    comparison = TensorComparison(
+        f"{name} ({label})", "ulp", dtype, shape, int(arrays[f"cp {name}"].size), 0, verdict["error"],
+        verdict["max_abs"], float("inf"), worst_index=verdict["worst_index"], worst_actual=verdict["worst_actual"],
+        worst_expected=verdict["worst_expected"], ulp_dtype=dtype, scale=verdict["scale"],
+        baseline_ulp=verdict["spread"], excess_error=verdict["error"],
+        excess=verdict["error"] / (verdict["spread"] + FLOOR[dtype] / C), excess_limit=C, excess_floor=FLOOR[dtype],
+        excess_mismatched=verdict["above"])
+    if not verdict["ok"]:
+        comparison.problem = (
+            f"[{dtype}, shape {list(shape)}] CP error {verdict['error']:.3g} ULP > bound {verdict['bound']:.3g} ULP "
+            f"(= {C:g} x reference spread {verdict['spread']:.3g} (worst of its kind in this case) + floor {FLOOR[dtype]:g}; ULPs of {dtype} at the "
+            f"tensor's largest value {verdict['scale']:.3g}); {verdict['above']} elements above the bound; worst at "
+            f"{_where(name, verdict['worst_index'])}: CP {verdict['worst_actual']!r}, one device "
+            f"{verdict['worst_expected']!r} ({verdict['max_abs']:.3g} absolute)")
+    return comparison
+
+
+def _evaluate(case: dict, outputs: list) -> CaseReport:
+    report = CaseReport(case=case)
+    arrays = outputs[0].tensors
+    dtype = case["dtype"]
+    judged = _judged(case, arrays)
+    failing = [n for n, v in judged.items() if not v["ok"]]
+    padded_len = outputs[0].info.get("padded_len")
+    explained: set[str] = set()
+    if failing and padded_len:
+        against = _judged(case, arrays, against="padded ")
+        for name in failing:
+            moved = model_specs.judge_tensor(arrays[f"padded {name}"], arrays[f"ref {name}"],
+                                             arrays[f"other {name}"], dtype, C, FLOOR[dtype],
+                                             arrays["valid"] if name == "logits" else None, judged[name]["spread"])
+            if against[name]["ok"] and not moved["ok"]:
+                explained.add(name)
+        if explained:
+            command = model_specs.padding_repro_command(case["spec"], dtype, int(case.get("seed", 0)),
+                                                        case.get("overrides") or {}, case["batch"], padded_len)
+            worst = max(explained, key=lambda n: judged[n]["error"])
+            report.problems.append(
+                f"PADDING SENSITIVITY, not a CP failure: padding changes this model's result on one rank. Appending "
+                f"masked pad tokens up to the CP padded length {padded_len} changes {', '.join(sorted(explained))} "
+                f"on one device by as much as CP does (worst: {worst} at {_where(worst, judged[worst]['worst_index'])}),"
+                f" and CP matches that padded one-device run. One-process repro (no ranks): {command}")
+    for name, verdict in judged.items():
+        if name in explained:
+            report.add(_comparison(name, against[name], arrays, dtype, f"CP vs one device padded to {padded_len}"))
+        else:
+            report.add(_comparison(name, verdict, arrays, dtype, "CP vs one device"))
+    return report
+
+
+BATCH_KINDS = ("plain", "right_padded", "packed")
+
+
+@st.composite
+def _batches(draw) -> dict:
+    kind = draw(st.sampled_from(BATCH_KINDS))
+    seq_len = draw(st.integers(2, 24))
+    rows = draw(st.integers(1, 2))
+    batch = {"kind": kind, "seq_len": seq_len, "batch_size": rows, "seed": draw(st.integers(0, 999))}
+    if kind == "right_padded":
+        batch["pad"] = draw(st.integers(1, seq_len - 2)) if seq_len >= 3 else 0
+        if batch["pad"] == 0:
+            batch["kind"] = "plain"
+            del batch["pad"]
+    elif kind == "packed":
+        documents = []
+        for _ in range(rows):
+            lengths, left = [], seq_len
+            while left > 0 and len(lengths) < 5:
+                length = draw(st.integers(1, left))  # single-token documents included
+                lengths.append(length)
+                left -= length
+                if draw(st.booleans()):
+                    break
+            if max(lengths) < 2:  # every row needs a label
+                lengths[0] += 1 if sum(lengths) < seq_len else 0
+            documents.append(lengths)
+        if all(max(d) < 2 for d in documents):
+            documents[0] = [seq_len]  # one document crossing every shard boundary
+        batch["documents"] = documents
+    return batch
+
+
+def real_model_cases(dtype: str):
+    @st.composite
+    def cases(draw, space=None) -> dict:
+        space = as_space(space)
+        models = getattr(space, "models", ()) if space is not None else ()
+        if not models:
+            from cp_harness.cases.strategies import session_space
+
+            models = session_space().models
+        if not models:
+            raise ValueError("no model spec given: pass --model MODULE (verify) or --cp-model MODULE (pytest)")
+        return {"check": "real_model", "spec": draw(st.sampled_from(models)), "dtype": dtype, "seed": 0,
+                "batch": draw(_batches()), "world_size": draw(world_sizes(space))}
+    return cases
+
+
+def smoke_cases(spec: str) -> list[dict]:
+    """Named cases at CP 2 and 3 in both dtypes: packed (several documents, single-token documents, one document
+    crossing every shard boundary), right padding, lengths not divisible by ``2N`` (the default command's smoke)."""
+    batches = [
+        {"kind": "packed", "seq_len": 19, "documents": [[7, 5, 6]], "seed": 1},
+        {"kind": "packed", "seq_len": 23, "batch_size": 2, "documents": [[1, 9, 6, 5], [13, 1, 8]], "seed": 2},
+        {"kind": "packed", "seq_len": 21, "documents": [[21]], "seed": 3},
+        {"kind": "right_padded", "seq_len": 17, "pad": 4, "batch_size": 2, "seed": 4},
+        {"kind": "plain", "seq_len": 13, "seed": 5},
+        {"kind": "plain", "seq_len": 19, "seed": 6},
+    ]
+    out = []
+    for i, batch in enumerate(batches):
+        for n in (2, 3):
+            dtype = "float32" if (i + n) % 2 else "bfloat16"
+            out.append({"check": "real_model", "spec": spec, "dtype": dtype, "seed": 0, "batch": batch,
+                        "world_size": n})
+    return out
+
+
+REAL_MODEL = register(
+    "real_model", rank=_rank, evaluate=_evaluate,
+    rows=tuple(VerifyRow(f"real model ({dtype})", real_model_cases(dtype), (), dtypes=(dtype,), position=20 + i,
+                         needs_model=True)
+               for i, dtype in enumerate(("float32", "bfloat16"))),
+    gate_share=0.0)

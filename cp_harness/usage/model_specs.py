@@ -1,0 +1,192 @@
+"""Real models through a *model spec*: loading and validating a spec module, one model per (spec, dtype, seed)
+in a rank process, one training step the framework's way, and the normwise judge without a float64 oracle.
+
+A model spec is a module (``examples/automodel/models/deepseek_v41.py`` is the worked example; its docstring
+documents every function) exposing ``REQUIRED``'s functions; ``OPTIONAL`` ones enable more (the padding
+check needs ``pad_batch`` and ``cp_padded_length``). ``step`` runs one forward and backward:
+
+* on CP ranks (``mesh`` a 1-D ``"cp"`` DeviceMesh): ``spec.shard`` (the framework's sharder), the forward in
+  ``ctx_factory()``, the loss over this rank's labels divided by the *global* label count, backward, the
+  parameter gradients and the loss summed over the CP group (in float32, rounded once to the parameter's
+  dtype), the logits gathered to global order with ``spec.gather_logits``;
+* on one device (``mesh=None``), optionally under a semantically neutral change of reduction order
+  (``split``: the loss's gradient with respect to the logits cut into that many position chunks, each
+  backpropagated on its own so that the parameter gradients accumulate as partial sums; the loss itself is
+  computed once, as in the plain run, so a defect in the spec's loss cannot widen the spread; ``reverse``: the batch rows in reverse order). The difference between
+  the plain and the reordered one-device run is the *reference spread* the judge scales its bound with.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import types
+from typing import Any
+
+import numpy as np
+import torch
+
+REQUIRED = ("build", "shard", "forward", "gather_logits", "loss", "num_label_tokens", "valid_positions",
+            "make_batch")
+OPTIONAL = ("local_labels", "pad_batch", "cp_padded_length")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class SpecError(ValueError):
+    """A model spec module that does not meet the interface (names the missing field)."""
+
+
+@functools.lru_cache(maxsize=None)
+def load_spec(name: str) -> types.ModuleType:
+    """Import the spec module ``name`` and check its interface; ``SpecError`` names every missing field."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # specs build from a config: no Hub lookups (20-30 s otherwise)
+    module = importlib.import_module(name)
+    missing = [field for field in REQUIRED if not callable(getattr(module, field, None))]
+    if missing:
+        raise SpecError(f"model spec {name!r} is missing required field(s) {', '.join(missing)} "
+                        f"(a spec exposes {', '.join(REQUIRED)}; optional: {', '.join(OPTIONAL)})")
+    return module
+
+
+_MODELS: dict[tuple, torch.nn.Module] = {}
+
+
+def cached_model(name: str, dtype: str, seed: int, overrides: dict | None = None) -> torch.nn.Module:
+    """The spec's model for (``name``, ``dtype``, ``seed``, ``overrides``), built once per process."""
+    key = (name, dtype, int(seed), tuple(sorted((overrides or {}).items())))
+    if key not in _MODELS:
+        _MODELS[key] = load_spec(name).build(DTYPES[dtype], int(seed), **(overrides or {}))
+    return _MODELS[key]
+
+
+def make_batch(spec: types.ModuleType, description: dict) -> dict:
+    """The global batch a case's ``batch`` key describes (``kind``, ``seq_len``, and ``spec.make_batch``'s keywords)."""
+    keys = dict(description)
+    return spec.make_batch(keys.pop("kind"), int(keys.pop("seq_len")), **keys)
+
+
+def _row_order(batch: dict, order: list[int]) -> dict:
+    return {k: (v[order] if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == len(order) else v)
+            for k, v in batch.items()}
+
+
+def step(spec: types.ModuleType, model: torch.nn.Module, mesh: Any, batch: dict, *, split: int = 1,
+         reverse: bool = False) -> dict[str, Any]:
+    """One forward and backward; ``{"logits" [B, S, V] global, "loss" [], "grads" {name: tensor}}`` (detached).
+
+    With ``mesh`` every rank of the mesh calls this with the same global ``batch`` and gets the same result.
+    """
+    group = mesh.get_group() if mesh is not None else None
+    rows = batch["input_ids"].shape[0]
+    order = list(range(rows))[::-1] if reverse else list(range(rows))
+    if reverse:
+        batch = _row_order(batch, order)
+    model.zero_grad(set_to_none=True)
+    count = spec.num_label_tokens(batch)
+    ctx_factory, local, sharder = spec.shard(model, mesh, batch)
+    with ctx_factory():
+        logits = spec.forward(model, local)
+        labels = spec.local_labels(local) if hasattr(spec, "local_labels") else local["labels"]
+        value = spec.loss(logits, labels, count)
+        if split <= 1:
+            value.backward()
+        else:  # the same loss, its backward cut into position chunks: parameter gradients accumulate partial sums
+            (upstream,) = torch.autograd.grad(value, logits, retain_graph=True)
+            bounds = np.linspace(0, logits.shape[1], split + 1).round().astype(int)
+            parts = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+            for i, (a, b) in enumerate(parts):
+                chunk = torch.zeros_like(upstream)
+                chunk[:, a:b] = upstream[:, a:b]
+                logits.backward(chunk, retain_graph=i < len(parts) - 1)
+        total = value.detach().float().clone()
+    full = spec.gather_logits(sharder, logits.detach())
+    grads = {}
+    for name, parameter in model.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
+        grad = grad.detach().float().clone()
+        if group is not None:
+            torch.distributed.all_reduce(grad, group=group)
+        grads[name] = grad.to(parameter.dtype)
+    if group is not None:
+        torch.distributed.all_reduce(total, group=group)
+    if reverse:
+        full = full[[order.index(r) for r in range(rows)]]
+    return {"logits": full.detach(), "loss": total, "grads": grads}
+
+
+# ---- the judge: CP against one rank, bound c x reference spread + floor, normwise -----------------------------
+
+def ulp_unit(dtype: str) -> float:
+    """The unit of every error of a ``dtype`` model: its machine epsilon (one ULP at 1)."""
+    return float(torch.finfo(DTYPES[dtype]).eps)
+
+
+def normwise(actual: np.ndarray, expected: np.ndarray, scale: float, unit: float) -> tuple[float, np.ndarray]:
+    """``(max |actual - expected| / (scale x unit), |actual - expected|)``: ULPs at the tensor's largest value."""
+    diff = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+    worst = float(diff.max()) if diff.size else 0.0
+    return (worst / (scale * unit) if scale > 0 else (0.0 if worst == 0 else float("inf"))), diff
+
+
+def judge_tensor(cp: np.ndarray, ref: np.ndarray, other: np.ndarray, dtype: str, c: float, floor: float,
+                 mask: np.ndarray | None = None, spread: float | None = None) -> dict[str, Any]:
+    """CP ``cp`` against the one-device ``ref``; ``other`` is the reordered one-device run (the spread).
+
+    ``mask`` (broadcast over trailing dimensions) selects the compared elements. Returns the errors in ULPs
+    of ``dtype`` at the tensor's largest reference value, the bound ``c x spread + floor``, ``ok``, how many
+    elements exceed the element-wise bound, and the worst element. ``spread``: the reference spread to scale
+    the bound with (default: this tensor's own; the check passes the worst over the tensor's class).
+    """
+    cp, ref, other = (np.asarray(x, dtype=np.float64) for x in (cp, ref, other))
+    if cp.shape != ref.shape:
+        return {"ok": False, "shape_problem": f"CP shape {list(cp.shape)}, one rank {list(ref.shape)}"}
+    if mask is not None:
+        m = np.broadcast_to(mask.reshape(mask.shape + (1,) * (ref.ndim - mask.ndim)), ref.shape)
+        cp, ref, other = (np.where(m, x, 0.0) for x in (cp, ref, other))
+    unit = ulp_unit(dtype)
+    scale = float(np.abs(ref).max()) if ref.size else 0.0
+    error, diff = normwise(cp, ref, scale, unit)
+    own_spread, _ = normwise(other, ref, scale, unit)
+    spread = own_spread if spread is None else spread
+    bound = c * spread + floor
+    ok = error <= bound
+    above = int((diff > bound * scale * unit).sum()) if scale > 0 else int((diff > 0).sum())
+    flat = int(diff.argmax()) if diff.size else 0
+    worst = tuple(int(i) for i in np.unravel_index(flat, diff.shape)) if diff.size else ()
+    return {"ok": bool(ok), "error": error, "spread": spread, "own_spread": own_spread, "bound": bound, "scale": scale,
+            "max_abs": float(diff.max()) if diff.size else 0.0, "above": above, "worst_index": worst,
+            "worst_actual": float(cp[worst]) if diff.size else 0.0,
+            "worst_expected": float(ref[worst]) if diff.size else 0.0}
+
+
+def padding_repro_command(spec_name: str, dtype: str, seed: int, overrides: dict, batch: dict,
+                          padded_len: int) -> str:
+    """A one-process command (no harness, no ranks) that prints how much appending masked pad tokens up to
+    ``padded_len`` changes the model's logits at the real positions."""
+    code = (f"import torch, importlib; s = importlib.import_module({spec_name!r}); "
+            f"m = s.build(torch.{dtype}, {int(seed)}, **{overrides!r}).eval(); "
+            f"b = s.make_batch(**{dict(batch)!r}); p = s.pad_batch(b, {padded_len}); "
+            f"f = lambda x: s.forward(m, s.shard(m, None, x)[1]).detach(); S = b['input_ids'].shape[1]; "
+            f"d = (f(b) - f(p)[:, :S]).abs().amax(-1); "
+            f"print('max |logit change| from padding:', float(d.max()), 'at [row, position]', "
+            f"[int(i) for i in torch.unravel_index(d.argmax(), d.shape)])")
+    return f'HF_HUB_OFFLINE=1 PYTHONPATH=. python -c "{code}"'
+
+
+PRELOAD_ENV = "CP_HARNESS_MODEL_SPECS"
+
+
+def preload(names: str | None = None) -> list[str]:
+    """Import the spec modules named (comma-separated) in ``names`` or ``$CP_HARNESS_MODEL_SPECS`` once, in the
+    launcher before it forks the ranks (so that no rank imports the framework's models and ``transformers`` on
+    its own). A spec that fails here is reported by the case that uses it; the problems are returned."""
+    problems = []
+    for name in filter(None, (names if names is not None else os.environ.get(PRELOAD_ENV, "")).split(",")):
+        try:
+            load_spec(name)
+        except Exception as exc:  # noqa: BLE001 - the case names it again, on its rank
+            problems.append(f"model spec {name!r}: {type(exc).__name__}: {exc}")
+    return problems

@@ -1,0 +1,124 @@
+"""The real-model check (``cp_harness.checks.real_model``) on nemo-automodel 0.7.0's DeepSeek V4.1 (tiny config).
+
+One pool of 3 ranks for the module, whose launcher imports the spec (and ``transformers``) once before it forks
+(``$CP_HARNESS_MODEL_SPECS``). The smoke (12 cases at CP 2 and 3, float32 and bfloat16, packed batches with
+several and single-token documents and one crossing every shard boundary, right padding, odd lengths) must
+pass; injected defects in the model's CP path (``tests/fixtures/real_model_spec_*``) must fail naming tensors,
+parameters and positions; the padding-sensitive config must be reported as padding sensitivity; a spec missing
+a field and a model raising on one rank must say so. Skipped without ``transformers`` (the ``models`` extra).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import time
+
+import pytest
+
+from cp_harness.checks.real_model import smoke_cases
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+SPEC = "examples.automodel.models.deepseek_v41"
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
+    reason="the real-model check needs transformers and nemo-automodel (the 'models' extra; scripts/bootstrap.sh "
+           "installs them unless CP_HARNESS_NO_FRAMEWORK=1)")
+
+
+@pytest.fixture(scope="module")
+def model_runner():
+    from cp_harness.ranks.pool import PoolConfig
+    from cp_harness.runner import CaseRunner
+    from cp_harness.usage.model_specs import PRELOAD_ENV
+
+    saved = {k: os.environ.get(k) for k in (PRELOAD_ENV, "PYTHONPATH")}
+    os.environ[PRELOAD_ENV] = SPEC
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(FIXTURES), str(ROOT), saved["PYTHONPATH"]) if p)
+    runner = CaseRunner(PoolConfig(world_size=3, impl="cp_impl", case_timeout=120.0, collective_timeout=60.0))
+    try:
+        runner.pool.start()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    try:
+        yield runner
+    finally:
+        runner.close()
+
+
+def test_smoke_cp2_cp3_both_dtypes(model_runner):
+    cases = smoke_cases(SPEC)
+    assert len(cases) >= 10 and {c["world_size"] for c in cases} == {2, 3}
+    assert any(c["batch"]["kind"] == "packed" for c in cases)
+    started = time.perf_counter()
+    for case in cases:
+        report = model_runner.run(case)
+        assert report.ok, report.format()
+        assert {c.name.split(" (")[0] for c in report.comparisons} >= {"logits", "loss"}
+        assert sum(c.name.startswith("grad ") for c in report.comparisons) > 50  # every parameter gradient
+    print(f"real-model smoke: {len(cases)} cases in {time.perf_counter() - started:.1f} s")
+
+
+def _failing(case: dict, runner) -> tuple[str, list]:
+    report = runner.run(case)
+    assert not report.ok
+    return report.format(), report.failures()
+
+
+def test_loss_divided_by_the_local_count_fails(model_runner):
+    case = {"check": "real_model", "spec": "real_model_spec_local_count", "dtype": "float32", "seed": 0,
+            "world_size": 2, "batch": {"kind": "packed", "seq_len": 19, "documents": [[7, 5, 6]], "seed": 1}}
+    text, failures = _failing(case, model_runner)
+    names = {c.name.split(" (")[0] for c in failures}
+    assert "loss" in names and any(n.startswith("grad model.") for n in names), text
+    assert "parameter model." in text and "worst at" in text and "PADDING" not in text, text
+
+
+def test_gather_dropping_a_rank_fails_at_that_ranks_positions(model_runner):
+    case = {"check": "real_model", "spec": "real_model_spec_gather_drops", "dtype": "bfloat16", "seed": 0,
+            "world_size": 2, "batch": {"kind": "plain", "seq_len": 16, "seed": 2}}
+    text, failures = _failing(case, model_runner)
+    logits = [c for c in failures if c.name.startswith("logits")]
+    assert logits and "position" in logits[0].problem, text
+    assert logits[0].worst_index[1] >= 8, text  # the dropped rank's half of the sequence
+
+
+def test_padding_sensitive_config_is_reported_as_padding_sensitivity(model_runner):
+    case = {"check": "real_model", "spec": SPEC, "dtype": "float32", "seed": 0, "world_size": 2,
+            "overrides": {"index_topk": 3, "candidate_topk_blocks": 2},
+            "batch": {"kind": "plain", "seq_len": 15, "seed": 1}}
+    report = model_runner.run(case)
+    assert not report.ok
+    text = report.format()
+    assert "padding changes this model's result on one rank" in text, text
+    assert "pad_batch(b, 16)" in text and "python -c" in text, text
+    assert all(c.ok for c in report.comparisons), text  # CP matches one device at the padded length
+
+
+def test_spec_missing_a_field_is_named():
+    from cp_harness.usage.model_specs import SpecError, load_spec
+
+    import sys
+    sys.path.insert(0, str(FIXTURES))
+    try:
+        with pytest.raises(SpecError, match=r"missing required field\(s\) loss"):
+            load_spec("real_model_spec_missing_loss")
+    finally:
+        sys.path.remove(str(FIXTURES))
+
+
+def test_model_raising_on_one_rank_names_the_rank(model_runner):
+    case = {"check": "real_model", "spec": "real_model_spec_raises_rank1", "dtype": "float32", "seed": 0,
+            "world_size": 2, "batch": {"kind": "plain", "seq_len": 8, "seed": 0}}
+    report = model_runner.run(case)
+    assert not report.ok
+    text = "\n".join(report.problems)
+    assert "rank 1" in text and "injected on rank 1" in text, text
+    assert model_runner.run({**case, "spec": SPEC}).ok  # the pool still works
