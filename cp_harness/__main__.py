@@ -48,6 +48,10 @@ def _positive(text: str) -> int:
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impl", default=None, help="module exposing inkling2 and mistral_large4 (default: $CP_IMPL or cp_impl)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="gloo on CPU, nccl with one GPU per rank")
+    p.add_argument("--precision-policy", default="strict", choices=("strict", "payload"),
+                   help="strict: every bfloat16/float16 sum accumulates in float32 and rounds once (the contract); "
+                        "payload: partial sums may stay in the payload's precision, as a backend's reduce-scatter "
+                        "does, within N-1 ULPs (cp_harness/judging/policy.py)")
     p.add_argument("--launcher", default=None, choices=("fork", "torchrun"),
                    help="how the ranks start: forked from one process that imported torch and the implementation "
                         "(default for gloo), or by torchrun (default for nccl; use it if importing your "
@@ -101,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from cp_harness.cases.implementation import selected_impl_name
 
+    from cp_harness.judging.policy import policy_named
+
     impl = selected_impl_name(args.impl)
     if args.command == "verify":
         from cp_harness.verify import SHRINK_SECONDS, run_verify
@@ -108,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         shrink = SHRINK_SECONDS if args.shrink_seconds is None else args.shrink_seconds
         return run_verify(impl=impl, world_sizes=args.world_sizes, examples=args.examples, backend=args.backend,
                           launcher=args.launcher, seed=args.seed, json_path=args.json_path, error_dir=args.error_dir,
-                          shrink_seconds=shrink, dtypes=args.dtypes, row_names=args.rows, model=args.model)
+                          shrink_seconds=shrink, dtypes=args.dtypes, row_names=args.rows, model=args.model,
+                          policy=policy_named(args.precision_policy))
     if args.command == "run-case":
         from cp_harness.ranks.pool import PoolConfig
         from cp_harness.judging.render import verdict_text
@@ -130,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cannot run: {exc}", file=sys.stderr)
             return 2
         runner = CaseRunner(PoolConfig(world_size=int(case["world_size"]), backend=args.backend, impl=impl,
-                                       launcher=args.launcher))
+                                       launcher=args.launcher), policy=policy_named(args.precision_policy))
         try:
             report = runner.run(case)
         finally:

@@ -83,6 +83,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="model spec module(s), comma-separated: the gate suite also judges these real models (the "
                          "framework's own CP path against the same model on one device; cp_harness/tests/"
                          "test_real_models.py); the ranks import them once, before they are forked")
+    group.addoption("--cp-precision-policy", default="strict", choices=("strict", "payload"),
+                    help="strict: bfloat16/float16 sums accumulate in float32 and round once (the contract); payload: "
+                         "partial sums may stay in the payload's precision within N-1 ULPs (cp_harness/judging/policy.py)")
     group.addoption("--cp-summary-json", default=None, metavar="PATH",
                     help="also write the run summary (and pytest's outcome counts and duration) to PATH as JSON")
 
@@ -245,13 +248,15 @@ def cp_runner(pytestconfig: pytest.Config, cp_world_sizes, cp_impl_selection):
             raise pytest.UsageError(f"--cp-impl {name}: the implementation does not import here: "
                                     f"{type(exc).__name__}: {exc}") from exc
     timeout = pytestconfig.getoption("--cp-case-timeout")
+    from cp_harness.judging.policy import policy_named
     from cp_harness.runner import CaseRunner
 
     runner = CaseRunner(PoolConfig(world_size=max(cp_world_sizes), backend=pytestconfig.getoption("--cp-backend"),
                                    impl=cp_impl_selection, case_timeout=timeout,
                                    launcher=pytestconfig.getoption("--cp-launcher"),
                                    collective_timeout=max(10.0, timeout / 2)),
-                        admit=_within(max(cp_world_sizes)))
+                        admit=_within(max(cp_world_sizes)),
+                        policy=policy_named(pytestconfig.getoption("--cp-precision-policy")))
     try:
         yield runner
     finally:
@@ -291,6 +296,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         return
     terminalreporter.section("cp_harness")
     terminalreporter.write_line(f"implementation: {selected_impl_name(config.getoption('--cp-impl'))}, "
-                                f"backend: {config.getoption('--cp-backend')}")
+                                f"backend: {config.getoption('--cp-backend')}, "
+                                f"precision policy: {config.getoption('--cp-precision-policy')}")
     for line in SUMMARY.lines():
         terminalreporter.write_line(line)

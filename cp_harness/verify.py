@@ -42,6 +42,7 @@ from cp_harness.judging.render import condensed_text
 from cp_harness.judging.error_maps import error_map_dir, write_error_maps
 from cp_harness.judging.serialize import json_safe
 from cp_harness.ranks.pool import PoolConfig, RankPool
+from cp_harness.judging.policy import STRICT, JudgingPolicy
 from cp_harness.judging.render import repro_command
 from cp_harness.runner import CaseRunner
 
@@ -302,7 +303,7 @@ def dtype_totals(rows: list[Row]) -> tuple[dict[str, int], dict[str, int]]:
 
 
 def report_dict(*, impl: str, backend: str, world_sizes, seed: int, examples: int, seconds: float, rows: list[Row],
-                counts: dict[int, int]) -> dict[str, Any]:
+                counts: dict[int, int], policy: str = "strict") -> dict[str, Any]:
     """The JSON report: the run's settings, the table (text and rows) and every failure with its reproduction."""
     import torch
 
@@ -310,7 +311,7 @@ def report_dict(*, impl: str, backend: str, world_sizes, seed: int, examples: in
     return json_safe({
         "format": 1,
         "ok": not failed,
-        "impl": impl, "backend": backend, "world_sizes": list(world_sizes), "seed": seed,
+        "impl": impl, "backend": backend, "world_sizes": list(world_sizes), "seed": seed, "precision_policy": policy,
         "examples_per_row": examples,
         "examples": sum(r.examples for r in rows),
         "seconds": round(seconds, 3),
@@ -384,7 +385,7 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
                json_path: str | None, rows: list[Row] | None = None, stream=None, error_dir: str | None = None,
                progress_stream=None, shrink_seconds: float = SHRINK_SECONDS, dtypes: tuple[str, ...] | None = None,
                row_names: tuple[str, ...] = (), pool: RankPool | None = None, launcher: str | None = None,
-               model: str | None = None) -> int:
+               model: str | None = None, policy: JudgingPolicy = STRICT) -> int:
     """Run the verification; print the table (and failures); return the exit code (0 = all passed, 1 = a failure, 2 = could not run).
 
     ``pool``: run on this warm pool (its ranks load ``impl`` on first use; it needs ``max(world_sizes)``
@@ -417,9 +418,9 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
 
         os.environ[PRELOAD_ENV] = ",".join(models)
     if pool is None:
-        runner = CaseRunner(PoolConfig(world_size=ranks, backend=backend, impl=impl, launcher=launcher))
+        runner = CaseRunner(PoolConfig(world_size=ranks, backend=backend, impl=impl, launcher=launcher), policy=policy)
     else:  # the pool's own selection stays; every case names its implementation
-        runner = CaseRunner(pool.config, pool=pool)
+        runner = CaseRunner(pool.config, pool=pool, policy=policy)
         rows = [_naming_impl(row, impl) for row in rows]
     progress = Progress(total=examples * len(rows), stream=progress_stream)
     started = time.perf_counter()
@@ -440,7 +441,7 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
     seconds = time.perf_counter() - started
     subject = f"model spec(s) {', '.join(models)}" if models else f"implementation {impl!r}"
     print(f"cp_harness verify: {subject}, backend {backend}, world sizes {list(world_sizes)}, "
-          f"seed {seed}, {examples} examples per row", file=stream)
+          f"seed {seed}, {examples} examples per row, precision policy {policy.name}", file=stream)
     print(format_table(rows), file=stream)
     total = sum(r.examples for r in rows)
     failed = [r for r in rows if not r.ok]
@@ -472,7 +473,7 @@ def run_verify(*, impl: str, world_sizes: tuple[int, ...], examples: int, backen
         directory = os.path.dirname(os.path.abspath(json_path))
         os.makedirs(directory, exist_ok=True)
         data = report_dict(impl=impl, backend=backend, world_sizes=world_sizes, seed=seed, examples=examples,
-                           seconds=seconds, rows=rows, counts=dict(runner.tally.by_size))
+                           seconds=seconds, rows=rows, counts=dict(runner.tally.by_size), policy=policy.name)
         data["error_map_dir"] = os.path.abspath(error_map_dir(error_dir))
         with open(json_path, "w") as f:
             json.dump(data, f, indent=2, allow_nan=False)

@@ -141,6 +141,9 @@ class Check:
     # test_declared_checks.py) spends on each of the check's rows, its named examples included; 0 for the
     # checks that have a gate test module of their own.
     gate_share: float = 0.0
+    # Its verdict depends on the precision policy (sums of low-precision contributions): ``evaluate`` takes
+    # the policy, as arithmetic checks' do.
+    precision_policy: bool = False
 
     def case(self, **keys) -> dict:
         """A case description of this check."""
@@ -263,7 +266,8 @@ def evaluate(case: dict, outputs: list, expected: Any = NOT_GIVEN, *, policy: Ju
         with one_intra_op_thread():
             if check.expect is not None:
                 args.append(check.expect(case) if expected is NOT_GIVEN else expected)
-            report = check.evaluate(*args, policy=policy) if check.arithmetic else check.evaluate(*args)
+            takes_policy = check.arithmetic or check.precision_policy
+            report = check.evaluate(*args, policy=policy) if takes_policy else check.evaluate(*args)
     report.comm = [{"rank": o.rank, "calls": o.comm} for o in outputs]
     report.called = set().union(*(o.called for o in outputs)) if outputs else set()
     return report

@@ -3,7 +3,12 @@
 Each arithmetic check owns its ULP budgets per dtype (``Check.budgets``); the policy decides how they
 are applied, and the excess judge's factor ``c`` and floors ``k`` (``cp_harness.judging.excess``):
 
-- ``STRICT``: the contract as documented (README "Error budgets").
+- ``STRICT``: the contract as documented (README "Error budgets"): every sum of bfloat16/float16 values is
+  accumulated in float32 and rounded once, so a gather's or halo's gradient is one bit pattern.
+- ``PAYLOAD``: partial sums may be kept in the payload's precision, as a backend's bfloat16 reduce-scatter
+  does unless float32 accumulation is asked for: a sum of ``k`` contributions may be off by ``k - 1`` ULPs
+  of its dtype at the scale of the sum of their magnitudes (a sequential sum in that precision rounds at
+  most ``k - 1`` times, each by half a ULP: the budget is twice the bound). Everything else as ``STRICT``.
 - ``UNJUDGED``: no budget and no excess limit, every error still measured; what
   ``python -m cp_harness.calibrate`` uses to record the errors the budgets rest on.
 """
@@ -40,6 +45,7 @@ class JudgingPolicy:
 
     name: str
     judged: bool = True
+    payload_sums: bool = False  # sums of bfloat16/float16 contributions may round in the payload's precision
     excess_limit: float = EXCESS_LIMIT
     excess_floor: Mapping[str, float] = dataclasses.field(default_factory=lambda: dict(EXCESS_FLOOR))
 
@@ -59,4 +65,12 @@ class JudgingPolicy:
 
 
 STRICT = JudgingPolicy("strict")
+PAYLOAD = JudgingPolicy("payload", payload_sums=True)
 UNJUDGED = JudgingPolicy("unjudged", judged=False)
+POLICIES = {policy.name: policy for policy in (STRICT, PAYLOAD)}  # what --precision-policy chooses from
+
+
+def policy_named(name: str) -> JudgingPolicy:
+    if name not in POLICIES:
+        raise ValueError(f"precision policy {name!r}: choose {' or '.join(POLICIES)}")
+    return POLICIES[name]
