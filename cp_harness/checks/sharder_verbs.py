@@ -21,13 +21,16 @@ accept and return tensors in the *caller's* coordinates, by these rules (nemo-au
 Every result is judged bit for bit against the index map the sharder reports, forward and (float payloads)
 backward through the round trip. Layouts (case key ``layout``): ``strategy``, the implementation's own
 ``prepare_cp_inputs`` hook on ``[B, S]`` rows (its ``shard_batch``, e.g. the framework's
-``shard_batch_load_balanced`` through an adapter); ``repositioned`` and ``thd``, a layout the harness
+``shard_batch_load_balanced`` through an adapter); ``packed``, its ``mistral_large4.prepare_packed_cp_inputs``
+hook on packed rows (DeepSeek V4.1's ``shard_cp_batch`` re-pads them, through an adapter, and reports the
+token positions); ``repositioned`` and ``thd``, a layout the harness
 reports through the implementation's own sharder class and index map (``repositioned``: documents re-padded
 to an alignment, the closed-form map; ``thd``: rows flattened, a per-row head-tail partition reported as
 ``local_token_global_indices``, as TE's THD path reports it). Upstream gradients are small integers, so
 every sum is exact in every dtype (accumulation precision is ``sharder_roundtrip``'s business).
 
-Case keys: ``model``, ``layout``, ``rows`` (B), ``seq_len`` (S; ``thd``: a multiple of ``2N``), ``docs`` and
+Case keys: ``model``, ``layout``, ``rows`` (B), ``seq_len`` (S; ``thd``: a multiple of ``2N``), ``batch``
+(``packed``: the THD batch description), ``docs`` and
 ``align`` (``repositioned``: document lengths per row), ``dtype``/``value_dtype`` (the payload), ``forms``:
 tensors to round-trip, each ``{"lead": [k] or [], "trail": [...], "coords": "caller" | "padded" | "nofill",
 "fill": v, "trim": bool}``: shape ``[*lead, B, S_x, *trail]``, ``seq_dim = 1 + len(lead)``.
@@ -43,8 +46,8 @@ import torch
 from hypothesis import strategies as st
 
 from cp_harness.cases.descriptions import build_batch
-from cp_harness.cases.strategies import (FLOAT_DTYPES, VALUE_DTYPES, as_space, payload_dtypes, seeds, with_impl,
-                                         with_payload, world_sizes)
+from cp_harness.cases.strategies import (FLOAT_DTYPES, VALUE_DTYPES, as_space, packed_layout, payload_dtypes, seeds,
+                                         with_impl, with_payload, world_sizes)
 from cp_harness.checks import VerifyRow, register
 from cp_harness.checks._token_layout import judge_token_layout
 from cp_harness.judging.compare import compare
@@ -147,7 +150,7 @@ def form_shape(case: dict, form: dict, f: Fields) -> tuple[list[int], int]:
     B, lead, trail = int(case["rows"]), list(form["lead"]), list(form["trail"])
     if form["coords"] == "padded":
         return [*lead, 1 if case["layout"] == "thd" else B, f.padded, *trail], 1 + len(lead)
-    if case["layout"] == "repositioned":
+    if case["layout"] == "repositioned" or f.positions is not None:
         return list(f.positions.shape), 1
     return [*lead, B, int(case["seq_len"]), *trail], 1 + len(lead)
 
@@ -273,10 +276,13 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
     model = case.get("model", "inkling2")
     B, S = int(case["rows"]), int(case["seq_len"])
     mesh = ctx.mesh_for(case)
-    spec = {"format": "bshd", "seq_len": S, "rows": [[0, S]] * B}
+    spec = case.get("batch") or {"format": "bshd", "seq_len": S, "rows": [[0, S]] * B}
     batch = build_batch({"seed": case["seed"], "batch": spec, "model": model})
-    hooked = getattr(ctx.impl, model).prepare_cp_inputs(batch)
-    if case["layout"] == "strategy":
+    if case["layout"] == "packed":
+        hooked = ctx.impl.mistral_large4.prepare_packed_cp_inputs(batch, num_chunks=B, shard_primary=True)
+    else:
+        hooked = getattr(ctx.impl, model).prepare_cp_inputs(batch)
+    if case["layout"] in ("strategy", "packed"):
         sharder = hook_sharder(hooked, mesh)
     else:
         sharder, batch = _harness_sharder(case, ctx, hooked["cp_sharder"], mesh), {}
@@ -289,7 +295,7 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         local_len = shard.local["labels"].shape[1] if "labels" in shard.local else (f.padded or 0) // n
         indices = local_token_indices(sharder, mesh, local_len, ctx.device)
         # the caller's arange(S) (the padded stream's, for harness layouts), shaped to match no rows / map
-        length = f.original if case["layout"] == "strategy" and f.original is not None else n * len(indices)
+        length = f.original if f.original is not None else n * len(indices)
         marker = torch.arange(length, device=ctx.device).view(1, 1, length)
         tensors.update(token_indices=indices,
                        token_marker=sharder.shard_token_tensor(marker, seq_dim=2, fill=-1)[0, 0],
@@ -320,6 +326,12 @@ def _judge_fields(report: CaseReport, case: dict, outputs: list) -> Fields | Non
                None if o.info["rows"] is None else tuple(o.info["rows"]),
                torch.as_tensor(o.tensors["positions"]).long() if "positions" in o.tensors else None)
     want = _expected_fields(case)
+    if want is None and f.positions is not None:  # the implementation's strategy repositioned the tokens
+        B, S = int(case["rows"]), int(case["seq_len"])
+        report.require(tuple(f.positions.shape) == (B, S), f"shard_layout.input_token_stream_positions is "
+                       f"{list(f.positions.shape)}, the batch's rows are [{B}, {S}]")
+        report.require(f.padded is not None, "a repositioned layout without padded_seq_len")
+        return f if f.padded is not None and tuple(f.positions.shape) == (B, S) else None
     if want is None:
         S = int(case["seq_len"])
         report.require(f.original == S, f"shard_layout.original_seq_len={f.original}, the batch has {S} tokens a row "
@@ -345,7 +357,7 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     f = _judge_fields(report, case, outputs)
     if f is None:
         return report
-    seq_len = int(case["seq_len"]) if case["layout"] == "strategy" else f.padded
+    seq_len = f.original if f.original is not None else f.padded
     reported = judge_token_layout(report, outputs, seq_len, local_name="local_slot")
     if reported is None:
         return report
@@ -354,7 +366,8 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
         shape, seq_dim = form_shape(case, form, f)
         fill = form_fill(form, dtype)
         x = form_value(case, i, shape, dtype)
-        what = f"form {i} {list(shape)} seq_dim={seq_dim} fill={fill!r} trim={form['trim']}"
+        what = (f"form {i} {list(shape)} seq_dim={seq_dim} fill={fill!r} trim={form['trim']}, "
+                f"{interpret(shape, seq_dim, f)[0]} coordinates")
         try:
             padded, dim = to_stream(x, seq_dim, fill, f)
         except ValueError:
@@ -395,11 +408,13 @@ _FILLS = {"bool": (0, 1), "int64": (0, -1)}
 
 @st.composite
 def _form(draw, layout: str, dtype: str) -> dict:
-    coords = draw(st.sampled_from(("caller", "caller", "padded") + (("nofill",) if layout == "strategy" else ())))
+    nofill = ("nofill",) if layout in ("strategy", "packed") else ()
+    coords = draw(st.sampled_from(("caller", "caller", "padded") + nofill))
+    two_d = layout in ("repositioned", "packed") and coords != "padded"  # [B, S_in]: the map's own shape
     lead: list[int] = []
     if layout == "strategy" or coords == "padded":
         lead = draw(st.sampled_from(([], [], [3], [2])))  # [3, B, S]: mRoPE positions, seq_dim=2
-    trail = [] if (layout == "repositioned" and coords != "padded") else draw(
+    trail = [] if two_d else draw(
         st.lists(st.integers(1, 3), max_size=3 - len(lead)))
     # trim=True is asked where the caller's coordinates exist: padded-stream forms of thd / repositioned
     # layouts have none (the map is [B, S_in]; the rows are [B, S]).
@@ -414,12 +429,15 @@ def verb_cases(draw, space=None) -> dict:
     space = as_space(space)
     n = draw(world_sizes(space))
     dtype = draw(payload_dtypes(space))
-    layout = draw(st.sampled_from(("strategy", "strategy", "repositioned", "thd")))
+    layout = draw(st.sampled_from(("strategy", "strategy", "repositioned", "thd", "packed")))
     case = with_payload({"check": "sharder_verbs", "world_size": n, "seed": draw(seeds),
                          "model": draw(st.sampled_from(("inkling2", "mistral_large4"))), "layout": layout,
                          "rows": draw(st.integers(1, 3))}, dtype)
     if layout == "thd":
         case["seq_len"] = 2 * n * draw(st.integers(1, 3))
+    elif layout == "packed":  # mistral_large4's packed hook (a repositioned layout where the strategy re-pads)
+        spec = draw(packed_layout(max_len=13, rows=case["rows"]))
+        case.update(model="mistral_large4", batch=spec, seq_len=spec["seq_len"])
     else:
         case["seq_len"] = draw(st.integers(1, 13))
     if layout == "repositioned":
@@ -451,6 +469,11 @@ EXAMPLES = {
     "repositioned-bool-n2": _example(2, 13, "repositioned", "bool", [
         {"lead": [], "trail": [], "coords": "caller", "fill": 1, "trim": True}],
         docs=[[3, 2], [1]], align=4, tail=1),
+    # packed rows through the packed hook: a [B, S] tensor in the caller's coordinates, and mRoPE-shaped padded ones.
+    "packed-float64-n2": _example(2, 15, "packed", "float64", [
+        {"lead": [], "trail": [], "coords": "caller", "fill": -1, "trim": True},
+        {"lead": [3], "trail": [], "coords": "padded", "fill": 0, "trim": False}],
+        seq_len=7, batch={"format": "thd", "seq_len": 7, "docs": [[[3, 3], [2, 4]], [[5, 5]]]}),
     # THD rows [B, S, H] flattened, a per-row head-tail partition reported by the layout.
     "thd-float32-n2": _example(2, 14, "thd", "float32", [
         {"lead": [], "trail": [2, 2], "coords": "caller", "fill": -1, "trim": True},
