@@ -42,6 +42,7 @@ INKLING2_MODEL_ROW = "model: Inkling2-mini (float64)"
 INKLING2_LAYOUT_ROW = "inkling2.prepare_cp_inputs + unpack_row_layout"
 INKLING2_BF16_ROW = "model: Inkling2-mini (bfloat16)"
 LOSS_MASK_ROW = "sharder.shard(loss_mask=...)"
+VERBS_ROW = "sharder verbs: every ShardLayout field, rank 2-5, seq_dim 1/2"
 
 
 def _run(args: list[str], tmp_path: Path, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -195,6 +196,18 @@ def test_verify_fails_on_a_sharder_that_mishandles_the_loss_mask(tmp_path, cp_ru
     miniature models never read the mask: nothing else would see it)."""
     stdout, table, _ = _verify_broken(impl, tmp_path, cp_runner, rows=("loss_mask",))
     assert table == {LOSS_MASK_ROW: True}, stdout
+    assert says in stdout, stdout
+
+
+@pytest.mark.parametrize(("impl", "says"), [
+    ("broken_gate_verbs_seq_dim", "shard_token_tensor"),
+    ("broken_gate_verbs_fill", "FAIL shard_token_tensor(form"),
+])
+def test_verify_fails_on_a_sharder_whose_verbs_mishandle_seq_dim_or_fill(tmp_path, cp_runner, impl, says):
+    """A sharder whose ``shard_token_tensor`` takes ``seq_dim=2`` as 1 (mRoPE positions ``[3, B, S]``), or pads
+    a caller-length tensor with 0 whatever its ``fill``, fails the verb row (its named examples draw both)."""
+    stdout, table, _ = _verify_broken(impl, tmp_path, cp_runner, rows=("sharder verbs",))
+    assert table == {VERBS_ROW: True}, stdout
     assert says in stdout, stdout
 
 

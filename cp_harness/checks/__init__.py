@@ -17,6 +17,8 @@ module, loaded with ``pkgutil``):
   (the sharder's verbs).
 * ``layout`` -- ``inkling2_layout``, ``mistral_large4_layout``: the prepared
   batch and the layout the sharder reports.
+* ``sharder_verbs`` -- the sharder's verbs on tensors of rank 2-5, ``seq_dim`` 1 and 2, every payload
+  dtype, ``trim`` and ``fill``, under every ``ShardLayout`` field (repositioned and THD layouts included).
 * ``loss_mask`` -- ``loss_mask_layout``: a loss mask given to the sharder is
   sharded at the reported index map with its padding value.
 * ``positions`` -- ``validate_document_positions``.

@@ -14,6 +14,9 @@ the framework's code, and nothing else changed:
   ``ContextParallelSharder`` serves the hooks' sharding (packed mistral_large4 rows excepted);
 - ``framework_sharder``: the framework's ``ContextParallelSharder`` class around ``cp_impl``'s
   strategies (the compatibility case of the sharder contract).
+- ``shard_cp_batch_packed``: DeepSeek V4.1's ``shard_cp_batch`` (the packed re-pad into
+  ``shard_batch_contiguous``, reporting ``input_token_stream_positions``) serves
+  ``mistral_large4.prepare_packed_cp_inputs``; judged by the verb row only (not in ``ADAPTERS``).
 
 Each module names what it serves in ``SERVES`` and the framework callable in
 ``FRAMEWORK_FUNCTION``; the adapters translate arguments (mesh to group,
