@@ -105,3 +105,24 @@ def test_a_halo_bug_in_the_bfloat16_model_is_mapped_where_cp_adds_error(run_case
     maps = [p for p in error_maps(out) if p.name.endswith("-logits.png")]
     assert maps, out
     check_png(maps[0])
+
+
+def test_the_payload_policy_accepts_a_gather_backward_summed_in_bfloat16_within_its_bound(cp_runner):
+    """The same fixture and case as above: under ``--precision-policy payload`` (partial sums kept in the
+    payload's precision, as a backend's reduce-scatter does) it passes, each gradient within N-1 bfloat16 ULPs,
+    and the strict policy still rejects it; the correct gather is exact under both."""
+    from cp_harness.judging.policy import PAYLOAD, STRICT
+    from cp_harness.runner import CaseRunner
+
+    if int(GATHER_BF16["world_size"]) > cp_runner.config.world_size:
+        pytest.skip(f"needs {GATHER_BF16['world_size']} ranks (--cp-world-sizes)")
+    case = {**GATHER_BF16, "impl": "broken_prec_grad_bf16_sum"}
+    payload = CaseRunner(cp_runner.config, pool=cp_runner.pool, policy=PAYLOAD).run(case)
+    assert payload.ok, payload.format()
+    grads = [c for c in payload.comparisons if c.name.startswith("grad@rank")]
+    assert grads and all(c.mode == "ulp" and c.budget_ulp == GATHER_BF16["world_size"] - 1 for c in grads)
+    assert any(c.max_ulp > 0 for c in grads), [c.max_ulp for c in grads]  # it really rounded in bfloat16
+    strict = CaseRunner(cp_runner.config, pool=cp_runner.pool, policy=STRICT).run(case)
+    assert not strict.ok and any(c.name.startswith("grad@rank") and not c.ok for c in strict.comparisons)
+    correct = CaseRunner(cp_runner.config, pool=cp_runner.pool, policy=PAYLOAD).run(GATHER_BF16)
+    assert correct.ok and all(c.max_ulp == 0 for c in correct.comparisons if c.mode == "ulp")

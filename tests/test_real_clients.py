@@ -213,3 +213,23 @@ def test_documented_case_still_fails_through_the_harness(cp_runner):
             pytest.skip(f"{defect['id']} needs {defect['case']['world_size']} ranks (--cp-world-sizes)")
         reproduced, account = real_clients.replay(defect, cp_runner.config.backend, pool=cp_runner.pool)
         assert reproduced, f"{defect['id']}: {account}"
+
+
+@needs_framework
+def test_the_d4_cases_pass_under_the_payload_policy_and_fail_under_strict(cp_runner):
+    """D4 (the framework sums bf16/fp16 gradient slices in the payload's precision) is a contract choice, not a
+    wrong gradient: every documented D4 case passes under ``--precision-policy payload`` and fails under
+    ``strict``, where the other documented defects fail under both."""
+    import json
+
+    from cp_harness.judging.policy import PAYLOAD, STRICT
+    from cp_harness.runner import CaseRunner
+
+    defects = json.loads((ROOT / "examples" / "automodel" / "known_defects.json").read_text())["defects"]
+    d4 = [d for d in defects if d["id"] == "D4" and int(d["case"]["world_size"]) <= cp_runner.config.world_size]
+    if not d4:
+        pytest.skip("no D4 case fits this run's pool (--cp-world-sizes)")
+    for defect in d4:
+        case = {**defect["case"], "impl": f"examples.automodel.{defect['adapter']}"}
+        assert CaseRunner(cp_runner.config, pool=cp_runner.pool, policy=PAYLOAD).run(case).ok, defect
+        assert not CaseRunner(cp_runner.config, pool=cp_runner.pool, policy=STRICT).run(case).ok, defect
