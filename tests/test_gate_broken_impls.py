@@ -42,6 +42,7 @@ INKLING2_MODEL_ROW = "model: Inkling2-mini (float64)"
 INKLING2_LAYOUT_ROW = "inkling2.prepare_cp_inputs + unpack_row_layout"
 INKLING2_BF16_ROW = "model: Inkling2-mini (bfloat16)"
 LOSS_MASK_ROW = "sharder.shard(loss_mask=...)"
+MISTRAL_LAYOUT_ROW = "mistral_large4.prepare_cp_inputs (BSHD/THD)"
 VERBS_ROW = "sharder verbs: every ShardLayout field, rank 2-5, seq_dim 1/2"
 
 
@@ -185,6 +186,25 @@ def test_verify_fails_on_a_halo_that_drops_the_boundary_row(tmp_path, cp_runner)
         check_png(path)
     history_row = next(r for r in report["rows"] if r["name"] == HISTORY_ROW)
     assert any(t["name"].startswith(("history@rank", "gradient returned to each owner")) for t in history_row["failing_tensors"])
+
+
+def test_verify_fails_packed_document_ids_left_full_length_in_a_model_row_too(tmp_path, cp_runner):
+    """Packed document ids that are not sharded: the layout row names the key (a finding, not a crash of the
+    judge), and the model, whose packed attention reads the document ids, fails as well."""
+    stdout, table, _ = _verify_broken("broken_gate_docs_full_length", tmp_path, cp_runner,
+                                      rows=(MISTRAL_LAYOUT_ROW, MISTRAL_MODEL_ROW))
+    assert table == {MISTRAL_LAYOUT_ROW: True, MISTRAL_MODEL_ROW: True}, stdout
+    assert "document_ids is not sharded like the tokens" in stdout and "harness crashed" not in stdout, stdout
+
+
+def test_verify_fails_a_sharder_that_pads_labels_with_zero_in_a_model_row_too(tmp_path, cp_runner):
+    """Labels padded with 0 instead of -100 at divisibility padding: the layout rows name the positions, and
+    the model's loss (masked on the label value alone, as the framework's recipe masks it) changes too."""
+    stdout, table, _ = _verify_broken("broken_gate_labels_pad_zero", tmp_path, cp_runner,
+                                      rows=(INKLING2_LAYOUT_ROW, INKLING2_MODEL_ROW))
+    assert table == {INKLING2_LAYOUT_ROW: True, INKLING2_MODEL_ROW: True}, stdout
+    assert "FAIL labels (divisibility padding)" in stdout and "divisibility padding)" in stdout, stdout
+    assert "FAIL loss" in stdout, stdout
 
 
 @pytest.mark.parametrize(("impl", "says"), [

@@ -51,6 +51,7 @@ import torch
 from cp_harness.judging.budgets import Budget
 from cp_harness.judging.policy import STRICT, JudgingPolicy
 from cp_harness.judging.verdicts import CaseReport
+from cp_harness.checks._token_layout import NotShardedLikeTokens
 
 
 @dataclasses.dataclass
@@ -269,7 +270,10 @@ def evaluate(case: dict, outputs: list, expected: Any = NOT_GIVEN, *, policy: Ju
             if check.expect is not None:
                 args.append(check.expect(case) if expected is NOT_GIVEN else expected)
             takes_policy = check.arithmetic or check.precision_policy
-            report = check.evaluate(*args, policy=policy) if takes_policy else check.evaluate(*args)
+            try:
+                report = check.evaluate(*args, policy=policy) if takes_policy else check.evaluate(*args)
+            except NotShardedLikeTokens as finding:
+                report = CaseReport(case=case, problems=[str(finding)])
     report.comm = [{"rank": o.rank, "calls": o.comm} for o in outputs]
     report.called = set().union(*(o.called for o in outputs)) if outputs else set()
     return report

@@ -23,6 +23,11 @@ def stack_ranks(outputs: list, name: str, axis: int = 1) -> np.ndarray:
     return np.concatenate([o.tensors[name] for o in outputs], axis=axis)
 
 
+class NotShardedLikeTokens(ValueError):
+    """A local tensor whose sequence axis does not hold the tokens of its rank's index map: a finding about the
+    sharder (``checks.evaluate`` turns it into the case's problem), never a crash of the judge."""
+
+
 @dataclasses.dataclass
 class ReportedLayout:
     """The layout the ranks reported, once judged consistent: ``S`` real and ``S_pad`` padded positions,
@@ -47,9 +52,16 @@ class ReportedLayout:
         shape[axis] = self.padded_len
         out = np.zeros(shape, dtype=first.dtype)
         for o, indices in zip(outputs, self.index_maps):
+            local = np.asarray(o.tensors[name])
+            if local.ndim <= axis or local.shape[axis] != len(indices):
+                held = local.shape[axis] if local.ndim > axis else "no"
+                raise NotShardedLikeTokens(
+                    f"rank {o.rank}: local {name} holds {held} positions along its sequence axis, but the rank's index "
+                    f"map lists {len(indices)} tokens: {name} is not sharded like the tokens "
+                    f"(global length {self.seq_len}, padded {self.padded_len})")
             where = [slice(None)] * len(shape)
             where[axis] = indices
-            out[tuple(where)] = o.tensors[name]
+            out[tuple(where)] = local
         return out
 
 

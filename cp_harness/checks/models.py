@@ -56,11 +56,21 @@ def _params(case: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return init(config_cls(), seed=int(case["seed"]), dtype=dtype)
 
 
+def training_batch(case: dict) -> dict:
+    """The case's global batch as a data pipeline hands it to a training step: label ``-100`` in the padding
+    slots. (The layout checks keep real-looking labels there, to show that padding is read from the layout;
+    the models compute their loss as the framework's recipe does, masking on the label value alone, so a
+    sharder that pads labels with anything but -100 changes a model's loss.)"""
+    batch = build_batch(case)
+    batch["labels"] = torch.where(layout_from_batch(batch).keep, batch["labels"], IGNORE_INDEX)
+    return batch
+
+
 def rank_inputs(case: dict, ctx):
     """``(config, params, batch, mesh)`` of a model case on one rank: leaf parameters and the global batch on the rank's device."""
     config_cls, _, _ = MODELS[case["model"]]
     params = {k: v.detach().to(ctx.device).requires_grad_(True) for k, v in _params(case, dtype_of(case)).items()}
-    return config_cls(), params, _to_device(build_batch(case), ctx.device), ctx.mesh_for(case)
+    return config_cls(), params, _to_device(training_batch(case), ctx.device), ctx.mesh_for(case)
 
 
 def cp_forward(case: dict, ctx, config, params: dict, batch: dict, mesh) -> cp_models.CPModelOutput:
@@ -110,7 +120,7 @@ def oracle_run(case: dict):
     dtype = dtype_of(case)
     # Same inputs as the ranks (rounded to their dtype), computed in float64.
     params = {k: v.detach().to(torch.float64).requires_grad_(True) for k, v in _params(case, dtype).items()}
-    batch = build_batch(case)
+    batch = training_batch(case)
     if "pixel_values" in batch:
         pv = batch["pixel_values"]
         batch["pixel_values"] = [t.to(torch.float64) for t in pv] if isinstance(pv, list) else pv.to(torch.float64)
@@ -138,7 +148,7 @@ def _expect(case: dict) -> Expected:
     # Parameter gradients are judged against the model's largest gradient (see cp_harness.judging.compare).
     grad_scale = max((float(p.grad.abs().max()) for p in params.values() if p.grad is not None and p.numel()), default=0.0)
     param_grads = {name: p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape)) for name, p in params.items()}
-    return Expected(out, params, layout, build_batch(case)["labels"], grad_scale, param_grads)
+    return Expected(out, params, layout, training_batch(case)["labels"], grad_scale, param_grads)
 
 
 def _evaluate(case: dict, outputs: list, expected: Expected, policy) -> CaseReport:

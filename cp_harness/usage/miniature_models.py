@@ -92,7 +92,8 @@ def _mesh_rank_size(mesh) -> tuple[int, int]:
     return mesh.get_local_rank(), mesh.size()
 
 
-def _local_attention(q, k_all, v_all, keep, positions, token_positions: TokenPositions, *, window=None):
+def _local_attention(q, k_all, v_all, keep, positions, token_positions: TokenPositions, *, window=None,
+                     documents: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Local queries ``[B,L,Hq,Dh]`` against gathered keys/values ``[B,N*L,Hkv,Dh]`` (rank order).
 
     Query ``i`` (global index ``token_positions.local[t]``) attends key ``j``
@@ -101,7 +102,9 @@ def _local_attention(q, k_all, v_all, keep, positions, token_positions: TokenPos
     In a validated row the tokens from a document's start to ``i`` are all real
     and of ``i``'s document, so no key-side mask (and no gather of one) is
     needed; wrong positions from the implementation show as wrong outputs.
-    Padding query rows give exactly zero.
+    ``documents``: ``(local document ids [B,L], gathered ones [B,N*L])`` of packed rows, read as a packed
+    attention kernel reads them (a key of another document is masked), so document ids that are not sharded
+    like the tokens show as wrong outputs or a failing gather. Padding query rows give exactly zero.
     """
     B, L, Hq, Dh = q.shape
     groups = Hq // k_all.shape[2]
@@ -111,6 +114,9 @@ def _local_attention(q, k_all, v_all, keep, positions, token_positions: TokenPos
     j = token_positions.gathered
     allowed = (j[None, None, :] <= i[None, :, None]) & (j[None, None, :] >= (i[None, :] - positions)[:, :, None])
     allowed = allowed & keep[:, :, None]
+    if documents is not None:
+        query_docs, key_docs = documents
+        allowed = allowed & (query_docs[:, :, None] == key_docs[:, None, :])
     if window is not None:
         allowed = allowed & ((i[None, :, None] - j[None, None, :]) < window)
     has_key = allowed.any(dim=-1, keepdim=True)
@@ -163,21 +169,17 @@ def _recipe_loss(logits: torch.Tensor, targets: torch.Tensor, counted: torch.Ten
     return local_sum * size / count if int(count) > 0 else local_sum * 0.0
 
 
-def _next_token_targets(labels: torch.Tensor, keep: torch.Tensor, where: TokenPositions, gather_rows
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF shifted targets on any layout: the label and keep flag at global position ``p+1`` for each local token.
+def _next_token_targets(labels: torch.Tensor, where: TokenPositions, gather_rows) -> torch.Tensor:
+    """HF shifted targets on any layout: the label at global position ``p+1`` for each local token.
 
-    ``labels``/``keep [B,L]`` local; ``gather_rows``: ``[B,L]`` to ``[B,N*L]`` in rank order (no autograd).
-    Returns ``(targets [B,L], next_kept [B,L])``; the global last position has no target.
+    ``labels [B,L]`` local; ``gather_rows``: ``[B,L]`` to ``[B,N*L]`` in rank order (no autograd).
+    Returns ``targets [B,L]``; the global last position has no target (-100).
     """
     glabels = where.global_order(gather_rows(labels))
-    gkeep = where.global_order(gather_rows(keep.to(torch.int64))).bool()
     nxt = where.local + 1
     has_next = nxt < glabels.shape[1]
     nxt = nxt.clamp(max=glabels.shape[1] - 1)
-    targets = torch.where(has_next, glabels.index_select(1, nxt), torch.full_like(labels, -100))
-    next_kept = gkeep.index_select(1, nxt) & has_next
-    return targets, next_kept
+    return torch.where(has_next, glabels.index_select(1, nxt), torch.full_like(labels, -100))
 
 
 def inkling2_cp_forward(impl, params: dict[str, torch.Tensor], config, batch: dict[str, Any], mesh, *,
@@ -216,9 +218,11 @@ def inkling2_cp_forward(impl, params: dict[str, torch.Tensor], config, batch: di
         x = x + attn.flatten(-2) @ params["wo"]
         logits = (oracle_models.rms_norm(x, params["norm2"]) @ params["lm_head"]) * keep[..., None].to(x.dtype)
 
-        # The recipe's loss: aligned labels, local sum x N / global count.
+        # The recipe's loss, as the framework's MaskedCrossEntropy computes it: aligned labels masked on the label
+        # value alone (-100), local sum x N / global count. A sharder that pads labels with anything but -100
+        # changes this loss.
         labels = local["labels"]
-        loss = _recipe_loss(logits, labels, keep & (labels != -100), mesh, size)
+        loss = _recipe_loss(logits, labels, labels != -100, mesh, size)
     return CPModelOutput(x0, logits, loss, local, size, rank, L, sharder, where, shard.caller_changes)
 
 
@@ -252,6 +256,10 @@ def mistral_large4_cp_forward(impl, params: dict[str, torch.Tensor], config, bat
         keep, positions, x = _masked_input(x0, local)
         L = x0.shape[1]
         where = _token_positions(sharder, mesh, L, lambda t: ml.gather_tokens(t, mesh, False), x.device)
+        documents = None
+        if local.get("document_ids") is not None:  # packed rows: the attention reads document ids, as packed kernels do
+            docs = local["document_ids"]
+            documents = (docs, _gather_tokens_bshd(ml.gather_tokens, docs, mesh, False))
         for i in range(2):
             p = f"blocks.{i}."
             a = oracle_models.rms_norm(x, params[p + "norm"])
@@ -260,7 +268,7 @@ def mistral_large4_cp_forward(impl, params: dict[str, torch.Tensor], config, bat
             v = (a @ params[p + "wv"]).unflatten(-1, (config.num_kv_heads, config.head_dim))
             k_all, v_all = _gather_kv(lambda t: _gather_tokens_bshd(ml.gather_tokens, t, mesh, True), k, v)
             window = None if i == 0 else config.sliding_window
-            attn = _local_attention(q, k_all, v_all, keep, positions, where, window=window)
+            attn = _local_attention(q, k_all, v_all, keep, positions, where, window=window, documents=documents)
             x = x + attn.flatten(-2) @ params[p + "wo"]
         raw = oracle_models.rms_norm(x, params["final_norm"]) @ params["lm_head"]
         cap = config.logit_softcap
@@ -269,6 +277,6 @@ def mistral_large4_cp_forward(impl, params: dict[str, torch.Tensor], config, bat
             loss = ml.shifted_cp_loss(logits, local["labels"], keep.flatten(), mesh)
         else:
             gather_rows = lambda t: _gather_tokens_bshd(ml.gather_tokens, t, mesh, False)  # noqa: E731
-            targets, next_kept = _next_token_targets(local["labels"], keep, where, gather_rows)
-            loss = _recipe_loss(logits, targets, keep & next_kept & (targets != -100), mesh, size)
+            targets = _next_token_targets(local["labels"], where, gather_rows)
+            loss = _recipe_loss(logits, targets, targets != -100, mesh, size)  # on the label value alone
     return CPModelOutput(x0, logits, loss, local, size, rank, L, sharder, where, shard.caller_changes)
