@@ -59,8 +59,8 @@ def _params(case: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 def training_batch(case: dict) -> dict:
     """The case's global batch as a data pipeline hands it to a training step: label ``-100`` in the padding
     slots. (The layout checks keep real-looking labels there, to show that padding is read from the layout;
-    the models compute their loss as the framework's recipe does, masking on the label value alone, so a
-    sharder that pads labels with anything but -100 changes a model's loss.)"""
+    Inkling2-mini's recipe loss masks on the label value alone, as the framework's recipe does, so a sharder
+    that pads labels with anything but -100 changes its loss.)"""
     batch = build_batch(case)
     batch["labels"] = torch.where(layout_from_batch(batch).keep, batch["labels"], IGNORE_INDEX)
     return batch

@@ -169,17 +169,21 @@ def _recipe_loss(logits: torch.Tensor, targets: torch.Tensor, counted: torch.Ten
     return local_sum * size / count if int(count) > 0 else local_sum * 0.0
 
 
-def _next_token_targets(labels: torch.Tensor, where: TokenPositions, gather_rows) -> torch.Tensor:
-    """HF shifted targets on any layout: the label at global position ``p+1`` for each local token.
+def _next_token_targets(labels: torch.Tensor, keep: torch.Tensor, where: TokenPositions, gather_rows
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF shifted targets on any layout: the label and keep flag at global position ``p+1`` for each local token.
 
-    ``labels [B,L]`` local; ``gather_rows``: ``[B,L]`` to ``[B,N*L]`` in rank order (no autograd).
-    Returns ``targets [B,L]``; the global last position has no target (-100).
+    ``labels``/``keep [B,L]`` local; ``gather_rows``: ``[B,L]`` to ``[B,N*L]`` in rank order (no autograd).
+    Returns ``(targets [B,L], next_kept [B,L])``; the global last position has no target.
     """
     glabels = where.global_order(gather_rows(labels))
+    gkeep = where.global_order(gather_rows(keep.to(torch.int64))).bool()
     nxt = where.local + 1
     has_next = nxt < glabels.shape[1]
     nxt = nxt.clamp(max=glabels.shape[1] - 1)
-    return torch.where(has_next, glabels.index_select(1, nxt), torch.full_like(labels, -100))
+    targets = torch.where(has_next, glabels.index_select(1, nxt), torch.full_like(labels, -100))
+    next_kept = gkeep.index_select(1, nxt) & has_next
+    return targets, next_kept
 
 
 def inkling2_cp_forward(impl, params: dict[str, torch.Tensor], config, batch: dict[str, Any], mesh, *,
@@ -277,6 +281,8 @@ def mistral_large4_cp_forward(impl, params: dict[str, torch.Tensor], config, bat
             loss = ml.shifted_cp_loss(logits, local["labels"], keep.flatten(), mesh)
         else:
             gather_rows = lambda t: _gather_tokens_bshd(ml.gather_tokens, t, mesh, False)  # noqa: E731
-            targets = _next_token_targets(local["labels"], where, gather_rows)
-            loss = _recipe_loss(logits, targets, targets != -100, mesh, size)  # on the label value alone
+            # What shifted_cp_loss computes on contiguous shards (the contract: a position counts when it and the
+            # next one are valid and the next label is not -100), on any layout.
+            targets, next_kept = _next_token_targets(local["labels"], keep, where, gather_rows)
+            loss = _recipe_loss(logits, targets, keep & next_kept & (targets != -100), mesh, size)
     return CPModelOutput(x0, logits, loss, local, size, rank, L, sharder, where, shard.caller_changes)
