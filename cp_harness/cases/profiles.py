@@ -3,7 +3,7 @@
 - ``ci``: 100 examples per unit, derandomised (the same cases on every run, so
   a pull request's result depends on its commit alone), no example database;
   CP sizes above 4 are drawn half as often as the others
-  (``strategies.configure_world_sizes``: an 8-rank case costs 5-7 times a
+  (``strategies.CaseSpace(favour_small=True)``: an 8-rank case costs 5-7 times a
   2-rank one on 2 cores).
 - ``nightly``: ten times the examples, random, database written.
 - ``dev``: 20 examples per unit, random, database written (quick iterations
