@@ -152,6 +152,18 @@ class Check:
         """A case description of this check."""
         return {"check": self.name, **keys}
 
+    def with_examples(self, where: Callable[[dict], bool] | None = None):
+        """A decorator that adds the check's named examples (those ``where`` selects) to a Hypothesis test as
+        explicit examples: the regressions live with the check, the gate tests name the check."""
+        from hypothesis import example
+
+        def decorate(test):
+            for case in self.examples.values():
+                if where is None or where(case):
+                    test = example(case=case)(test)
+            return test
+        return decorate
+
     def least_communication(self, case: dict) -> list[tuple[int, int]] | None:
         """``[(sent, received)]`` per rank: the least bytes the case's calls must move (``None``: no closed form)."""
         return self.comm_minimum(case) if self.comm_minimum is not None else None

@@ -320,6 +320,12 @@ def _golden(cases: dict, token_arrays: set[str]) -> GoldenContents:
 _SHARDER = ("sharder.shard", "sharder.shard_token_tensor", "sharder.local_token_global_indices")
 _TOKEN_ARRAYS = {"keep", "padding_mask", "position_ids", "labels", "input_ids"}
 
+# The gate suite's named explicit examples of this check (regressions that must stay).
+INKLING2_LAYOUT_EXAMPLES = {
+    "n3-thd-seed7": {"check": "inkling2_layout", "world_size": 3, "seed": 7, "model": "inkling2", "num_chunks": 1,
+        "batch": {"format": "thd", "seq_len": 10, "docs": [[[1, 1], [0, 2], [4, 5]]], "eos_is_pad": True}},
+}
+
 INKLING2_LAYOUT = register(
     "inkling2_layout", rank=_inkling2_rank, evaluate=_inkling2_evaluate, expect=expected_layout,
     functions=("inkling2.prepare_cp_inputs", "inkling2.unpack_row_layout", "sharder.shard",
@@ -340,7 +346,17 @@ INKLING2_LAYOUT = register(
                     explicit=({"check": "inkling2_layout", "world_size": 2, "seed": 1, "model": "inkling2",
                                "num_chunks": 1,
                                "batch": {"format": "thd", "seq_len": 9, "docs": [[[3, 4], [4, 4]], [[2, 2], [5, 6]]],
-                                         "eos_is_pad": True}},)),))
+                                         "eos_is_pad": True}},)),),
+    examples=INKLING2_LAYOUT_EXAMPLES)
+# The gate suite's named explicit examples of this check (regressions that must stay).
+MISTRAL_LARGE4_LAYOUT_EXAMPLES = {
+    "n8-thd-seed8": {"check": "mistral_large4_layout", "world_size": 8, "seed": 8, "model": "mistral_large4",
+        "num_chunks": 2, "shard_primary": False,
+        "batch": {"format": "thd", "seq_len": 9, "docs": [[[2, 3], [5, 5]], [[9, 9]]]}},
+    "n2-bshd-seed9": {"check": "mistral_large4_layout", "world_size": 2, "seed": 9, "model": "mistral_large4",
+        "num_chunks": 1, "shard_primary": True, "batch": {"format": "bshd", "seq_len": 7, "rows": [[3, 4], [0, 0]]}},
+}
+
 MISTRAL_LARGE4_LAYOUT = register(
     "mistral_large4_layout", rank=_mistral_rank, evaluate=_mistral_evaluate, expect=expected_layout,
     functions=("mistral_large4.prepare_cp_inputs", "mistral_large4.prepare_packed_cp_inputs", "sharder.shard",
@@ -366,4 +382,5 @@ MISTRAL_LARGE4_LAYOUT = register(
                                          "eos_is_pad": True}},
                               {"check": "mistral_large4_layout", "world_size": 2, "seed": 3, "model": "mistral_large4",
                                "num_chunks": 1, "shard_primary": False,
-                               "batch": {"format": "bshd", "seq_len": 7, "rows": [[2, 5], [0, 7]]}})),))
+                               "batch": {"format": "bshd", "seq_len": 7, "rows": [[2, 5], [0, 7]]}})),),
+    examples=MISTRAL_LARGE4_LAYOUT_EXAMPLES)

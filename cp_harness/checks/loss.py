@@ -222,6 +222,20 @@ BUDGETS = {
     "float16": Budget(2.0, 1.0),
 }
 
+# The gate suite's named explicit examples of this check (regressions that must stay).
+SHIFTED_CP_LOSS_EXAMPLES = {
+    # nothing counts
+    "n2-bshd-float64-seed5": {"check": "shifted_cp_loss", "world_size": 2, "seed": 5, "model": "mistral_large4",
+        "dtype": "float64", "vocab": 7, "batch": {"format": "bshd", "seq_len": 6, "rows": [[0, 0], [0, 0]]}},
+    # targets across boundaries
+    "n4-thd-float64-seed6": {"check": "shifted_cp_loss", "world_size": 4, "seed": 6, "model": "mistral_large4",
+        "dtype": "float64", "vocab": 5, "batch": {"format": "thd", "seq_len": 8, "docs": [[[3, 4], [4, 4]]]}},
+    "n3-bshd-bfloat16-seed7": {"check": "shifted_cp_loss", "world_size": 3, "seed": 7, "model": "mistral_large4",
+        "dtype": "bfloat16", "vocab": 11, "batch": {"format": "bshd", "seq_len": 20, "rows": [[0, 20], [3, 17]]}},
+    "n8-thd-float16-seed8": {"check": "shifted_cp_loss", "world_size": 8, "seed": 8, "model": "mistral_large4",
+        "dtype": "float16", "vocab": 13, "batch": {"format": "thd", "seq_len": 17, "docs": [[[9, 9], [7, 8]]]}},
+}
+
 SHIFTED_CP_LOSS = register(
     "shifted_cp_loss", rank=_rank, evaluate=_evaluate, expect=_expect, functions=("mistral_large4.shifted_cp_loss",),
     arithmetic=True, budgets=BUDGETS, one_rank_changes=_one_rank_changes, comm_minimum=comm_minimum.boundary_labels,
@@ -237,4 +251,5 @@ SHIFTED_CP_LOSS = register(
         oracle_arrays=_golden_arrays, token_arrays=frozenset({"grad"}),
         rank_axis=lambda case, tensor: 1 if tensor == "grad" else None),
     rows=(VerifyRow("mistral_large4.shifted_cp_loss", loss_cases, ("mistral_large4.shifted_cp_loss",), FLOAT_DTYPES,
-                    position=6),))
+                    position=6),),
+    examples=SHIFTED_CP_LOSS_EXAMPLES)

@@ -262,6 +262,31 @@ _SHARDER = ("sharder.shard", "sharder.shard_token_tensor", "sharder.local_token_
 _INKLING2 = ("inkling2.prepare_cp_inputs", "inkling2.gather_sequence", *_SHARDER)
 _MISTRAL = ("mistral_large4.prepare_cp_inputs", "mistral_large4.gather_tokens", *_SHARDER)
 
+# The gate suite's named explicit examples of this check (regressions that must stay).
+MODEL_EXAMPLES = {
+    # image across a boundary, L=2 < W-1=3
+    "inkling2-n8-thd-float64-seed10": {"check": "model", "world_size": 8, "seed": 10, "model": "inkling2",
+        "dtype": "float64", "num_chunks": 1,
+        "batch": {"format": "thd", "seq_len": 13, "docs": [[[1, 1], [6, 7], [0, 1], [3, 3]]], "images": [[0, 2, 2, 4]],
+            "eos_is_pad": True}},
+    "mistral_large4-n3-thd-float64-seed11": {"check": "model", "world_size": 3, "seed": 11,
+        "model": "mistral_large4", "dtype": "float64", "num_chunks": 2, "shard_primary": True,
+        "batch": {"format": "thd", "seq_len": 11, "docs": [[[4, 5], [6, 6]], [[11, 11]]],
+            "images": {"height": 2, "width": 4, "spans": [[1, 3, 1], [1, 4, 1]]}}},
+    "mistral_large4-n2-bshd-float64-seed12": {"check": "model", "world_size": 2, "seed": 12,
+        "model": "mistral_large4", "dtype": "float64", "num_chunks": 1, "shard_primary": False,
+        "batch": {"format": "bshd", "seq_len": 9, "rows": [[4, 5], [0, 0]], "eos_is_pad": True}},
+    # gather_tokens' upstream gradient arrives transposed (the tokens-first view of BSHD keys): a gather whose
+    # backward mishandles that layout fails here (nemo-automodel 0.7.0's DeepSeek V4.1 gather on gloo:
+    # docs/real_clients.md, D1)
+    "mistral_large4-n2-thd-float64-seed0": {"check": "model", "world_size": 2, "seed": 0, "model": "mistral_large4",
+        "dtype": "float64", "num_chunks": 2, "shard_primary": False,
+        "batch": {"format": "thd", "seq_len": 3, "docs": [[[1, 1]], [[3, 3]]]}},
+    "mistral_large4-n4-thd-bfloat16-seed19": {"check": "model", "world_size": 4, "seed": 19,
+        "model": "mistral_large4", "dtype": "bfloat16", "num_chunks": 1, "shard_primary": True,
+        "batch": {"format": "thd", "seq_len": 14, "docs": [[[6, 6], [8, 8]]]}},
+}
+
 MODEL = register(
     "model", rank=_rank, evaluate=_evaluate, expect=_expect,
     functions=("inkling2.*", "mistral_large4.*", "sharder.shard", "sharder.shard_token_tensor",
@@ -301,4 +326,5 @@ MODEL = register(
     rows=(_row("model: Inkling2-mini (float64)", "inkling2", "float64", _INKLING2, 8),
           _row("model: MistralLarge4-mini (float64)", "mistral_large4", "float64", _MISTRAL, 9),
           _row("model: Inkling2-mini (bfloat16)", "inkling2", "bfloat16", _INKLING2, 10),
-          _row("model: MistralLarge4-mini (bfloat16)", "mistral_large4", "bfloat16", _MISTRAL, 11)))
+          _row("model: MistralLarge4-mini (bfloat16)", "mistral_large4", "bfloat16", _MISTRAL, 11)),
+    examples=MODEL_EXAMPLES)

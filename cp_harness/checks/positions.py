@@ -132,8 +132,21 @@ def position_cases(draw, space=None) -> dict:
     return case
 
 
+# The gate suite's named explicit examples of this check (regressions that must stay).
+VALIDATE_DOCUMENT_POSITIONS_EXAMPLES = {
+    # a gap must not resume a document
+    "n2-thd-resume-seed1": {"check": "validate_document_positions", "world_size": 2, "seed": 1, "model": "inkling2",
+        "batch": {"format": "thd", "seq_len": 9, "docs": [[[3, 4], [4, 5]]]},
+        "corruption": {"kind": "resume", "row": 0, "nth": 0}},
+    # a shard may begin mid-document
+    "n3-bshd-offset_start-seed2": {"check": "validate_document_positions", "world_size": 3, "seed": 2,
+        "model": "inkling2", "batch": {"format": "bshd", "seq_len": 7, "rows": [[3, 4]]},
+        "corruption": {"kind": "offset_start", "row": 0, "nth": 2}},
+}
+
 VALIDATE_DOCUMENT_POSITIONS = register(
     "validate_document_positions", rank=_rank, evaluate=_evaluate,
     functions=("inkling2.validate_document_positions",),
     rows=(VerifyRow("inkling2.validate_document_positions", position_cases,
-                    ("inkling2.validate_document_positions",), position=3),))
+                    ("inkling2.validate_document_positions",), position=3),),
+    examples=VALIDATE_DOCUMENT_POSITIONS_EXAMPLES)

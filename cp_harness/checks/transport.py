@@ -268,6 +268,19 @@ def _grad_axis(axis: int):
     return rank_axis
 
 
+# The gate suite's named explicit examples of this check (regressions that must stay).
+GATHER_SEQUENCE_EXAMPLES = {
+    "n1-float64-nomesh-seed1": {"check": "gather_sequence", "world_size": 1, "mesh": "none", "seed": 1,
+        "dtype": "float64", "shape": [2, 3, 4], "differentiable": True},
+    # three bf16 gradient slices: float32 sum rounded once
+    "n3-bfloat16-seed7": {"check": "gather_sequence", "world_size": 3, "seed": 7, "dtype": "bfloat16",
+        "shape": [2, 3, 4], "differentiable": True},
+    "n3-bool-seed9": {"check": "gather_sequence", "world_size": 3, "seed": 9, "dtype": "float64",
+        "value_dtype": "bool", "shape": [2, 2, 3], "differentiable": False},
+    "n4-int64-seed10": {"check": "gather_sequence", "world_size": 4, "seed": 10, "dtype": "float64",
+        "value_dtype": "int64", "shape": [1, 3], "differentiable": False},
+}
+
 GATHER_SEQUENCE = register(
     "gather_sequence", rank=_gather_rank(1, "gather_sequence"), evaluate=_gather_evaluate(1),
     expect=_gather_expect(1), functions=("inkling2.gather_sequence",), comm_minimum=comm_minimum.gather,
@@ -288,7 +301,16 @@ GATHER_SEQUENCE = register(
         oracle_arrays=_gather_arrays, token_arrays=frozenset({"expected_output", "expected_grad"}),
         rank_axis=_grad_axis(1)),
     rows=(VerifyRow("inkling2.gather_sequence", lambda space: gather_cases(space, check="gather_sequence"),
-                    ("inkling2.gather_sequence",), PAYLOADS, position=0),))
+                    ("inkling2.gather_sequence",), PAYLOADS, position=0),),
+    examples=GATHER_SEQUENCE_EXAMPLES)
+# The gate suite's named explicit examples of this check (regressions that must stay).
+GATHER_TOKENS_EXAMPLES = {
+    "n3-float32-seed2": {"check": "gather_tokens", "world_size": 3, "seed": 2, "dtype": "float32", "shape": [2, 5],
+        "differentiable": True},
+    "n8-float16-seed8": {"check": "gather_tokens", "world_size": 8, "seed": 8, "dtype": "float16", "shape": [3, 2],
+        "differentiable": True},
+}
+
 GATHER_TOKENS = register(
     "gather_tokens", rank=_gather_rank(0, "gather_tokens"), evaluate=_gather_evaluate(0),
     expect=_gather_expect(0), functions=("mistral_large4.gather_tokens",), comm_minimum=comm_minimum.gather,
@@ -304,7 +326,25 @@ GATHER_TOKENS = register(
         },
         oracle_arrays=_gather_arrays, rank_axis=_grad_axis(0)),
     rows=(VerifyRow("mistral_large4.gather_tokens", lambda space: gather_cases(space, check="gather_tokens"),
-                    ("mistral_large4.gather_tokens",), PAYLOADS, position=4),))
+                    ("mistral_large4.gather_tokens",), PAYLOADS, position=4),),
+    examples=GATHER_TOKENS_EXAMPLES)
+# The gate suite's named explicit examples of this check (regressions that must stay).
+CONVOLUTION_HISTORY_EXAMPLES = {
+    # history spans every earlier rank
+    "n4-float64-seed3": {"check": "convolution_history", "world_size": 4, "seed": 3, "dtype": "float64",
+        "shape": [2, 1, 3], "width": 5},
+    # no history at all
+    "n3-float64-seed4": {"check": "convolution_history", "world_size": 3, "seed": 4, "dtype": "float64",
+        "shape": [1, 2, 2], "width": 1},
+    # a row read by five later ranks: six bf16 gradients, summed in float32
+    "n8-bfloat16-seed5": {"check": "convolution_history", "world_size": 8, "seed": 5, "dtype": "bfloat16",
+        "shape": [2, 1, 3], "width": 6},
+    "n4-bool-seed6": {"check": "convolution_history", "world_size": 4, "seed": 6, "dtype": "float64",
+        "value_dtype": "bool", "shape": [2, 2, 3], "width": 4},
+    "n3-int64-seed7": {"check": "convolution_history", "world_size": 3, "seed": 7, "dtype": "float64",
+        "value_dtype": "int64", "shape": [1, 1, 2], "width": 3},
+}
+
 CONVOLUTION_HISTORY = register(
     "convolution_history", rank=_history_rank, evaluate=_history_evaluate, expect=_history_expect,
     functions=("inkling2.convolution_history",), comm_minimum=comm_minimum.halo, precision_policy=True,
@@ -319,7 +359,8 @@ CONVOLUTION_HISTORY = register(
         },
         oracle_arrays=_history_arrays, token_arrays=frozenset({"expected_grad"}), rank_axis=_grad_axis(1)),
     rows=(VerifyRow("inkling2.convolution_history", history_cases, ("inkling2.convolution_history",), PAYLOADS,
-                    position=1),))
+                    position=1),),
+    examples=CONVOLUTION_HISTORY_EXAMPLES)
 
 
 
@@ -390,8 +431,17 @@ def _sharder_evaluate(case: dict, outputs: list) -> CaseReport:
 
 _SHARDER_VERBS = ("sharder.shard", "sharder.shard_token_tensor", "sharder.local_token_global_indices",
                   "sharder.gather_token_tensor")
+# The gate suite's named explicit examples of this check (regressions that must stay).
+SHARDER_ROUNDTRIP_EXAMPLES = {
+    "n8-float64-seed13": {"check": "sharder_roundtrip", "world_size": 8, "seed": 13, "dtype": "float64",
+        "shape": [2, 5, 3]},
+    "n3-bfloat16-seed14": {"check": "sharder_roundtrip", "world_size": 3, "seed": 14, "dtype": "bfloat16",
+        "shape": [1, 7, 2]},
+}
+
 SHARDER_ROUNDTRIP = register(
     "sharder_roundtrip", rank=_sharder_rank, evaluate=_sharder_evaluate,
     functions=("sharder.shard_token_tensor", "sharder.gather_token_tensor", "sharder.local_token_global_indices"),
     rows=(VerifyRow("sharder.shard_token_tensor + gather_token_tensor", sharder_cases, _SHARDER_VERBS, PAYLOADS,
-                    position=7),))
+                    position=7),),
+    examples=SHARDER_ROUNDTRIP_EXAMPLES)
