@@ -21,6 +21,7 @@ from cp_harness.cases.descriptions import build_batch
 from cp_harness.cases.strategies import as_space, layouts, seeds, with_extras, with_impl, world_sizes
 from cp_harness.checks import VerifyRow, register
 from cp_harness.checks._token_layout import judge_token_layout
+from cp_harness.checks.layout import pad_sequence
 from cp_harness.judging import comm_minimum
 from cp_harness.judging.compare import compare
 from cp_harness.judging.verdicts import CaseReport
@@ -91,8 +92,7 @@ def _evaluate(case: dict, outputs: list, expected) -> CaseReport:
     reported = judge_token_layout(report, outputs, S, local_name="loss_mask")
     if reported is None:
         return report
-    padded = torch.zeros((mask.shape[0], reported.padded_len), dtype=mask.dtype)  # False / 0 at divisibility padding
-    padded[:, :S] = mask
+    padded = pad_sequence(mask, reported.padded_len, False if mask.dtype == torch.bool else 0)
     report.add(compare("loss_mask (at the reported index map; padding False / 0)",
                        reported.scatter(outputs, "loss_mask"), padded.numpy(), mode="exact", grid=reported.grid))
     return report

@@ -37,10 +37,22 @@ class SpecError(ValueError):
     """A model spec module that does not meet the interface (names the missing field)."""
 
 
+def _inductor_cache_per_kernel_set() -> None:
+    """One torch inductor cache per ATen CPU capability. Its cache key ignores ``ATEN_CPU_CAPABILITY``: after a
+    native (AVX-512) run, the framework's compiled MoE activation was looked up under ``=default`` and failed to
+    build ('at::vec has not been declared'); with the caches disabled, or one per capability, it compiles."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    default = default_cache_dir()
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default) == default:  # unset, or inductor's own default (it writes it)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}-{torch.backends.cpu.get_cpu_capability().lower()}"
+
+
 @functools.lru_cache(maxsize=None)
 def load_spec(name: str) -> types.ModuleType:
     """Import the spec module ``name`` and check its interface; ``SpecError`` names every missing field."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # specs build from a config: no Hub lookups (20-30 s otherwise)
+    _inductor_cache_per_kernel_set()
     module = importlib.import_module(name)
     missing = [field for field in REQUIRED if not callable(getattr(module, field, None))]
     if missing:
