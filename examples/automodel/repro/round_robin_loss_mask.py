@@ -62,6 +62,7 @@ def main(rank: int, world: int, args) -> int:
                       f"{None if got is None else got.tolist()}, want {want.tolist()}; the constructor's "
                       f"tensor is now {list(mask.shape)}", flush=True)
                 ok = ok and right
+    dist.barrier()  # leave together: rank 0 hosts the store, a peer still connecting fails if it exits first
     dist.destroy_process_group()
     return 0 if ok else 1
 
