@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,12 +79,49 @@ def test_passing_rows_give_no_verdict_and_the_table_marks_failures():
     assert table[3] == "| **model: M: FAILED** | 3 | 2 | 1e+17 | - |"
 
 
-def test_every_known_defect_names_an_adapter_a_repro_and_a_case():
-    for defect in real_clients.load_known():
+def test_every_documented_row_names_an_adapter_a_repro_a_reason_and_a_case():
+    rows = real_clients.load_known()
+    assert rows
+    for defect in rows:
         assert defect["adapter"] in ADAPTERS
         assert (ROOT / defect["repro"]).is_file()
         assert {"check", "world_size", "seed"} <= set(defect["case"])
         assert (ROOT / defect["doc"].split("#")[0]).is_file()
+        assert len(defect["why"]) > 20, defect
+
+
+def _defects_file(tmp_path, defects) -> Path:
+    path = tmp_path / "known.json"
+    path.write_text(json.dumps({"about": "test", "defects": defects}))
+    return path
+
+
+def _defect(**changes) -> dict:
+    defect = {"id": "D9", "title": "t", "doc": "d", "repro": "r", "backends": ["gloo"], "signature": "s",
+              "rows": [{"adapter": "a", "row": "model: M", "why": "w", "case": {"check": "model"}}]}
+    defect.update(changes)
+    return defect
+
+
+@pytest.mark.parametrize("defects,message", [
+    ([_defect(rows=[])], "lists no row"),
+    ([{k: v for k, v in _defect().items() if k != "backends"}], "has no backends"),
+    ([_defect(rows=[{"adapter": "a", "row": "model: M", "case": {}}])], "rows[0] has no why"),
+    ([_defect(), _defect(id="D8")], "listed by both D9 and D8"),
+])
+def test_a_malformed_defects_file_is_refused_naming_the_entry_and_field(tmp_path, defects, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        real_clients.load_known(_defects_file(tmp_path, defects))
+
+
+def test_each_row_a_defect_reaches_is_one_documented_entry(tmp_path):
+    rows = [{"adapter": "a", "row": f"model: M ({d})", "why": "w", "case": {"dtype": d}} for d in ("f64", "bf16")]
+    known = real_clients.load_known(_defects_file(tmp_path, [_defect(rows=rows)]))
+    assert [(k["id"], k["row"], k["case"]) for k in known] == [("D9", "model: M (f64)", {"dtype": "f64"}),
+                                                             ("D9", "model: M (bf16)", {"dtype": "bf16"})]
+    report = {"rows": [_row("model: M (f64)", ["grad wk"]), _row("model: M (bf16)", ["grad wk"])]}
+    assert [v["defect"] for v in real_clients.judge("a", report, known, "gloo")] == ["D9", "D9"]
+    assert [v["defect"] for v in real_clients.judge("a", report, known[:1], "gloo")] == ["D9", None]
 
 
 # ----------------------------------------------------------------------- adapters (framework needed)
@@ -220,16 +258,56 @@ def test_the_d4_cases_pass_under_the_payload_policy_and_fail_under_strict(cp_run
     """D4 (the framework sums bf16/fp16 gradient slices in the payload's precision) is a contract choice, not a
     wrong gradient: every documented D4 case passes under ``--precision-policy payload`` and fails under
     ``strict``, where the other documented defects fail under both."""
-    import json
-
     from cp_harness.judging.policy import PAYLOAD, STRICT
     from cp_harness.runner import CaseRunner
 
-    defects = json.loads((ROOT / "examples" / "automodel" / "known_defects.json").read_text())["defects"]
-    d4 = [d for d in defects if d["id"] == "D4" and int(d["case"]["world_size"]) <= cp_runner.config.world_size]
+    d4 = [d for d in real_clients.load_known()
+          if d["id"] == "D4" and int(d["case"]["world_size"]) <= cp_runner.config.world_size]
     if not d4:
         pytest.skip("no D4 case fits this run's pool (--cp-world-sizes)")
     for defect in d4:
         case = {**defect["case"], "impl": f"examples.automodel.{defect['adapter']}"}
         assert CaseRunner(cp_runner.config, pool=cp_runner.pool, policy=PAYLOAD).run(case).ok, defect
         assert not CaseRunner(cp_runner.config, pool=cp_runner.pool, policy=STRICT).run(case).ok, defect
+
+
+# ------------------------------------------------ the gate end to end, on a small budget (default command)
+
+GATE_ADAPTERS = ("deepseek_v41_gather",)
+
+
+@needs_framework
+def test_the_gate_on_a_small_budget_calls_only_documented_rows_and_every_documented_row_is_needed(
+        cp_runner, cp_world_sizes, tmp_path):
+    """``examples.automodel.run`` as CI runs it (verify every row of the adapter, judge, replay), at three
+    examples per row on the session's warm ranks: status 3, and the rows it calls documented are exactly the
+    rows ``known_defects.json`` lists for the adapter. A row added to a check that a documented defect also
+    reaches, or a documented row dropped from the file, turns this red here rather than in CI's gate."""
+    if max(cp_world_sizes) < 2:
+        pytest.skip("the gate needs a pool of at least two ranks (--cp-world-sizes)")
+    sizes = ",".join(str(n) for n in cp_world_sizes)
+    status = real_clients.main([*GATE_ADAPTERS, "--examples", "3", "--shrink-seconds", "0", "--world-sizes", sizes,
+                                "--reports", str(tmp_path)], pool=cp_runner.pool)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    verdicts = "\n".join(summary["verdicts"])
+    assert status == real_clients.DOCUMENTED_ONLY, verdicts
+    documented = {(f["adapter"], f["row"]): f["defect"] for f in summary["findings"] if f["defect"]}
+    listed = {(k["adapter"], k["row"]): k["id"] for k in real_clients.load_known() if k["adapter"] in GATE_ADAPTERS}
+    assert documented == listed, verdicts
+    assert all(r["reproduced"] for r in summary["replays"]) and len(summary["replays"]) == len(listed), verdicts
+    assert "status 3" in (tmp_path / "summary.md").read_text()
+    # The same run judged with any one documented row left out of the file: that row becomes a new finding.
+    known = real_clients.load_known()
+    for key in listed:
+        report = json.loads((tmp_path / f"{key[0]}.json").read_text())
+        fewer = [k for k in known if (k["adapter"], k["row"]) != key]
+        verdict = {v["row"]: v["defect"] for v in real_clients.judge(key[0], report, fewer, "gloo")}
+        assert verdict[key[1]] is None, (key, verdict)
+
+
+def test_the_findings_page_lists_every_row_each_defect_reaches():
+    """``docs/real_clients.md`` says which rows each defect reaches and why: one table line per documented row."""
+    page = (ROOT / "docs" / "real_clients.md").read_text()
+    for entry in real_clients.load_known():
+        line = f"| {entry['id']} | `{entry['adapter']}` | {entry['row']} |"
+        assert line in page, f"docs/real_clients.md has no line {line!r} (section 'Which rows each defect reaches')"

@@ -1,7 +1,10 @@
 """Repro: nemo-automodel 0.7.0 sequence gathers return wrong gradients on gloo for a transposed upstream gradient.
 
 Runs without the harness on two gloo ranks (self-spawning, or ``torchrun --nproc-per-node 2 gather_permuted_grad.py``).
-Exit status 1 when the defect shows, 0 when every rank's gradient is right (``--fixed``).
+Exit status 1 when the defect shows, 0 when every rank's gradient is right (``--fixed``). ``--dtype bfloat16``
+runs the same tensors in bfloat16 (the harness' ``MistralLarge4-mini (bfloat16)`` row): every value and every
+sum here is an integer below 256, exact in bfloat16, so the comparison stays bit for bit and a wrong gradient
+can only come from where the values land, not from rounding.
 
 Each rank holds ``x`` ``[batch=2, local=2]`` and gathers it to ``y`` ``[2, 4]`` along the sequence (dim 1).
 The consumer uses ``y.t()`` (as a model does that moves tokens first or transposes for attention), so the
@@ -64,12 +67,12 @@ def framework_gather(name: str):
     return lambda t, g: fn(t, dim=1, cp_group=g)
 
 
-def check(rank: int, world: int, gather) -> bool:
+def check(rank: int, world: int, gather, dtype: torch.dtype = torch.float64) -> bool:
     """One gather and backward; ``True`` when this rank's gradient is right (bit for bit)."""
     group = dist.group.WORLD
-    x = torch.arange(4, dtype=torch.float64).view(2, 2).add(10 * rank).requires_grad_(True)   # [B=2, L=2]
+    x = torch.arange(4, dtype=dtype).view(2, 2).add(10 * rank).requires_grad_(True)           # [B=2, L=2]
     y = gather(x, group)                                                                     # [2, 2*world]
-    upstream = [torch.arange(2 * 2 * world, dtype=torch.float64).view(2 * world, 2).add(100 * r) for r in range(world)]
+    upstream = [torch.arange(2 * 2 * world, dtype=dtype).view(2 * world, 2).add(100 * r) for r in range(world)]
     (y.t() * upstream[rank]).sum().backward()          # d/dy = upstream[rank].t(): transposed, non-contiguous
     want = sum(u.t()[:, 2 * rank:2 * rank + 2] for u in upstream)
     ok = torch.equal(x.grad, want)
@@ -86,7 +89,7 @@ def main(rank: int, world: int, args) -> int:
             gather = (lambda t, g: FixedGather.apply(t, g, 1)) if args.fixed else framework_gather(name)
             if rank == 0:
                 print(f"-- {'FixedGather' if args.fixed else FUNCTIONS[name]}", flush=True)
-            ok = torch.tensor([int(check(rank, world, gather))])
+            ok = torch.tensor([int(check(rank, world, gather, getattr(torch, args.dtype)))])
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
             if not ok.item():
                 bad.append(name)
@@ -101,6 +104,8 @@ def cli(argv: list[str] | None = None) -> int:
     """The command line: exit status 1 while the defect shows, 0 when every rank is right."""
     parser = command_line(__doc__)
     parser.add_argument("--function", default="deepseek_v41", choices=[*FUNCTIONS, "all"])
+    parser.add_argument("--dtype", default="float64", choices=["float64", "bfloat16"],
+                        help="payload dtype (bfloat16: the harness' bfloat16 model row; integers exact in both)")
     args = parser.parse_args(argv)
     return run(main, 2, args, framework=[FUNCTIONS[n].split(":")[0] for n in FUNCTIONS if args.function in ("all", n)])
 
