@@ -98,11 +98,13 @@ class CaseRunner:
     """Runs cases on a warm pool and remembers what ran (``tally``: cases per CP size, check, dtype, ...)."""
 
     def __init__(self, config: PoolConfig, *, pool: RankPool | None = None, policy: JudgingPolicy = STRICT,
-                 admit: Callable[[dict], None] = admit_all):
+                 admit: Callable[[dict], None] = admit_all, error_dir: str | None = None):
         """``pool``: run on another runner's warm pool (its ranks, this runner's own counters); ``close``
         then leaves that pool running for its owner. ``policy``: how arithmetic is judged. ``admit(case)``
-        raises to refuse a case before it is sent (the pytest plugin skips cases larger than its pool)."""
+        raises to refuse a case before it is sent (the pytest plugin skips cases larger than its pool).
+        ``error_dir``: where ``check`` writes the error maps of failing cases (default: a temporary folder)."""
         self.policy = policy
+        self.error_dir = error_dir
         self.admit = admit
         self.config = pool.config if pool is not None else config
         self.pool = pool if pool is not None else RankPool(config)
@@ -203,7 +205,7 @@ class CaseRunner:
                 outputs = self._collect(job)
             except RankFailure as exc:
                 report = CaseReport(case=case)
-                report.problems.append(f"rank {exc.rank} {exc.kind}: {exc}")
+                report.problem(f"rank {exc.rank} {exc.kind}: {exc}", rank=exc.rank, kind=f"rank {exc.kind}")
             else:
                 if job.expect_error is not None:
                     raise job.expect_error
@@ -216,12 +218,13 @@ class CaseRunner:
     def judge_excess(self, report: CaseReport, *, timeout: float | None = None) -> None:
         """Judge an arithmetic multi-rank report against its one-rank baseline (``cp_harness.judging.excess``)."""
         base_case = _baseline_of(report.case)
-        if base_case is None or report.problems or not any(c.mode == "ulp" for c in report.comparisons):
+        if base_case is None or report.problems or not any(c.arithmetic for c in report.comparisons):
             return
         base = self.baseline(base_case, timeout=timeout)
         if base.problems:
-            report.problems.append("the one-rank baseline of this case (same implementation, world_size 1) failed: "
-                                   + base.problems[0])
+            first = base.problems[0]
+            report.problem("the one-rank baseline of this case (same implementation, world_size 1) failed: "
+                           + first.message + (f"\n{first.detail}" if first.detail else ""), kind="baseline failed")
             return
         excess.apply(report, base, self.policy.excess_rule(report.case.get("dtype", "float64")))
 
@@ -238,7 +241,7 @@ class CaseRunner:
         except RankFailure as exc:
             self.tally.failures += 1
             report = CaseReport(case=job.case)
-            report.problems.append(f"rank {exc.rank} {exc.kind}: {exc}")
+            report.problem(f"rank {exc.rank} {exc.kind}: {exc}", rank=exc.rank, kind=f"rank {exc.kind}")
             return report
         if job.expect_error is not None:
             raise job.expect_error
@@ -302,7 +305,7 @@ class CaseRunner:
         if not report.ok:
             from cp_harness.judging.error_maps import write_error_maps
 
-            paths = write_error_maps(report)
+            paths = write_error_maps(report, self.error_dir)
             self.error_maps.extend(paths)
             message = failure_message(case, report, self.config.impl, backend=self.config.backend)
             if paths:
@@ -313,7 +316,7 @@ class CaseRunner:
     def sharing_pool(self) -> "CaseRunner":
         """A runner with its own counters on this runner's pool (the harness's own tests judge deliberately
         broken modules on the session's ranks without counting them as examples of the gate)."""
-        return CaseRunner(self.config, pool=self.pool, policy=self.policy, admit=self.admit)
+        return CaseRunner(self.config, pool=self.pool, policy=self.policy, admit=self.admit, error_dir=self.error_dir)
 
     def close(self) -> None:
         if self._owns_pool:

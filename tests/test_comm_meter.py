@@ -20,10 +20,13 @@ import pytest
 from hypothesis import strategies as st
 
 from cp_harness import verify
+from cp_harness.cases.profiles import CaseSpace
+from cp_harness.checks import VerifyRow
 from cp_harness.instruments import comm_meter as comm
 from cp_harness.judging import comm_minimum
 from cp_harness.judging.verdicts import CaseReport
 from cp_harness.checks.meter_selftest import STYLES, UNKNOWN_OP
+from cp_harness.judging.render import report_text
 
 N = 3
 F64, F32, I64 = 8, 4, 8  # bytes per element
@@ -31,7 +34,7 @@ F64, F32, I64 = 8, 4, 8  # bytes per element
 
 def run_style(cp_runner, style: str) -> CaseReport:
     report = cp_runner.run({"check": "comm_styles", "world_size": N, "seed": 0, "style": style})
-    assert report.ok, f"style {style} did not move the data it should:\n{report.format()}"
+    assert report.ok, f"style {style} did not move the data it should:\n{report_text(report)}"
     return report
 
 
@@ -223,21 +226,22 @@ def test_unresolvable_group_is_unaccounted():
 
 
 def _verify_row(cp_runner, name: str, case: dict) -> verify.Row:
-    row = verify.Row(name, lambda sizes: st.just(case))
-    verify._run_row(row, cp_runner, (N,), examples=2, seed=0, progress=verify.Progress(2, stream=io.StringIO()),
-                    backend=cp_runner.config.backend, error_dir=None, shrink_seconds=5.0)
+    row = verify.Row(VerifyRow(name, lambda space: st.just(case), (), id=name))
+    verify.run_row(row, cp_runner, CaseSpace(world_sizes=(N,)), examples=2, seed=0,
+                   progress=verify.Progress(2, stream=io.StringIO()), backend=cp_runner.config.backend, error_dir=None,
+                   shrink_seconds=5.0)
     return row
 
 
 def test_verify_column_says_unaccounted(cp_runner):
     row = _verify_row(cp_runner, "meter probe", {"check": "comm_styles", "world_size": N, "seed": 0,
                                                  "style": "unknown_collective"})
-    assert row.ok and row.examples >= 1
-    assert row.unaccounted_ops == [UNKNOWN_OP] and row.comm_ratio is None
+    assert row.ok and row.tally.examples >= 1
+    assert row.tally.unaccounted_ops == [UNKNOWN_OP] and row.comm_ratio is None
     line = verify.format_table([row]).splitlines()[2]
     assert line.split()[-1] == "unaccounted", line
-    data = verify.report_dict(impl="cp_impl", backend="gloo", world_sizes=(N,), seed=0, examples=2, seconds=0.0,
-                              rows=[row], counts={N: row.examples})
+    data = verify.VerifyResult(verify.VerifySettings(world_sizes=(N,), examples=2), rows=[row],
+                               examples_per_world_size={N: row.tally.examples}).as_dict()
     assert data["rows"][0]["unaccounted_ops"] == [UNKNOWN_OP] and data["rows"][0]["comm_ratio"] is None
 
 
@@ -248,6 +252,6 @@ def test_verify_ratio_of_the_bundled_gather_is_one(cp_runner):
     row = _verify_row(cp_runner, "inkling2.gather_sequence", {
         "check": "gather_sequence", "world_size": N, "seed": 1, "dtype": "float64", "shape": [2, 2, 3],
         "differentiable": True})
-    assert row.ok and not row.unaccounted_ops
-    assert row.comm_ratio == 1.0, (row.moved_bytes, row.minimum_bytes)
+    assert row.ok and not row.tally.unaccounted_ops
+    assert row.comm_ratio == 1.0, (row.tally.moved_bytes, row.tally.minimum_bytes)
     assert verify.format_table([row]).splitlines()[2].split()[-1] == "1.00"

@@ -25,8 +25,9 @@ from cp_harness.judging import excess
 from cp_harness.cases.descriptions import EPS, accumulate, upstream_values
 from cp_harness.judging.verdicts import CaseReport
 from cp_harness.checks.loss import loss_inputs
-from cp_harness.judging.compare import TokenGrid, compare
+from cp_harness.judging.compare import TokenGrid, compare_ulp
 from cp_harness.judging.policy import ExcessRule
+from cp_harness.judging.render import comparison_summary, report_text
 
 RULE = ExcessRule(limit=2.0, floor=2.0)
 
@@ -38,9 +39,9 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 def _judge(expected, cp, one_rank, *, dtype="bfloat16", grid=None, name="t", rule=RULE):
     case = {"check": "model", "world_size": 2, "dtype": dtype}
     report, base = CaseReport(case=case), CaseReport(case=dict(case, world_size=1))
-    report.add(compare(name, cp, expected, mode="ulp", budget_ulp=math.inf, floor_fraction=1.0, ulp_dtype=dtype,
+    report.add(compare_ulp(name, cp, expected, budget_ulp=math.inf, floor_fraction=1.0, ulp_dtype=dtype,
                        grid=grid))
-    base.add(compare(name, one_rank, expected, mode="ulp", budget_ulp=math.inf,
+    base.add(compare_ulp(name, one_rank, expected, budget_ulp=math.inf,
                      floor_fraction=1.0, ulp_dtype=dtype))
     excess.apply(report, base, rule)
     return report.comparisons[0]
@@ -51,10 +52,10 @@ def test_within_c_times_the_one_rank_error_plus_the_floor_passes_and_above_fails
     eps = EPS["bfloat16"]
     one_rank = expected + 3 * eps * np.sign(expected)  # 3 ULP normwise
     ok = _judge(expected, expected + (2 * 3 + 2) * eps * 0.99, one_rank)
-    assert ok.ok and ok.baseline_ulp == pytest.approx(3.0) and ok.excess <= RULE.limit
+    assert ok.ok and ok.excess.baseline == pytest.approx(3.0) and ok.excess.excess <= RULE.limit
     bad = _judge(expected, expected + (2 * 3 + 2) * eps * 1.05, one_rank)
-    assert not bad.ok and bad.excess > RULE.limit and bad.excess_mismatched > 0
-    text = bad.summary()
+    assert not bad.ok and bad.excess.excess > RULE.limit and bad.excess.mismatched > 0
+    text = comparison_summary(bad)
     assert "one-rank error 3" in text and "CP error 8.4" in text and "CP ADDS ERROR" in text, text
 
 
@@ -65,7 +66,7 @@ def test_a_factor_of_two_on_a_small_bf16_tensor_fails_where_a_fixed_atol_sees_no
     cp = _bf16(expected * 2)  # e.g. a gradient counted twice
     assert np.allclose(cp, expected, atol=2.5e-2, rtol=0)  # the anchors' tolerance passes it
     comp = _judge(expected, cp, one_rank)
-    assert not comp.ok and comp.excess > 20 * RULE.limit  # about 128 ULP at the tensor's scale
+    assert not comp.ok and comp.excess.excess > 20 * RULE.limit  # about 128 ULP at the tensor's scale
 
 
 def test_an_exact_one_rank_run_leaves_only_the_floor():
@@ -73,13 +74,13 @@ def test_an_exact_one_rank_run_leaves_only_the_floor():
     eps = EPS["float64"]
     assert _judge(expected, expected + 1.9 * eps, expected, dtype="float64").ok
     comp = _judge(expected, expected + 2.5 * eps, expected, dtype="float64")
-    assert not comp.ok and comp.baseline_ulp == 0.0
+    assert not comp.ok and comp.excess.baseline == 0.0
 
 
 def test_a_one_rank_run_that_is_not_finite_earns_no_allowance():
     expected = np.array([1.0, 2.0])
     comp = _judge(expected, expected * (1 + 5e-2), np.array([np.nan, 2.0]))  # 6.4 ULP: above the floor
-    assert comp.baseline_ulp == 0.0 and not comp.ok
+    assert comp.excess.baseline == 0.0 and not comp.ok
 
 
 def test_the_error_map_shows_where_cp_added_error():
@@ -96,9 +97,11 @@ def test_the_error_map_shows_where_cp_added_error():
 
 
 def test_a_ranks_own_loss_has_no_one_rank_counterpart():
-    assert excess.baseline_name("loss@rank3 (local sum x N / global count)") is None
-    assert excess.baseline_name("loss (mean over ranks)") == "loss (mean over ranks)"
-    assert excess.baseline_name("grad wq") == "grad wq"
+    """Paired by role, not by name: a comparison of one rank's tensor (``rank`` set) has no one-rank twin."""
+    expected = np.array([1.0, 2.0])
+    own = compare_ulp("loss (local sum x N / global count)", expected, expected, budget_ulp=4.0, rank=3)
+    whole = compare_ulp("loss (local sum x N / global count)", expected, expected, budget_ulp=4.0)
+    assert not excess.pairs_with_baseline(own) and excess.pairs_with_baseline(whole)
 
 
 def test_the_one_rank_case_is_the_same_description_on_one_rank():
@@ -161,16 +164,16 @@ def test_a_cross_entropy_computed_as_logsumexp_minus_picked_is_no_false_alarm(mo
             "check": "shifted_cp_loss", "dtype": "float64", "model": "mistral_large4", "seed": 6434, "vocab": 3,
             "world_size": 1}
     report = _one_rank_loss_report(alt, case)
-    assert report.ok, report.format()
+    assert report.ok, report_text(report)
     # The same run judged at the loss's own scale and the gradient's own largest value fails: the test can fail.
     monkeypatch.setattr(loss_check, "cross_entropy_scale", lambda *a, **k: 0.0)
-    original = loss_check.compare
+    original = loss_check.compare_ulp
 
     def own_scale(name, *args, **kwargs):
         kwargs.pop("reference_scale", None)
         return original(name, *args, **kwargs)
 
-    monkeypatch.setattr(loss_check, "compare", own_scale)
+    monkeypatch.setattr(loss_check, "compare_ulp", own_scale)
     before = _one_rank_loss_report(alt, case)
-    assert {c.name for c in before.failures()} >= {"loss (mean over ranks)", "d loss / d logits"}, before.format()
+    assert {c.name for c in before.failures()} >= {"loss (mean over ranks)", "d loss / d logits"}, report_text(before)
     assert "alt_reduction_order" in sys.modules

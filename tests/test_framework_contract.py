@@ -134,7 +134,7 @@ def test_a_round_robin_sharder_that_drops_loss_mask_fails(cp_runner):
                                                                   "rows": [[0, seq_len]]}}
             cp_runner.check({**case, "impl": ROUND_ROBIN})
             report = cp_runner.run({**case, "impl": DROPS_LOSS_MASK})
-            assert not report.ok and any("holds no 'loss_mask'" in p for p in report.problems), report.problems
+            assert not report.ok and any("holds no 'loss_mask'" in p.message for p in report.problems), report.problems
 
 
 def _seq_len(case):

@@ -44,8 +44,13 @@ needs_framework = pytest.mark.skipif(
 # ---------------------------------------------------------------- judging a run (no framework needed)
 
 def _row(name: str, failing: list[str], problem: bool = False) -> dict:
+    """A verify row as the JSON report has it; a failing tensor is a gradient when its name says so here."""
     return {"name": name, "ok": not failing and not problem, "examples": 3, "passed": 2, "max_ulp": 1e17,
-            "comparison": "ulp", "comm_ratio": None, "failing_tensors": [{"name": n} for n in failing],
+            "comparison": "ulp", "comm_ratio": None,
+            "failing_tensors": [{"name": n, "gradient": n.startswith(("grad", "input-embedding gradient"))}
+                                for n in failing],
+            "problems": [{"message": "rank 0 raised ValueError", "detail": "", "rank": 0, "kind": "rank raised"}]
+            if problem else [],
             "failure": ("  PROBLEM: rank 0 raised ValueError\n" if problem else "") + "\n".join(failing)}
 
 

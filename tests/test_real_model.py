@@ -1,7 +1,7 @@
 """The real-model check (``cp_harness.checks.real_model``) on nemo-automodel 0.7.0's DeepSeek V4.1 (tiny config).
 
 One pool of 3 ranks for the module, whose launcher imports the spec (and ``transformers``) once before it forks
-(``$CP_HARNESS_MODEL_SPECS``). The smoke (12 cases at CP 2 and 3, float32 and bfloat16, packed batches with
+(``PoolConfig.preload``). The smoke (12 cases at CP 2 and 3, float32 and bfloat16, packed batches with
 several and single-token documents and one crossing every shard boundary, right padding, odd lengths) must
 pass; injected defects in the model's CP path (``tests/fixtures/real_model_spec_*``) must fail naming tensors,
 parameters and positions; the padding-sensitive config must be reported as padding sensitivity; a spec missing
@@ -18,6 +18,7 @@ import time
 import pytest
 
 from cp_harness.checks.real_model import smoke_cases
+from cp_harness.judging.render import report_text
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -33,20 +34,18 @@ pytestmark = pytest.mark.skipif(
 def model_runner():
     from cp_harness.ranks.pool import PoolConfig
     from cp_harness.runner import CaseRunner
-    from cp_harness.usage.model_specs import PRELOAD_ENV
 
-    saved = {k: os.environ.get(k) for k in (PRELOAD_ENV, "PYTHONPATH")}
-    os.environ[PRELOAD_ENV] = SPEC
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(FIXTURES), str(ROOT), saved["PYTHONPATH"]) if p)
-    runner = CaseRunner(PoolConfig(world_size=3, impl="cp_impl", case_timeout=120.0, collective_timeout=60.0))
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(FIXTURES), str(ROOT), saved) if p)
+    runner = CaseRunner(PoolConfig(world_size=3, impl="cp_impl", case_timeout=120.0, collective_timeout=60.0,
+                                   preload=(SPEC,)))
     try:
         runner.pool.start()
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
     try:
         yield runner
     finally:
@@ -60,7 +59,7 @@ def test_smoke_cp2_cp3_both_dtypes(model_runner):
     started = time.perf_counter()
     for case in cases:
         report = model_runner.run(case)
-        assert report.ok, report.format()
+        assert report.ok, report_text(report)
         assert {c.name.split(" (")[0] for c in report.comparisons} >= {"logits", "loss"}
         assert sum(c.name.startswith("grad ") for c in report.comparisons) > 50  # every parameter gradient
     print(f"real-model smoke: {len(cases)} cases in {time.perf_counter() - started:.1f} s")
@@ -69,7 +68,7 @@ def test_smoke_cp2_cp3_both_dtypes(model_runner):
 def _failing(case: dict, runner) -> tuple[str, list]:
     report = runner.run(case)
     assert not report.ok
-    return report.format(), report.failures()
+    return report_text(report), report.failures()
 
 
 def test_loss_divided_by_the_local_count_fails(model_runner):
@@ -96,7 +95,7 @@ def test_padding_sensitive_config_is_reported_as_padding_sensitivity(model_runne
             "batch": {"kind": "plain", "seq_len": 15, "seed": 1}}
     report = model_runner.run(case)
     assert not report.ok
-    text = report.format()
+    text = report_text(report)
     assert "padding changes this model's result on one rank" in text, text
     assert "pad_batch(b, 16)" in text and "python -c" in text, text
     assert all(c.ok for c in report.comparisons), text  # CP matches one device at the padded length
@@ -119,6 +118,6 @@ def test_model_raising_on_one_rank_names_the_rank(model_runner):
             "world_size": 2, "batch": {"kind": "plain", "seq_len": 8, "seed": 0}}
     report = model_runner.run(case)
     assert not report.ok
-    text = "\n".join(report.problems)
+    text = "\n".join(p.message for p in report.problems)
     assert "rank 1" in text and "injected on rank 1" in text, text
     assert model_runner.run({**case, "spec": SPEC}).ok  # the pool still works

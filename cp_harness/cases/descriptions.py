@@ -125,6 +125,17 @@ def padded_length(seq_len: int, cp_size: int) -> int:
 
 
 # ---------------------------------------------------------------------- layout, as the description states it
+def layout_rows(spec: dict) -> int:
+    """Rows of a layout description (packed ``docs`` rows of a THD layout, ``rows`` of a BSHD one)."""
+    return len(spec["docs"] if spec["format"] == "thd" else spec["rows"])
+
+
+def fixed_num_chunks(model: str, spec: dict) -> int | None:
+    """The micro-batch count the contract fixes for ``model`` on layout ``spec``, ``None`` where a case may
+    choose: mistral_large4's THD path takes one packed row per micro-batch (``docs/contract.md``)."""
+    return layout_rows(spec) if model == "mistral_large4" and spec["format"] == "thd" else None
+
+
 def spec_layout(spec: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """``(keep [B,S] bool, document_ids [B,S] int64)`` read straight off a batch description.
 

@@ -99,9 +99,10 @@ class GoldenContents:
 
 @dataclasses.dataclass(frozen=True)
 class VerifyRow:
-    """One row of ``verify``'s table: ``cases(space)`` is its Hypothesis strategy, ``functions`` the
-    documented functions it claims (checked by coverage), ``dtypes`` the payload dtypes it can draw (empty: a
-    layout row), ``explicit`` cases run before the drawn ones, ``position`` where it stands in the table."""
+    """One row of ``verify``'s table: ``label`` what the table prints, ``id`` what reports and tools key it by,
+    ``cases(space)`` its Hypothesis strategy, ``functions`` the documented functions it claims (checked by
+    coverage), ``dtypes`` the payload dtypes it can draw (empty: a layout row), ``explicit`` cases run before
+    the drawn ones, ``position`` where it stands in the table."""
 
     label: str
     cases: Callable[[Any], Any]
@@ -110,6 +111,7 @@ class VerifyRow:
     explicit: tuple[dict, ...] = ()
     position: float = 0
     needs_model: bool = False  # a real-model row: runs only when a model spec is given (``--model``)
+    id: str = ""  # a stable identifier apart from the label (``register`` gives the check's name by default)
 
 
 def _same_case_on_one_rank(case: dict) -> dict:
@@ -186,7 +188,17 @@ def register(name: str, **owned) -> Check:
     """Register the check ``name`` (its module calls this once) and return it."""
     if name in CHECKS:
         raise ValueError(f"check {name!r} registered twice")
-    CHECKS[name] = Check(name, **owned)
+    rows = tuple(owned.get("rows", ()))
+    if len(rows) == 1 and not rows[0].id:
+        rows = (dataclasses.replace(rows[0], id=name),)
+    missing = [r.label for r in rows if not r.id]
+    if missing:
+        raise ValueError(f"check {name!r} declares several rows: give each an id (rows without: {missing})")
+    taken = {r.id for check in CHECKS.values() for r in check.rows}
+    clash = [r.id for r in rows if r.id in taken] or ([r.id for r in rows] if len({r.id for r in rows}) < len(rows) else [])
+    if clash:
+        raise ValueError(f"check {name!r}: row id(s) {clash} are taken; give each row its own id")
+    CHECKS[name] = Check(name, **{**owned, "rows": rows})
     return CHECKS[name]
 
 
@@ -274,7 +286,8 @@ def evaluate(case: dict, outputs: list, expected: Any = NOT_GIVEN, *, policy: Ju
     if raised:
         report = CaseReport(case=case)
         for o in raised:
-            report.problems.append(f"rank {o.rank} raised {o.error_type}: {o.message}\n{o.traceback}")
+            report.problem(f"rank {o.rank} raised {o.error_type}: {o.message}\n{o.traceback}", rank=o.rank,
+                           kind="rank raised")
     else:
         check = check_of(case)
         args = [case, outputs]
@@ -285,7 +298,8 @@ def evaluate(case: dict, outputs: list, expected: Any = NOT_GIVEN, *, policy: Ju
             try:
                 report = check.evaluate(*args, policy=policy) if takes_policy else check.evaluate(*args)
             except NotShardedLikeTokens as finding:
-                report = CaseReport(case=case, problems=[str(finding)])
+                report = CaseReport(case=case)
+                report.problem(str(finding), kind="not sharded like the tokens")
     report.comm = [{"rank": o.rank, "calls": o.comm} for o in outputs]
     report.called = set().union(*(o.called for o in outputs)) if outputs else set()
     return report

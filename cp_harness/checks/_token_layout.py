@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from cp_harness.judging.compare import TokenGrid, compare
+from cp_harness.judging.compare import TokenGrid, compare_exact
 from cp_harness.judging.verdicts import CaseReport
 
 
@@ -85,12 +85,12 @@ def judge_token_layout(report: CaseReport, outputs: list, seq_len: int, *, local
     for o, indices in zip(outputs, maps):
         local_len = np.asarray(o.tensors[local_name]).shape[1]
         if len(indices) != local_len:
-            report.problems.append(f"rank {o.rank}: the index map lists {len(indices)} tokens but its local "
+            report.problem(f"rank {o.rank}: the index map lists {len(indices)} tokens but its local "
                                    f"{local_name} holds {local_len}")
             usable = False
     lengths = {len(m) for m in maps}
     if len(lengths) > 1:
-        report.problems.append(f"ranks own different numbers of tokens: {[len(m) for m in maps]} (the verbs need equal shards)")
+        report.problem(f"ranks own different numbers of tokens: {[len(m) for m in maps]} (the verbs need equal shards)")
         usable = False
     padded = sum(len(m) for m in maps)
     if usable:
@@ -100,27 +100,27 @@ def judge_token_layout(report: CaseReport, outputs: list, seq_len: int, *, local
         if outside.size or (counts != 1).any():
             twice = np.flatnonzero(counts > 1)[:5].tolist()
             nobody = np.flatnonzero(counts == 0)[:5].tolist()
-            report.problems.append(f"the index maps do not own every global position of [0, {padded}) exactly once: "
+            report.problem(f"the index maps do not own every global position of [0, {padded}) exactly once: "
                                    f"owned twice {twice}, by nobody {nobody}, outside {outside[:5].tolist()}")
             usable = False
     if padded < seq_len:
-        report.problems.append(f"the ranks hold {padded} tokens in all, fewer than the sequence's {seq_len}")
+        report.problem(f"the ranks hold {padded} tokens in all, fewer than the sequence's {seq_len}")
         usable = False
     for o in outputs:
         original, reported = o.info.get("original_seq_len"), o.info.get("padded_seq_len")
         if original is not None and original != seq_len:
-            report.problems.append(f"rank {o.rank}: shard_layout.original_seq_len={original}, the batch has {seq_len}")
+            report.problem(f"rank {o.rank}: shard_layout.original_seq_len={original}, the batch has {seq_len}")
         if reported is not None and reported != padded:
-            report.problems.append(f"rank {o.rank}: shard_layout.padded_seq_len={reported}, but the ranks hold {padded}")
+            report.problem(f"rank {o.rank}: shard_layout.padded_seq_len={reported}, but the ranks hold {padded}")
     if not usable:
         return None
     layout = reported_layout(outputs, seq_len)
     for o, indices in zip(outputs, maps):
         marker, expected = np.asarray(o.tensors["token_marker"]), np.where(indices < seq_len, indices, -1)
-        comp = report.add(compare(f"shard_token_tensor(arange(S)) agrees with the index map@rank{o.rank}",
-                                  marker, expected, mode="exact"))
+        comp = report.add(compare_exact(f"shard_token_tensor(arange(S)) agrees with the index map@rank{o.rank}",
+                                  marker, expected, rank=o.rank))
         if not comp.ok and marker.shape == expected.shape and np.array_equal(np.sort(marker), np.sort(expected)):
-            report.problems.append(f"rank {o.rank}: the local tensors hold the tokens of its index map in another "
+            report.problem(f"rank {o.rank}: the local tensors hold the tokens of its index map in another "
                                    f"order (shard_token_tensor gives {marker.tolist()[:12]}, the index map reports "
                                    f"{expected.tolist()[:12]}): the sharder reports one layout and cuts another")
     return layout

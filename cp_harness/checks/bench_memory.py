@@ -41,7 +41,7 @@ from cp_harness.cases.descriptions import padded_length
 from cp_harness.checks import register
 from cp_harness.judging.verdicts import CaseReport
 from cp_harness.checks.models import cp_forward, rank_inputs
-from cp_harness.judging.compare import compare
+from cp_harness.judging.compare import compare_exact
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -134,7 +134,7 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     n = int(case["world_size"])
     expected_len = padded_length(int(case["batch"]["seq_len"]), n) // n
     lens = np.array([o.info["local_len"] for o in outputs], dtype=np.int64)
-    report.add(compare("local length per rank", lens, np.full(n, expected_len, dtype=np.int64), mode="exact"))
+    report.add(compare_exact("local length per rank", lens, np.full(n, expected_len, dtype=np.int64)))
     losses = [float(o.tensors["loss"]) for o in outputs]
     report.require(all(np.isfinite(losses)), f"losses must be finite, got {losses}")
     for o in outputs:

@@ -30,13 +30,13 @@ import torch
 
 from hypothesis import strategies as st
 
-from cp_harness.cases.descriptions import IGNORE_INDEX, batches_equal, build_batch, clone_batch, padded_length
+from cp_harness.cases.descriptions import (IGNORE_INDEX, batches_equal, build_batch, clone_batch, fixed_num_chunks, layout_rows, padded_length)
 from cp_harness.cases.strategies import (as_space, inkling2_images, layouts, mistral_image, packed_layout, seeds,
                                          with_extras, with_impl, world_sizes)
 from cp_harness.checks import GoldenContents, VerifyRow, register
 from cp_harness.checks._token_layout import ReportedLayout, judge_token_layout
 from cp_harness.judging import comm_minimum
-from cp_harness.judging.compare import compare
+from cp_harness.judging.compare import compare_exact
 from cp_harness.judging.verdicts import CaseReport
 from cp_harness.usage.resolve_sharder import hook_sharder, layout_report, sharded
 from oracle.layout import layout_from_batch
@@ -128,23 +128,19 @@ def _common(report: CaseReport, outputs: list, layout, labels_expected: torch.Te
         return None
     S_pad, grid = reported.padded_len, reported.grid
     keep = pad_sequence(layout.keep, S_pad, False)
-    report.add(compare("padding_mask", reported.scatter(outputs, "padding_mask"), (~keep).numpy(), mode="exact", grid=grid))
+    report.add(compare_exact("padding_mask", reported.scatter(outputs, "padding_mask"), (~keep).numpy(), grid=grid))
     positions = pad_sequence(layout.positions, S_pad, 0)
     got_labels = reported.scatter(outputs, "labels")
     got_positions = reported.scatter(outputs, "position_ids")
     if bool(keep.any()):  # rows of padding alone have no real token to compare
-        report.add(compare("position_ids (real tokens)", got_positions, positions.numpy(),
-                           mode="exact", mask=keep.numpy(), grid=grid))
-        report.add(compare("labels (real tokens)", got_labels, pad_sequence(labels_expected, S_pad, IGNORE_INDEX).numpy(),
-                           mode="exact", mask=keep.numpy(), grid=grid))
+        report.add(compare_exact("position_ids (real tokens)", got_positions, positions.numpy(), mask=keep.numpy(), grid=grid))
+        report.add(compare_exact("labels (real tokens)", got_labels, pad_sequence(labels_expected, S_pad, IGNORE_INDEX).numpy(), mask=keep.numpy(), grid=grid))
     if S_pad > S and S > 0:
         # Divisibility padding: positions keep counting from the row's last slot (SPEC).
         counting = got_positions[:, S - 1:S] + np.arange(1, S_pad - S + 1)[None, :]
-        report.add(compare("position_ids (divisibility padding keeps counting)", got_positions[:, S:], counting,
-                           mode="exact", grid=grid.sliced(S)))
+        report.add(compare_exact("position_ids (divisibility padding keeps counting)", got_positions[:, S:], counting, grid=grid.sliced(S)))
     if S_pad > S:
-        report.add(compare("labels (divisibility padding)", got_labels[:, S:], np.full((keep.shape[0], S_pad - S), IGNORE_INDEX),
-                           mode="exact", grid=grid.sliced(S)))
+        report.add(compare_exact("labels (divisibility padding)", got_labels[:, S:], np.full((keep.shape[0], S_pad - S), IGNORE_INDEX), grid=grid.sliced(S)))
     return reported
 
 
@@ -158,7 +154,7 @@ def _inkling2_evaluate(case: dict, outputs: list, expected) -> CaseReport:
         report.require(not o.info.get("caller_content_changed"),
                        f"rank {o.rank}: the caller's batch changed (hooks may only add layout keys): {o.info.get('caller_content_changed')}")
         for change in o.info.get("caller_changed_by_shard", []):
-            report.problems.append(f"rank {o.rank}: {change}")
+            report.problem(f"rank {o.rank}: {change}")
         if "seq_lens" in batch:
             for gone in ("seq_lens", "seq_lens_padded", "qkv_format"):
                 report.require(gone not in o.info["keys_after_prepare"], f"rank {o.rank}: {gone} must be removed by unpack_row_layout")
@@ -177,11 +173,10 @@ def _judge_unpacked(report: CaseReport, outputs: list, layout) -> None:
         report.require(not missing, f"rank {o.rank}: unpack_row_layout wrote no {', '.join(k.split('.')[1] for k in missing)}")
         if missing:
             continue
-        report.add(compare(f"unpack_row_layout padding_mask@rank{o.rank}", o.tensors["unpacked.padding_mask"], ~keep,
-                           mode="exact"))
+        report.add(compare_exact(f"unpack_row_layout padding_mask@rank{o.rank}", o.tensors["unpacked.padding_mask"], ~keep, rank=o.rank))
         if keep.any():
-            report.add(compare(f"unpack_row_layout position_ids (real tokens)@rank{o.rank}", o.tensors["unpacked.position_ids"],
-                               layout.positions.numpy(), mode="exact", mask=keep))
+            report.add(compare_exact(f"unpack_row_layout position_ids (real tokens)@rank{o.rank}", o.tensors["unpacked.position_ids"],
+                               layout.positions.numpy(), mask=keep, rank=o.rank))
         left = [k for k in ("seq_lens", "seq_lens_padded", "qkv_format") if k in o.info.get("unpack_keys", [])]
         report.require(not left, f"rank {o.rank}: unpack_row_layout left {left} in the batch")
         report.require(not o.info.get("unpack_changed"),
@@ -227,20 +222,19 @@ def _mistral_evaluate(case: dict, outputs: list, expected) -> CaseReport:
         report.require(not o.info.get("caller_content_changed"),
                        f"rank {o.rank}: the caller's batch changed (hooks may only add layout keys): {o.info.get('caller_content_changed')}")
         for change in o.info.get("caller_changed_by_shard", []):
-            report.problems.append(f"rank {o.rank}: {change}")
+            report.problem(f"rank {o.rank}: {change}")
     reported = _common(report, outputs, layout, labels)
     if reported is None:
         return report
     S, S_pad, grid = reported.seq_len, reported.padded_len, reported.grid
     if packed and all("document_ids" in o.tensors for o in outputs):
         docs = pad_sequence(layout.document_ids, S_pad, -1)
-        report.add(compare("document_ids", reported.scatter(outputs, "document_ids"), docs.numpy(), mode="exact", grid=grid))
+        report.add(compare_exact("document_ids", reported.scatter(outputs, "document_ids"), docs.numpy(), grid=grid))
     if bool(case.get("shard_primary", True)):
-        report.add(compare("input_ids (sharded)", reported.scatter(outputs, "input_ids")[:, :S], batch["input_ids"].numpy(),
-                           mode="exact", grid=grid))
+        report.add(compare_exact("input_ids (sharded)", reported.scatter(outputs, "input_ids")[:, :S], batch["input_ids"].numpy(), grid=grid))
     else:
         for o in outputs:
-            report.add(compare(f"input_ids (global)@rank{o.rank}", o.tensors["input_ids"], batch["input_ids"].numpy(), mode="exact"))
+            report.add(compare_exact(f"input_ids (global)@rank{o.rank}", o.tensors["input_ids"], batch["input_ids"].numpy(), rank=o.rank))
     return report
 
 
@@ -256,10 +250,9 @@ def layout_cases(draw, space=None) -> dict:
         spec = draw(packed_layout(max_len=30, rows=chunks))
     else:
         spec = draw(layouts(max_len=30, max_rows=4))
-        rows = len(spec["docs"] if spec["format"] == "thd" else spec["rows"])
+        rows = layout_rows(spec)
         chunks = draw(st.sampled_from([d for d in range(1, rows + 1) if rows % d == 0]))
-        if model == "mistral_large4" and spec["format"] == "thd":
-            chunks = rows  # one packed row per micro-batch
+        chunks = fixed_num_chunks(model, spec) or chunks
     spec = draw(with_extras(st.just(spec)))
     spec = draw(inkling2_images(spec, n)) if model == "inkling2" else draw(mistral_image(spec, n))
     case = {"check": f"{model}_layout", "world_size": n, "seed": draw(seeds), "model": model, "batch": spec,

@@ -32,7 +32,7 @@ from cp_harness.checks import GoldenContents, VerifyRow, register
 from cp_harness.checks._token_layout import stack_ranks
 from cp_harness.judging import comm_minimum
 from cp_harness.judging.budgets import Budget
-from cp_harness.judging.compare import TokenGrid, compare
+from cp_harness.judging.compare import TokenGrid, compare_exact, compare_ulp
 from cp_harness.judging.verdicts import CaseReport
 from oracle.layout import layout_from_batch
 from oracle.loss import mean_loss, shifted_cross_entropy
@@ -116,9 +116,8 @@ def compare_rank_losses(report: CaseReport, outputs: list, per_position: torch.T
                  else torch.arange(o.rank * L, (o.rank + 1) * L))
         local_sum = per_position.index_select(1, owned).sum()
         expected = local_sum * n / count if count > 0 else torch.zeros((), dtype=torch.float64)
-        report.add(compare(f"loss@rank{o.rank} (local sum x N / global count)", o.tensors["loss"], expected.numpy(),
-                           mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction, ulp_dtype=ulp_dtype,
-                           reference_scale=scale))
+        report.add(compare_ulp(f"loss@rank{o.rank} (local sum x N / global count)", o.tensors["loss"], expected.numpy(), budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction, ulp_dtype=ulp_dtype,
+                           reference_scale=scale, rank=o.rank))
 
 
 def _rank(case: dict, ctx) -> tuple[dict, dict]:
@@ -174,21 +173,21 @@ def _evaluate(case: dict, outputs: list, expected: dict, policy) -> CaseReport:
     # (softmax - one-hot) / count at 1 / count, whatever cancellation leaves of them.
     loss_scale = expected["loss_scale"]
     grad_scale = 1.0 / int(count) if int(count) > 0 else None
-    report.add(compare("loss (mean over ranks)", mean, ref.detach().numpy(), mode="ulp", budget_ulp=loss_budget.ulp,
+    report.add(compare_ulp("loss (mean over ranks)", mean, ref.detach().numpy(), budget_ulp=loss_budget.ulp,
                        floor_fraction=loss_budget.floor_fraction, ulp_dtype=loss_dtype, reference_scale=loss_scale))
     grad = stack_ranks(outputs, "grad") / n
-    report.add(compare("d loss / d logits", grad, expected["ref_grad"].numpy(), mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
-                       grid=TokenGrid(L, n), ulp_dtype=dtype, reference_scale=grad_scale))
+    report.add(compare_ulp("d loss / d logits", grad, expected["ref_grad"].numpy(), budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
+                       grid=TokenGrid(L, n), ulp_dtype=dtype, reference_scale=grad_scale, gradient=True))
     if int(count) == 0:
-        report.add(compare("loss when nothing counts", losses, np.zeros(n), mode="exact"))
+        report.add(compare_exact("loss when nothing counts", losses, np.zeros(n)))
     compare_rank_losses(report, outputs, expected["per_position"], int(count), loss_budget,
                         loss_dtype, scale=loss_scale)
     # Positions that predict nothing must get exactly zero gradient.
     predicts = torch.zeros_like(keep)
     predicts[:, :-1] = keep[:, :-1] & keep[:, 1:] & (labels[:, 1:] != IGNORE_INDEX)
     if bool((~predicts).any()):
-        report.add(compare("d loss / d logits where nothing is predicted", grad, np.zeros_like(grad), mode="exact",
-                           mask=(~predicts).numpy(), grid=TokenGrid(L, n)))
+        report.add(compare_exact("d loss / d logits where nothing is predicted", grad, np.zeros_like(grad),
+                           mask=(~predicts).numpy(), grid=TokenGrid(L, n), gradient=True))
     report.info["count"] = int(count)
     report.info["ulp"] = report.max_ulp
     return report

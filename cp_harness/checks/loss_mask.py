@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from cp_harness.cases.descriptions import build_batch
+from cp_harness.cases.descriptions import build_batch, fixed_num_chunks
 from cp_harness.cases.strategies import as_space, layouts, seeds, with_extras, with_impl, world_sizes
 from cp_harness.checks import VerifyRow, register
 from cp_harness.checks._token_layout import judge_token_layout
 from cp_harness.checks.layout import pad_sequence
 from cp_harness.judging import comm_minimum
-from cp_harness.judging.compare import compare
+from cp_harness.judging.compare import compare_exact
 from cp_harness.judging.verdicts import CaseReport
 from cp_harness.usage.resolve_sharder import hook_sharder, layout_report, sharded
 
@@ -74,7 +74,7 @@ def _evaluate(case: dict, outputs: list, expected) -> CaseReport:
     S, mask = expected
     for o in outputs:
         for change in o.info.get("caller_changed_by_shard", []):
-            report.problems.append(f"rank {o.rank}: {change}")
+            report.problem(f"rank {o.rank}: {change}")
     if mask is None:
         for o in outputs:
             report.require(not o.info["has_loss_mask"], f"rank {o.rank}: no loss_mask was given to the sharder, "
@@ -83,7 +83,7 @@ def _evaluate(case: dict, outputs: list, expected) -> CaseReport:
         return report
     missing = [o.rank for o in outputs if not o.info["has_loss_mask"]]
     if missing:
-        report.problems.append(f"ranks {missing}: the sharder was given loss_mask [batch, sequence] but its local "
+        report.problem(f"ranks {missing}: the sharder was given loss_mask [batch, sequence] but its local "
                                "batch holds no 'loss_mask' (the framework's train step masks the loss with it)")
         return report
     for o in outputs:
@@ -93,8 +93,8 @@ def _evaluate(case: dict, outputs: list, expected) -> CaseReport:
     if reported is None:
         return report
     padded = pad_sequence(mask, reported.padded_len, False if mask.dtype == torch.bool else 0)
-    report.add(compare("loss_mask (at the reported index map; padding False / 0)",
-                       reported.scatter(outputs, "loss_mask"), padded.numpy(), mode="exact", grid=reported.grid))
+    report.add(compare_exact("loss_mask (at the reported index map; padding False / 0)",
+                       reported.scatter(outputs, "loss_mask"), padded.numpy(), grid=reported.grid))
     return report
 
 
@@ -105,9 +105,8 @@ def loss_mask_cases(draw, space=None) -> dict:
     n = draw(world_sizes(space))
     model = draw(st.sampled_from(("inkling2", "mistral_large4")))
     spec = draw(with_extras(layouts(max_len=30, max_rows=3)))
-    rows = len(spec["docs"] if spec["format"] == "thd" else spec["rows"])
     case = {"check": "loss_mask_layout", "world_size": n, "seed": draw(seeds), "model": model, "batch": spec,
-            "num_chunks": rows if (model == "mistral_large4" and spec["format"] == "thd") else 1,
+            "num_chunks": fixed_num_chunks(model, spec) or 1,
             "loss_mask": draw(st.sampled_from(KINDS))}
     if n == 1 and draw(st.booleans()):
         case["mesh"] = "none"

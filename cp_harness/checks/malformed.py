@@ -22,7 +22,7 @@ from cp_harness.cases import malformed_inputs as malformed
 from cp_harness.cases.malformed_catalogue import Malformed
 from cp_harness.checks import register
 from cp_harness.judging.verdicts import CaseReport
-from cp_harness.judging.compare import compare
+from cp_harness.judging.compare import compare_exact
 
 # Meshes built on demand in this rank process, keyed by (kind, CP size): process groups are created once.
 _MESHES: dict[tuple[str, int], object] = {}
@@ -71,10 +71,10 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     report = CaseReport(case=case)
     accounts = [o.info for o in outputs]
     for problem in malformed.judge(case, accounts):
-        report.problems.append(problem)
+        report.problem(problem)
     behaved = np.array([not malformed.judge(case, [acc]) for acc in accounts])
     what = "accepted the valid base input" if case.get("control") else "rejected the malformed input as documented"
-    report.add(compare(f"ranks that {what}", behaved, np.ones(len(outputs), dtype=bool), mode="exact"))
+    report.add(compare_exact(f"ranks that {what}", behaved, np.ones(len(outputs), dtype=bool)))
     report.info = {"accounts": accounts}
     return report
 

@@ -30,7 +30,7 @@ from torch.distributed import all_gather as all_gather_imported_by_name
 from cp_harness.instruments import comm_meter as comm
 from cp_harness.checks import register
 from cp_harness.judging.verdicts import CaseReport
-from cp_harness.judging.compare import compare
+from cp_harness.judging.compare import compare_exact
 
 THREAD_TIMEOUT_S = 60.0
 UNKNOWN_OP = "c10d::_cp_harness_unknown_collective"
@@ -327,7 +327,7 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
 def _evaluate(case: dict, outputs: list) -> CaseReport:
     report = CaseReport(case=case)
     for o in outputs:
-        report.add(compare(f"received@rank{o.rank}", o.tensors["received"], o.tensors["expected"], mode="exact"))
+        report.add(compare_exact(f"received@rank{o.rank}", o.tensors["received"], o.tensors["expected"], rank=o.rank))
     return report
 
 

@@ -29,7 +29,7 @@ import torch
 
 from hypothesis import strategies as st
 
-from cp_harness.cases.descriptions import IGNORE_INDEX, build_batch, dtype_of
+from cp_harness.cases.descriptions import IGNORE_INDEX, build_batch, dtype_of, fixed_num_chunks, layout_rows
 from cp_harness.cases.strategies import (as_space, float_dtypes, inkling2_images, layouts, mistral_image,
                                          packed_layout, seeds, with_extras, with_impl, world_sizes)
 from cp_harness.checks import GoldenContents, VerifyRow, register
@@ -38,7 +38,7 @@ from cp_harness.judging.budgets import Budget
 from cp_harness.judging.verdicts import CaseReport
 from cp_harness.checks.layout import pad_sequence
 from cp_harness.checks.loss import compare_rank_losses, per_position_ce
-from cp_harness.judging.compare import compare
+from cp_harness.judging.compare import compare_exact, compare_ulp
 from cp_harness.usage import miniature_models as cp_models
 from cp_harness.usage.resolve_sharder import layout_report
 from oracle import models as oracle_models
@@ -165,12 +165,12 @@ def _evaluate(case: dict, outputs: list, expected: Expected, policy) -> CaseRepo
     keep = layout.keep.numpy()
 
     logits = reported.scatter(outputs, "logits")
-    report.add(compare("logits", logits[:, :S], out.logits.detach().numpy(), mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
+    report.add(compare_ulp("logits", logits[:, :S], out.logits.detach().numpy(), budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
                        grid=grid, ulp_dtype=ulp_dtype))
     pad_mask = np.ones(logits.shape[:2], dtype=bool)
     pad_mask[:, :S] = ~keep
     if pad_mask.any():
-        report.add(compare("logits at padding (exactly zero)", logits, np.zeros_like(logits), mode="exact",
+        report.add(compare_exact("logits at padding (exactly zero)", logits, np.zeros_like(logits),
                            mask=pad_mask, grid=grid))
 
     # Each rank's loss as the recipe (inkling2) or shifted_cp_loss (mistral_large4) must scale it.
@@ -190,21 +190,21 @@ def _evaluate(case: dict, outputs: list, expected: Expected, policy) -> CaseRepo
                         index_maps=reported.index_maps)
 
     loss = np.array(sum(float(o.tensors["loss"]) for o in outputs) / n)
-    report.add(compare("loss (mean over ranks)", loss, out.loss.detach().numpy(), mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
+    report.add(compare_ulp("loss (mean over ranks)", loss, out.loss.detach().numpy(), budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
                        ulp_dtype=ulp_dtype))
 
     emb = reported.scatter(outputs, "inputs_embeds.grad") / n
-    report.add(compare("input-embedding gradient", emb[:, :S], out.inputs_embeds.grad.numpy(), mode="ulp",
-                       budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction, grid=grid, ulp_dtype=ulp_dtype))
+    report.add(compare_ulp("input-embedding gradient", emb[:, :S], out.inputs_embeds.grad.numpy(),
+                       budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction, grid=grid, ulp_dtype=ulp_dtype, gradient=True))
     if pad_mask.any():
-        report.add(compare("input-embedding gradient at padding (exactly zero)", emb, np.zeros_like(emb), mode="exact",
-                           mask=pad_mask, grid=grid))
+        report.add(compare_exact("input-embedding gradient at padding (exactly zero)", emb, np.zeros_like(emb),
+                           mask=pad_mask, grid=grid, gradient=True))
 
     for name, want in expected.param_grads.items():
         got = sum(o.tensors[f"grad.{name}"] for o in outputs) / n
-        report.add(compare(f"grad {name}", got, want, mode="ulp", budget_ulp=budget.ulp,
+        report.add(compare_ulp(f"grad {name}", got, want, budget_ulp=budget.ulp,
                            floor_fraction=budget.floor_fraction, ulp_dtype=ulp_dtype,
-                           reference_scale=expected.grad_scale))
+                           reference_scale=expected.grad_scale, gradient=True))
     report.info.update({"loss": float(out.loss.detach()), "count": int(out.count), "max_ulp": report.max_ulp})
     return report
 
@@ -221,9 +221,8 @@ def model_cases(draw, space=None, dtypes=("float64",), max_len: int = 24) -> dic
         spec = draw(packed_layout(min_len=3, max_len=max_len, rows=chunks))
     else:
         spec = draw(layouts(min_len=3, max_len=max_len, max_rows=2))
-        rows = len(spec["docs"] if spec["format"] == "thd" else spec["rows"])
-        chunks = rows if (model == "mistral_large4" and spec["format"] == "thd") else draw(
-            st.sampled_from([d for d in range(1, rows + 1) if rows % d == 0]))
+        rows = layout_rows(spec)
+        chunks = fixed_num_chunks(model, spec) or draw(st.sampled_from([d for d in range(1, rows + 1) if rows % d == 0]))
     spec = draw(with_extras(st.just(spec)))
     spec = draw(inkling2_images(spec, n)) if model == "inkling2" else draw(mistral_image(spec, n))
     case = {"check": "model", "world_size": n, "seed": draw(seeds), "model": model,
@@ -238,7 +237,7 @@ def model_cases(draw, space=None, dtypes=("float64",), max_len: int = 24) -> dic
 def _row(label: str, model: str, dtype: str, functions: tuple[str, ...], position: int) -> VerifyRow:
     def cases(space):
         return model_cases(space, dtypes=(dtype,)).filter(lambda c: c["model"] == model)
-    return VerifyRow(label, cases, functions, (dtype,), position=position)
+    return VerifyRow(label, cases, functions, (dtype,), position=position, id=f"model.{model}.{dtype}")
 
 
 # ------------------------------------------------------------------------------------ golden files

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from cp_harness.checks import register
 from cp_harness.judging.verdicts import CaseReport
-from cp_harness.judging.compare import compare
+from cp_harness.judging.compare import compare_exact
 
 
 def _rank(case: dict, ctx) -> tuple[dict, dict]:
@@ -42,7 +42,7 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     n = int(case["world_size"])
     expected = torch.tensor([float(sum(range(n)))], dtype=torch.float32)
     for o in outputs:
-        report.add(compare(f"sum@rank{o.rank}", o.tensors["sum"], expected, mode="exact"))
+        report.add(compare_exact(f"sum@rank{o.rank}", o.tensors["sum"], expected, rank=o.rank))
         report.require(o.info.get("rank") == o.rank, f"rank {o.rank} reported rank {o.info.get('rank')}")
     return report
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from cp_harness.cases.descriptions import build_batch
 from cp_harness.cases.strategies import as_space, layouts, seeds, world_sizes
 from cp_harness.checks import VerifyRow, register
-from cp_harness.judging.compare import compare
+from cp_harness.judging.compare import compare_exact
 from cp_harness.judging.verdicts import CaseReport
 from oracle.layout import layout_from_batch
 
@@ -113,8 +113,7 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
                                   f"(violations at {bad[:3]}): {message}")
     # The verdict itself is compared, so that the report is never vacuous.
     verdicts = torch.tensor([o.info["raised"] is not None for o in outputs])
-    report.add(compare("raised on every rank exactly when invalid", verdicts, torch.full_like(verdicts, bool(bad)),
-                       mode="exact"))
+    report.add(compare_exact("raised on every rank exactly when invalid", verdicts, torch.full_like(verdicts, bool(bad))))
     report.info["violations"] = len(bad)
     return report
 

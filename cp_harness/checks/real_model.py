@@ -25,19 +25,21 @@ keywords: ``batch_size``, ``seed``, ``documents``, ``pad``), ``world_size``.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+
 import numpy as np
 import torch
 from hypothesis import strategies as st
 
 from cp_harness.cases.strategies import as_space, world_sizes
 from cp_harness.checks import VerifyRow, register
-from cp_harness.judging.compare import TensorComparison
+from cp_harness.judging.compare import ExcessVerdict, UlpComparison
 from cp_harness.judging.verdicts import CaseReport
 from cp_harness.usage import model_specs
 
 C = 4.0
 FLOOR = {"float32": 1024.0, "bfloat16": 8.0}  # ULPs of the dtype at the tensor's largest value (docs/real_models.md)
-TENSORS = ("logits", "loss")
 
 
 def _prepare(case: dict):
@@ -64,10 +66,51 @@ def _agree_ready(ctx, error: BaseException | None) -> None:
                            f"rank {ctx.rank} did not run the case") from error
 
 
-def _outputs(prefix: str, result: dict) -> dict[str, torch.Tensor]:
-    out = {f"{prefix}logits": result["logits"].float(), f"{prefix}loss": result["loss"].float()}
-    out.update({f"{prefix}grad {name}": g.float() for name, g in result["grads"].items()})
+class Run(enum.Enum):
+    """The runs a case compares, all on rank 0 but ``CP`` (every rank's result, summed and gathered):
+    ``REFERENCE`` one device plainly, ``REORDERED`` one device under a neutral change of reduction order (the
+    spread), ``PADDED`` one device on the batch right-padded to the CP padded length (padding sensitivity)."""
+
+    CP = "cp"
+    REFERENCE = "ref"
+    REORDERED = "other"
+    PADDED = "padded"
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantity:
+    """One compared tensor of a run: the ``logits`` [B, S, V], the ``loss`` [] or the gradient of ``parameter``."""
+
+    kind: str  # "logits", "loss", "grad"
+    parameter: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.kind if self.parameter is None else f"grad {self.parameter}"
+
+
+def _quantities(result: dict) -> dict[Quantity, torch.Tensor]:
+    out = {Quantity("logits"): result["logits"].float(), Quantity("loss"): result["loss"].float()}
+    out.update({Quantity("grad", name): g.float() for name, g in result["grads"].items()})
     return out
+
+
+# The wire carries flat names: these two functions are the only place that spells a run and a quantity as one.
+def _to_wire(valid: torch.Tensor, runs: dict[Run, dict[Quantity, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    out = {"valid": valid}
+    for run, tensors in runs.items():
+        out.update({f"{run.value}/{q.kind}/{q.parameter or ''}": t for q, t in tensors.items()})
+    return out
+
+
+def _from_wire(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[Run, dict[Quantity, np.ndarray]]]:
+    runs: dict[Run, dict[Quantity, np.ndarray]] = {}
+    for key, value in arrays.items():
+        if key == "valid":
+            continue
+        run, kind, parameter = key.split("/", 2)
+        runs.setdefault(Run(run), {})[Quantity(kind, parameter or None)] = value
+    return arrays["valid"], runs
 
 
 def _rank(case: dict, ctx) -> tuple[dict, dict]:
@@ -80,24 +123,24 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
     cp = model_specs.step(spec, model, ctx.mesh, batch)
     if ctx.rank != 0:
         return {}, {}
-    ref = model_specs.step(spec, model, None, batch)
-    other = model_specs.step(spec, model, None, batch, split=max(2, ctx.cp_size), reverse=True)
-    tensors = {"valid": spec.valid_positions(batch).to(torch.bool), **_outputs("cp ", cp), **_outputs("ref ", ref),
-               **_outputs("other ", other)}
+    runs = {Run.CP: _quantities(cp), Run.REFERENCE: _quantities(model_specs.step(spec, model, None, batch)),
+            Run.REORDERED: _quantities(model_specs.step(spec, model, None, batch, split=max(2, ctx.cp_size),
+                                                        reverse=True))}
+    valid = spec.valid_positions(batch).to(torch.bool)
     info = {"padded_len": None}
-    arrays = {k: model_specs_np(v) for k, v in tensors.items()}
-    if not all(r["ok"] for r in _judged(case, arrays).values()):
+    arrays = {run: {q: _np(t) for q, t in tensors.items()} for run, tensors in runs.items()}
+    if not all(r["ok"] for r in _judged(case, _np(valid), arrays).values()):
         padded_len = _padded_length(spec, model, batch, ctx.cp_size)
         if padded_len is not None:
             seq_len = batch["input_ids"].shape[1]
             padded = model_specs.step(spec, model, None, spec.pad_batch(batch, padded_len))
             padded["logits"] = padded["logits"][:, :seq_len]
-            tensors.update(_outputs("padded ", padded))
+            runs[Run.PADDED] = _quantities(padded)
             info["padded_len"] = padded_len
-    return info, tensors
+    return info, _to_wire(valid, runs)
 
 
-def model_specs_np(t: torch.Tensor) -> np.ndarray:
+def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().float().numpy() if t.dtype != torch.bool else t.numpy()
 
 
@@ -109,93 +152,91 @@ def _padded_length(spec, model, batch: dict, cp_size: int) -> int | None:
     return length if length > batch["input_ids"].shape[1] else None
 
 
-def _names(arrays: dict) -> list[str]:
-    return [k[len("cp "):] for k in arrays if k.startswith("cp ")]
-
-
-def _kind(name: str) -> str:
-    return "grad" if name.startswith("grad ") else name
-
-
-def _judged(case: dict, arrays: dict, against: str = "ref ") -> dict[str, dict]:
-    """Every tensor of the CP run judged against the one-device run ``against`` (``ref``, or ``padded`` whose
-    spread is taken as the unpadded runs'). The reference spread of a tensor is the worst spread of its kind in
-    the case (logits, loss, all parameter gradients): one small tensor's own spread can be zero by chance."""
+def _judged(case: dict, valid: np.ndarray, runs: dict[Run, dict[Quantity, np.ndarray]],
+            against: Run = Run.REFERENCE) -> dict[Quantity, dict]:
+    """Every tensor of the CP run judged against the one-device run ``against`` (``REFERENCE``, or ``PADDED``
+    whose spread is taken as the unpadded runs'). The reference spread of a tensor is the worst spread of its
+    kind in the case (logits, loss, all parameter gradients): one small tensor's own spread can be zero by
+    chance."""
     dtype = case["dtype"]
-    own = {name: model_specs.judge_tensor(arrays[f"other {name}"], arrays[f"ref {name}"], arrays[f"ref {name}"],
-                                          dtype, C, FLOOR[dtype], arrays["valid"] if name == "logits" else None)
-           for name in _names(arrays)}
+    ref, other = runs[Run.REFERENCE], runs[Run.REORDERED]
+
+    def mask(q: Quantity):
+        return valid if q.kind == "logits" else None
+
+    own = {q: model_specs.judge_tensor(other[q], ref[q], ref[q], dtype, C, FLOOR[dtype], mask(q)) for q in runs[Run.CP]}
     spread: dict[str, float] = {}
-    for name, verdict in own.items():
-        spread[_kind(name)] = max(spread.get(_kind(name), 0.0), verdict["error"])
-    out = {}
-    for name in _names(arrays):
-        out[name] = model_specs.judge_tensor(arrays[f"cp {name}"], arrays[f"{against}{name}"],
-                                             arrays[f"other {name}"], dtype, C, FLOOR[dtype],
-                                             arrays["valid"] if name == "logits" else None, spread[_kind(name)])
-    return out
+    for q, verdict in own.items():
+        spread[q.kind] = max(spread.get(q.kind, 0.0), verdict["error"])
+    return {q: model_specs.judge_tensor(runs[Run.CP][q], runs[against][q], other[q], dtype, C, FLOOR[dtype], mask(q),
+                                        spread[q.kind])
+            for q in runs[Run.CP]}
 
 
-def _where(name: str, index: tuple) -> str:
-    if name == "logits" and len(index) == 3:
+def _where(q: Quantity, index: tuple) -> str:
+    if q.kind == "logits" and len(index) == 3:
         return f"row {index[0]}, position {index[1]}, vocabulary entry {index[2]}"
-    if name.startswith("grad "):
-        return f"parameter {name[len('grad '):]}, element {list(index)}"
+    if q.kind == "grad":
+        return f"parameter {q.parameter}, element {list(index)}"
     return f"index {list(index)}"
 
 
-def _comparison(name: str, verdict: dict, arrays: dict, dtype: str, label: str) -> TensorComparison:
-    shape = tuple(arrays[f"cp {name}"].shape)
+def _comparison(q: Quantity, verdict: dict, shape: tuple, dtype: str, label: str) -> UlpComparison:
+    gradient = q.kind == "grad"
     if "shape_problem" in verdict:
-        return TensorComparison(name, "ulp", dtype, shape, 0, 0, float("nan"), float("nan"), float("inf"),
-                                problem=verdict["shape_problem"])
-    comparison = TensorComparison(
-        f"{name} ({label})", "ulp", dtype, shape, int(arrays[f"cp {name}"].size), 0, verdict["error"],
-        verdict["max_abs"], float("inf"), worst_index=verdict["worst_index"], worst_actual=verdict["worst_actual"],
+        return UlpComparison(q.label, dtype, shape, max_ulp=float("nan"), max_abs=float("nan"), gradient=gradient,
+                             problem=verdict["shape_problem"])
+    size = int(np.prod(shape)) if shape else 1
+    comparison = UlpComparison(
+        f"{q.label} ({label})", dtype, shape, compared=size, max_ulp=verdict["error"], max_abs=verdict["max_abs"],
+        gradient=gradient, worst_index=verdict["worst_index"], worst_actual=verdict["worst_actual"],
         worst_expected=verdict["worst_expected"], ulp_dtype=dtype, scale=verdict["scale"],
-        baseline_ulp=verdict["spread"], excess_error=verdict["error"],
-        excess=verdict["error"] / (verdict["spread"] + FLOOR[dtype] / C), excess_limit=C, excess_floor=FLOOR[dtype],
-        excess_mismatched=verdict["above"])
+        excess=ExcessVerdict(error=verdict["error"], baseline=verdict["spread"],
+                             excess=verdict["error"] / (verdict["spread"] + FLOOR[dtype] / C), limit=C,
+                             floor=FLOOR[dtype], mismatched=verdict["above"]))
     if not verdict["ok"]:
         comparison.problem = (
             f"[{dtype}, shape {list(shape)}] CP error {verdict['error']:.3g} ULP > bound {verdict['bound']:.3g} ULP "
             f"(= {C:g} x reference spread {verdict['spread']:.3g} (worst of its kind in this case) + floor {FLOOR[dtype]:g}; ULPs of {dtype} at the "
             f"tensor's largest value {verdict['scale']:.3g}); {verdict['above']} elements above the bound; worst at "
-            f"{_where(name, verdict['worst_index'])}: CP {verdict['worst_actual']!r}, one device "
+            f"{_where(q, verdict['worst_index'])}: CP {verdict['worst_actual']!r}, one device "
             f"{verdict['worst_expected']!r} ({verdict['max_abs']:.3g} absolute)")
     return comparison
 
 
 def _evaluate(case: dict, outputs: list) -> CaseReport:
     report = CaseReport(case=case)
-    arrays = outputs[0].tensors
+    valid, runs = _from_wire(outputs[0].tensors)
     dtype = case["dtype"]
-    judged = _judged(case, arrays)
-    failing = [n for n, v in judged.items() if not v["ok"]]
+    judged = _judged(case, valid, runs)
+    failing = [q for q, v in judged.items() if not v["ok"]]
     padded_len = outputs[0].info.get("padded_len")
-    explained: set[str] = set()
+    explained: set[Quantity] = set()
     if failing and padded_len:
-        against = _judged(case, arrays, against="padded ")
-        for name in failing:
-            moved = model_specs.judge_tensor(arrays[f"padded {name}"], arrays[f"ref {name}"],
-                                             arrays[f"other {name}"], dtype, C, FLOOR[dtype],
-                                             arrays["valid"] if name == "logits" else None, judged[name]["spread"])
-            if against[name]["ok"] and not moved["ok"]:
-                explained.add(name)
+        against = _judged(case, valid, runs, against=Run.PADDED)
+        for q in failing:
+            moved = model_specs.judge_tensor(runs[Run.PADDED][q], runs[Run.REFERENCE][q], runs[Run.REORDERED][q],
+                                             dtype, C, FLOOR[dtype], valid if q.kind == "logits" else None,
+                                             judged[q]["spread"])
+            if against[q]["ok"] and not moved["ok"]:
+                explained.add(q)
         if explained:
             command = model_specs.padding_repro_command(case["spec"], dtype, int(case.get("seed", 0)),
                                                         case.get("overrides") or {}, case["batch"], padded_len)
-            worst = max(explained, key=lambda n: judged[n]["error"])
-            report.problems.append(
+            worst = max(explained, key=lambda q: judged[q]["error"])
+            report.problem(
                 f"PADDING SENSITIVITY, not a CP failure: padding changes this model's result on one rank. Appending "
-                f"masked pad tokens up to the CP padded length {padded_len} changes {', '.join(sorted(explained))} "
-                f"on one device by as much as CP does (worst: {worst} at {_where(worst, judged[worst]['worst_index'])}),"
-                f" and CP matches that padded one-device run. One-process repro (no ranks): {command}")
-    for name, verdict in judged.items():
-        if name in explained:
-            report.add(_comparison(name, against[name], arrays, dtype, f"CP vs one device padded to {padded_len}"))
+                f"masked pad tokens up to the CP padded length {padded_len} changes "
+                f"{', '.join(sorted(q.label for q in explained))} "
+                f"on one device by as much as CP does (worst: {worst.label} at {_where(worst, judged[worst]['worst_index'])}),"
+                f" and CP matches that padded one-device run. One-process repro (no ranks): {command}",
+                kind="padding sensitivity")
+    for q, verdict in judged.items():
+        shape = tuple(runs[Run.CP][q].shape)
+        if q in explained:
+            report.add(_comparison(q, against[q], shape, dtype, f"CP vs one device padded to {padded_len}"))
         else:
-            report.add(_comparison(name, verdict, arrays, dtype, "CP vs one device"))
+            report.add(_comparison(q, verdict, shape, dtype, "CP vs one device"))
     return report
 
 
@@ -238,9 +279,9 @@ def real_model_cases(dtype: str):
         space = as_space(space)
         models = getattr(space, "models", ()) if space is not None else ()
         if not models:
-            from cp_harness.cases.strategies import session_space
+            from cp_harness.cases.profiles import current_space
 
-            models = session_space().models
+            models = current_space().models
         if not models:
             raise ValueError("no model spec given: pass --model MODULE (verify) or --cp-model MODULE (pytest)")
         return {"check": "real_model", "spec": draw(st.sampled_from(models)), "dtype": dtype, "seed": 0,
@@ -271,6 +312,6 @@ def smoke_cases(spec: str) -> list[dict]:
 REAL_MODEL = register(
     "real_model", rank=_rank, evaluate=_evaluate,
     rows=tuple(VerifyRow(f"real model ({dtype})", real_model_cases(dtype), (), dtypes=(dtype,), position=20 + i,
-                         needs_model=True)
+                         needs_model=True, id=f"real_model.{dtype}")
                for i, dtype in enumerate(("float32", "bfloat16"))),
     gate_share=0.0)

@@ -50,7 +50,7 @@ from cp_harness.cases.strategies import (FLOAT_DTYPES, VALUE_DTYPES, as_space, p
                                          with_impl, with_payload, world_sizes)
 from cp_harness.checks import VerifyRow, register
 from cp_harness.checks._token_layout import judge_token_layout
-from cp_harness.judging.compare import compare
+from cp_harness.judging.compare import compare_exact
 from cp_harness.judging.verdicts import CaseReport
 from cp_harness.usage.resolve_sharder import hook_sharder, local_token_indices, resolve_sharder, sharded
 
@@ -353,7 +353,7 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     report = CaseReport(case=case)
     for o in outputs:
         for change in o.info.get("caller_changed_by_shard", []):
-            report.problems.append(f"rank {o.rank}: {change}")
+            report.problem(f"rank {o.rank}: {change}")
     f = _judge_fields(report, case, outputs)
     if f is None:
         return report
@@ -379,7 +379,7 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
             continue
         raised = [(o.rank, o.info[f"raised{i}"]) for o in outputs if f"raised{i}" in o.info]
         if raised:
-            report.problems.append(f"shard_token_tensor({what}) raised on ranks {raised}")
+            report.problem(f"shard_token_tensor({what}) raised on ranks {raised}")
             continue
         out = trimmed(padded, dim, fill, f) if form["trim"] else padded
         grad_total = None
@@ -388,17 +388,17 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
             grad_total = untrim_grad(total, padded.shape, dim, bool(form["trim"]), f)
         for o, owned in zip(outputs, reported.index_maps):
             owned = torch.as_tensor(owned)
-            report.add(compare(f"shard_token_tensor({what})@rank{o.rank}", o.tensors[f"local{i}"],
-                               padded.index_select(dim, owned), mode="exact"))
-            report.add(compare(f"gather_token_tensor({what})@rank{o.rank}", o.tensors[f"out{i}"], out, mode="exact"))
+            report.add(compare_exact(f"shard_token_tensor({what})@rank{o.rank}", o.tensors[f"local{i}"],
+                               padded.index_select(dim, owned), rank=o.rank))
+            report.add(compare_exact(f"gather_token_tensor({what})@rank{o.rank}", o.tensors[f"out{i}"], out, rank=o.rank))
             if grad_total is None:
                 continue
             local_grad = grad_total.index_select(dim, owned)
-            report.add(compare(f"grad of the local shard ({what})@rank{o.rank}", o.tensors[f"local_grad{i}"],
-                               local_grad, mode="exact"))
+            report.add(compare_exact(f"grad of the local shard ({what})@rank{o.rank}", o.tensors[f"local_grad{i}"],
+                               local_grad, rank=o.rank, gradient=True))
             own = torch.zeros_like(grad_total).index_copy(dim, owned, local_grad)
-            report.add(compare(f"grad of the caller's tensor ({what})@rank{o.rank}", o.tensors[f"caller_grad{i}"],
-                               stream_to_caller(own, shape, seq_dim, f), mode="exact"))
+            report.add(compare_exact(f"grad of the caller's tensor ({what})@rank{o.rank}", o.tensors[f"caller_grad{i}"],
+                               stream_to_caller(own, shape, seq_dim, f), rank=o.rank, gradient=True))
     return report
 
 

@@ -30,7 +30,7 @@ from cp_harness.cases.strategies import (FLOAT_DTYPES, VALUE_DTYPES, as_space, p
 from cp_harness.checks import GoldenContents, VerifyRow, register
 from cp_harness.checks._token_layout import judge_token_layout, stack_ranks
 from cp_harness.judging import comm_minimum
-from cp_harness.judging.compare import TokenGrid, compare
+from cp_harness.judging.compare import TokenGrid, compare_exact, compare_ulp
 from cp_harness.judging.verdicts import CaseReport
 from cp_harness.usage.resolve_sharder import hook_sharder, layout_report, sharded
 
@@ -79,15 +79,17 @@ def _magnitude(contributions) -> float:
     return float(sum(c.to(torch.float64).abs() for c in contributions).max()) if contributions else 0.0
 
 
-def _sum_comparison(name: str, got, exact, expected: dict, dtype: torch.dtype, policy, grid=None):
+def _sum_comparison(name: str, got, exact, expected: dict, dtype: torch.dtype, policy, grid=None,
+                    rank: int | None = None):
     """A sum of ``expected["terms"]`` contributions: bit for bit under the strict policy (float32 accumulation,
     rounded once); under ``payload`` a bfloat16/float16 sum may round in its own precision, within ``terms - 1``
     ULPs of its dtype at the scale of the contributions' magnitudes (``cp_harness.judging.policy``)."""
     low = dtype in (torch.bfloat16, torch.float16)
     if not (policy.payload_sums and low and expected["terms"] > 1):
-        return compare(name, got, exact, mode="exact", grid=grid)
-    return compare(name, got, exact, mode="ulp", budget_ulp=float(expected["terms"] - 1), floor_fraction=1.0,
-                   ulp_dtype=str(dtype).replace("torch.", ""), reference_scale=expected["magnitude"], grid=grid)
+        return compare_exact(name, got, exact, grid=grid, rank=rank, gradient=True)
+    return compare_ulp(name, got, exact, budget_ulp=float(expected["terms"] - 1), floor_fraction=1.0,
+                       ulp_dtype=str(dtype).replace("torch.", ""), reference_scale=expected["magnitude"], grid=grid,
+                       rank=rank, gradient=True)
 
 
 def _gather_expect(seq_dim: int):
@@ -111,7 +113,7 @@ def _gather_evaluate(seq_dim: int):
         value, differentiable = expected["value"], expected["differentiable"]
         grid = TokenGrid(local_len, n) if seq_dim == 1 else None
         for o in outputs:
-            report.add(compare(f"output@rank{o.rank}", o.tensors["out"], value, mode="exact", grid=grid))
+            report.add(compare_exact(f"output@rank{o.rank}", o.tensors["out"], value, grid=grid, rank=o.rank))
             report.require(o.info["dtype"] == str(value.dtype), f"rank {o.rank}: output dtype {o.info['dtype']}, input {value.dtype}")
             if n == 1:
                 report.require(o.info["same_object"], "with one rank the documented result is the input object itself")
@@ -124,7 +126,7 @@ def _gather_evaluate(seq_dim: int):
             for o in outputs:
                 report.add(_sum_comparison(f"grad@rank{o.rank}", o.tensors["grad"],
                                            total.narrow(seq_dim, o.rank * local_len, local_len), expected,
-                                           value.dtype, policy))
+                                           value.dtype, policy, rank=o.rank))
         return report
     return evaluate
 
@@ -177,7 +179,7 @@ def _history_evaluate(case: dict, outputs: list, expected: dict, policy) -> Case
     for o in outputs:
         r = o.rank
         # Local row i of rank r's history is global position r*L - h + i (negative: before the sequence).
-        report.add(compare(f"history@rank{r}", o.tensors["out"], padded[:, r * L:r * L + L + h], mode="exact"))
+        report.add(compare_exact(f"history@rank{r}", o.tensors["out"], padded[:, r * L:r * L + L + h], rank=r))
         report.require(not o.info["same_object"], f"rank {r}: convolution_history must return a new tensor")
         report.require(o.info["dtype"] == str(value.dtype), f"rank {r}: history dtype {o.info['dtype']}, input {value.dtype}")
     if not value.is_floating_point():
@@ -411,21 +413,18 @@ def _sharder_evaluate(case: dict, outputs: list) -> CaseReport:
     for o, owned in zip(outputs, reported.index_maps):
         r = o.rank
         owned = torch.as_tensor(owned)
-        report.add(compare(f"shard_token_tensor@rank{r}", o.tensors["local"], padded.index_select(1, owned),
-                           mode="exact"))
-        report.add(compare(f"gather_token_tensor(trim=True)@rank{r}", o.tensors["restored"], value, mode="exact",
-                           grid=grid))
-        report.add(compare(f"gather_token_tensor(trim=False)@rank{r}", o.tensors["untrimmed"], padded,
-                           mode="exact", grid=grid))
+        report.add(compare_exact(f"shard_token_tensor@rank{r}", o.tensors["local"], padded.index_select(1, owned), rank=r))
+        report.add(compare_exact(f"gather_token_tensor(trim=True)@rank{r}", o.tensors["restored"], value,
+                           grid=grid, rank=r))
+        report.add(compare_exact(f"gather_token_tensor(trim=False)@rank{r}", o.tensors["untrimmed"], padded, grid=grid, rank=r))
         if not value.is_floating_point():
             continue
-        report.add(compare(f"grad of the local shard@rank{r}", o.tensors["local_grad"],
-                           total_padded.index_select(1, owned), mode="exact"))
+        report.add(compare_exact(f"grad of the local shard@rank{r}", o.tensors["local_grad"],
+                           total_padded.index_select(1, owned), rank=r, gradient=True))
         # Through shard_token_tensor each rank's global input receives its own tokens' gradient only.
         own = torch.zeros(B, S_pad, C, dtype=value.dtype)
         own[:, owned] = total_padded[:, owned]
-        report.add(compare(f"grad of the global input@rank{r}", o.tensors["global_grad"], own[:, :S],
-                           mode="exact", grid=grid))
+        report.add(compare_exact(f"grad of the global input@rank{r}", o.tensors["global_grad"], own[:, :S], grid=grid, rank=r, gradient=True))
     return report
 
 

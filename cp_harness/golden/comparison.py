@@ -13,9 +13,10 @@ from cp_harness import checks
 from cp_harness.cases.descriptions import padded_length
 from cp_harness.golden.contents import REGENERATE, GoldenError, combine_rule, impl_arrays, numerics_platform, oracle_arrays
 from cp_harness.golden.storage import Golden, encode_npz
-from cp_harness.judging.compare import TensorComparison, TokenGrid, compare
+from cp_harness.judging.compare import Comparison, TokenGrid, compare_exact, compare_ulp
 from cp_harness.judging.policy import STRICT
 from cp_harness.judging.render import golden_text
+from cp_harness.judging.render import report_text
 
 
 def _grid(case: dict, kind: str, name: str, arr: np.ndarray) -> TokenGrid | None:
@@ -46,7 +47,7 @@ def _mode(case: dict, arr: np.ndarray) -> str:
 
 
 def compare_arrays(case: dict, kind: str, actual: dict[str, np.ndarray], expected: dict[str, np.ndarray], *,
-                   oracle: dict[str, np.ndarray] | None = None) -> tuple[list[TensorComparison], list[str]]:
+                   oracle: dict[str, np.ndarray] | None = None) -> tuple[list[Comparison], list[str]]:
     """Compare current arrays with golden ones: ``(comparisons, problems)``.
 
     ``kind``: ``"oracle"`` (float64 references; arithmetic within the float64
@@ -71,10 +72,10 @@ def compare_arrays(case: dict, kind: str, actual: dict[str, np.ndarray], expecte
         if mask is not None and not mask.any():
             continue
         if mode == "exact":
-            comparisons.append(compare(label, a, e, mode="exact", mask=mask, grid=_grid(case, kind, name, e)))
+            comparisons.append(compare_exact(label, a, e, mask=mask, grid=_grid(case, kind, name, e)))
         else:
             budget = STRICT.budget(checks.check_of(case), ulp_dtype)
-            comparisons.append(compare(label, a, e, mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
+            comparisons.append(compare_ulp(label, a, e, budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
                                        mask=mask, grid=_grid(case, kind, name, e), ulp_dtype=ulp_dtype))
     return comparisons, problems
 
@@ -86,7 +87,7 @@ class Verdict:
     name: str
     case: dict
     path: str = ""
-    comparisons: list[TensorComparison] = dataclasses.field(default_factory=list)
+    comparisons: list[Comparison] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     bit_identical: bool | None = None  # would regenerating change nothing (same bytes)?
@@ -126,7 +127,7 @@ def verify(golden: Golden, outputs: list | None, *, implementation: str = "cp_im
     golden_report = checks.evaluate(case, golden.rank_outputs(), expected)
     if not golden_report.ok:
         verdict.problems.append("the check rejects the golden implementation results against the oracle:\n"
-                                + golden_report.format())
+                                + report_text(golden_report))
     if outputs is not None:
         try:
             impl_now, rules, info = impl_arrays(case, outputs)
@@ -138,7 +139,7 @@ def verify(golden: Golden, outputs: list | None, *, implementation: str = "cp_im
         verdict.problems += probs
         report = checks.evaluate(case, outputs, expected)
         if not report.ok:
-            verdict.problems.append("the check rejects the current implementation against the oracle:\n" + report.format())
+            verdict.problems.append("the check rejects the current implementation against the oracle:\n" + report_text(report))
         verdict.bit_identical = (encode_npz(oracle_now) == encode_npz(golden.oracle)
                                  and encode_npz(impl_now) == encode_npz(golden.impl) and rules == golden.rules
                                  and info == golden.manifest["rank_info"])

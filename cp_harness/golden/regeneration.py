@@ -16,7 +16,8 @@ from cp_harness import checks
 from cp_harness.golden.contents import (ARRAY_FILES, CASES, GOLDEN_DIR, IMPL_FILE, MANIFEST, ORACLE_FILE,
                                         GoldenError, _jsonable, impl_arrays, oracle_arrays)
 from cp_harness.golden.storage import Golden, build_files, encode_npz, load
-from cp_harness.judging.compare import compare
+from cp_harness.judging.compare import compare_ulp
+from cp_harness.judging.render import report_text
 
 
 @dataclasses.dataclass
@@ -52,7 +53,7 @@ def _describe_changes(kind: str, old: dict[str, np.ndarray], new: dict[str, np.n
         if a.tobytes() == e.tobytes():
             continue
         if a.dtype.kind in "fc":
-            c = compare(name, a, e, mode="ulp", budget_ulp=math.inf, ulp_dtype=ulp_dtype)
+            c = compare_ulp(name, a, e, budget_ulp=math.inf, ulp_dtype=ulp_dtype)
             changed = int(np.sum(~((a == e) | (np.isnan(a) & np.isnan(e)))))
             lines.append(f"{kind} {name}: {changed} of {a.size} elements changed, max |change| {c.max_abs:.3g}, "
                          f"max {c.max_ulp:.3g} ULP")
@@ -93,7 +94,7 @@ def regenerate(name: str, case: dict, outputs: list, root: Path | str = GOLDEN_D
     report = checks.evaluate(case, outputs)
     if not report.ok:
         raise GoldenError(f"refusing to pin {name!r}: the check rejects the implementation {implementation!r}:\n"
-                          f"{report.format()}")
+                          f"{report_text(report)}")
     oracle = oracle_arrays(case)
     impl, rules, info = impl_arrays(case, outputs)
     folder = Path(root) / name
@@ -164,9 +165,9 @@ def _runner(impl: str, backend: str, names: list[str]):
 def update(names: list[str] | None = None, root: Path | str = GOLDEN_DIR, *, impl: str | None = None,
            runner=None, out: Callable[[str], None] = print) -> list[Change]:
     """Regenerate ``names`` (default: every case; stale folders are removed then) and print the summary."""
-    from cp_harness.cases.implementation import selected_impl_name
+    from cp_harness.cases.implementation import DEFAULT_IMPL
 
-    impl = impl or (runner.impl if runner is not None else selected_impl_name())
+    impl = impl or (runner.impl if runner is not None else DEFAULT_IMPL)
     everything = names is None
     names = list(CASES) if names is None else names
     own = runner is None

@@ -11,7 +11,7 @@ everywhere. The title names the tensor, the case and the worst element, and the
 legend gives the error range.
 
 Pictures are written with ``zlib`` alone (no plotting dependency), with a
-small built-in bitmap font. They go to ``$CP_HARNESS_ERROR_MAP_DIR`` (else
+small built-in bitmap font. They go to the folder the caller names (``--error-maps``, ``$CP_HARNESS_ERROR_MAP_DIR``; else
 ``<temp>/cp-harness-error-maps``); the failure message prints each path.
 """
 
@@ -227,12 +227,14 @@ def render(error_map: np.ndarray, local_len: int, cp_size: int, *, title: list[s
 def _titles(report, comp) -> list[str]:
     case = report.case
     grid = comp.grid
+    x = getattr(comp, "excess", None)
+    failed = x is not None and x.failed
     lines = [f"{comp.name}", f"{case_id(case)}  N={case.get('world_size')}  L={grid.local_len if grid else '?'}"
-             + (f"  {comp.excess_mismatched} of {comp.compared} elements above the excess allowance"
-                if comp.excess_failed else f"  {comp.mismatched} of {comp.compared} elements wrong")]
-    if comp.excess_failed:
-        lines.append(f"CP error {comp.excess_error:.3g} ULP > {comp.excess_limit:g} x one-rank error "
-                     f"{comp.baseline_ulp:.3g} + {comp.excess_floor:g} (normwise)")
+             + (f"  {x.mismatched} of {comp.compared} elements above the excess allowance"
+                if failed else f"  {comp.mismatched} of {comp.compared} elements wrong")]
+    if failed:
+        lines.append(f"CP error {x.error:.3g} ULP > {x.limit:g} x one-rank error "
+                     f"{x.baseline:.3g} + {x.floor:g} (normwise)")
     if comp.location:
         loc = comp.location
         distance = loc.get("distance_to_shard_boundary")
@@ -243,9 +245,9 @@ def _titles(report, comp) -> list[str]:
 
 
 def error_map_dir(directory: str | None = None) -> str:
-    """Where error maps go: ``directory``, else ``$CP_HARNESS_ERROR_MAP_DIR``, else ``<temp>/cp-harness-error-maps``."""
-    return directory or os.environ.get("CP_HARNESS_ERROR_MAP_DIR") or os.path.join(tempfile.gettempdir(),
-                                                                                   "cp-harness-error-maps")
+    """Where error maps go: ``directory``, else ``<temp>/cp-harness-error-maps`` (the command line and the plugin
+    pass ``--error-maps`` / ``--cp-error-maps``, or ``$CP_HARNESS_ERROR_MAP_DIR``, read at their boundary)."""
+    return directory or os.path.join(tempfile.gettempdir(), "cp-harness-error-maps")
 
 
 def write_error_maps(report, directory: str | None = None) -> list[str]:
@@ -258,7 +260,7 @@ def write_error_maps(report, directory: str | None = None) -> list[str]:
         os.makedirs(directory, exist_ok=True)
         name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{case_id(report.case)}-{comp.name}")[:120] + ".png"
         path = os.path.join(directory, name)
-        unit = comp.error_map_unit or ("error (ULP)" if comp.mode == "ulp" else "absolute difference")
+        unit = comp.error_map_unit or ("error (ULP)" if comp.arithmetic else "absolute difference")
         segments = comp.grid.segments(comp.error_map.shape[1]) if comp.grid.owners is not None else None
         _png(path, render(comp.error_map, comp.grid.local_len, comp.grid.cp_size, title=_titles(report, comp), unit=unit,
                           segments=segments))

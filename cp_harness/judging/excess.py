@@ -29,8 +29,8 @@ The reported **CP excess** is
 the baseline floored so that an exact baseline does not give infinity; a
 tensor fails when its excess is above ``c``.
 
-Tensors are paired by name. A rank's own loss (``loss@rank<r> ...``, its
-partial sum x N / global count) has no one-rank counterpart: one rank holds
+Tensors are paired by name. A rank's own tensor (``Comparison.rank`` set: a
+rank's loss, its partial sum x N / global count) has no one-rank counterpart: one rank holds
 the whole sum, and a partial sum of cross-entropies whose absolute error is
 set by the logits (``logsumexp - picked``) is no like-for-like match for it
 (measured: 57 float32 ULPs on a rank where the one-rank loss had 6, with
@@ -46,34 +46,30 @@ budget is loose or cannot be stated.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
+from cp_harness.judging.compare import ExcessVerdict, eps_of, ulp_errors
 from cp_harness.judging.policy import ExcessRule
 
 # The rule (c and the floors) is the judging policy's (``cp_harness.judging.policy``); which checks are
 # arithmetic and what their one-rank baseline is, the check's (``Check.arithmetic``, ``Check.baseline_case``).
 
 
-def baseline_name(name: str) -> str | None:
-    """Name of the one-rank comparison a CP comparison is paired with (``None``: a rank's own loss, not judged)."""
-    if name.startswith("loss@rank"):
-        return None
-    return name
+def pairs_with_baseline(comp) -> bool:
+    """Whether an arithmetic comparison has a one-rank counterpart: global tensors do, a rank's own tensor
+    (``comp.rank`` set, e.g. its loss) does not (see the module docstring)."""
+    return comp.arithmetic and comp.rank is None
 
 
 def element_terms(comp, floor_ulp: float, fraction: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """``(ulp_i, floor_i)`` of a ULP comparison: each element's error and the floor of ``floor_ulp`` ULPs at the
     tensor's scale, both in the measure with floor ``fraction`` (default 1: normwise, the judge's measure)."""
-    from cp_harness.judging.compare import eps_of
-
     actual, expected = (np.asarray(x, dtype=np.float64) for x in comp.element_values)
     unit = np.maximum(np.abs(expected), max(comp.scale * fraction, np.finfo(np.float64).tiny))
-    with np.errstate(invalid="ignore", over="ignore"):
-        ulp = np.abs(actual - expected) / (eps_of(comp.ulp_dtype) * unit)
-    ulp = np.where(np.isnan(ulp) | (np.isnan(actual) != np.isnan(expected)), np.inf, ulp)
-    ulp = np.where(np.isnan(actual) & np.isnan(expected), 0.0, ulp)
+    ulp = ulp_errors(actual, expected, eps_of(comp.ulp_dtype), unit)
     if comp.ulp_values is not None:  # zero outside the comparison's selection (and where exact)
         ulp = np.where(comp.ulp_values == 0, 0.0, ulp)
     return ulp, floor_ulp * comp.scale / unit
@@ -110,28 +106,29 @@ def _aligned(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray] | No
 
 
 def apply(report, baseline_report, rule: ExcessRule) -> None:
-    """Judge every ULP comparison of ``report`` against its counterpart in ``baseline_report`` (in place)."""
-    reference = {c.name: c for c in baseline_report.comparisons if c.mode == "ulp"}
+    """Judge every ULP comparison of ``report`` against its counterpart in ``baseline_report`` (in place): each
+    gets an ``ExcessVerdict`` (``comp.excess``)."""
+    reference = {c.name: c for c in baseline_report.comparisons if pairs_with_baseline(c)}
     for comp in report.comparisons:
-        ref = reference.get(baseline_name(comp.name)) if comp.mode == "ulp" else None
+        ref = reference.get(comp.name) if pairs_with_baseline(comp) else None
         if ref is None or comp.compared == 0:
             continue
         ulp, floor = element_terms(comp, rule.floor)
         base_ulp, _ = element_terms(ref, 0.0)
-        comp.excess_error = float(ulp.max()) if ulp.size else 0.0
         base = float(base_ulp.max()) if base_ulp.size else 0.0
-        comp.baseline_ulp = base if math.isfinite(base) else 0.0  # a failed baseline earns CP no allowance
-        comp.excess_limit, comp.excess_floor = rule.limit, rule.floor
-        comp.excess = max_excess(ulp, floor, comp.baseline_ulp, rule.limit)
-        if comp.excess_failed:
-            _locate_excess(comp, base_ulp, rule.limit * comp.baseline_ulp + floor)
+        base = base if math.isfinite(base) else 0.0  # a failed baseline earns CP no allowance
+        comp.excess = ExcessVerdict(error=float(ulp.max()) if ulp.size else 0.0, baseline=base,
+                                    excess=max_excess(ulp, floor, base, rule.limit), limit=rule.limit,
+                                    floor=rule.floor)
+        if comp.excess.failed:
+            _locate_excess(comp, base_ulp, rule.limit * base + floor)
 
 
 def _locate_excess(comp, base_ulp: np.ndarray, allowance: np.ndarray) -> None:
     """Count the elements above the allowance and, for a token-aligned tensor, map where CP added error."""
     cp, _ = element_terms(comp, 0.0)
     over = cp > allowance
-    comp.excess_mismatched = int(over.sum())
+    comp.excess = dataclasses.replace(comp.excess, mismatched=int(over.sum()))
     pair = _aligned(cp, base_ulp)
     added = np.where(over, cp, 0.0)
     if pair is not None:  # what CP added over one rank, element by element (the common sequence length)
@@ -142,7 +139,7 @@ def _locate_excess(comp, base_ulp: np.ndarray, allowance: np.ndarray) -> None:
                                0.0)
     if not comp.first_mismatches and comp.element_values is not None:
         actual, expected = comp.element_values
-        order = np.argsort(-np.where(over, cp, -1.0), axis=None)[:min(comp.excess_mismatched, 5)]
+        order = np.argsort(-np.where(over, cp, -1.0), axis=None)[:min(comp.excess.mismatched, 5)]
         for flat in order:
             idx = tuple(int(i) for i in np.unravel_index(int(flat), cp.shape))
             entry = {"index": list(idx), "actual": float(actual[idx]), "expected": float(expected[idx]),

@@ -1,16 +1,38 @@
 """The verdict model: what judging one case found, as data (rendered by ``cp_harness.judging.render``).
 
-A ``CaseReport`` holds every tensor comparison (``cp_harness.judging.compare.TensorComparison``), every
-problem that is not a tensor (a rank raised, an output that must be a new tensor is the input), the
-communication the ranks recorded and the documented functions they called. Verify, pytest, golden files
-and bench all judge with it and render it with one renderer, so tests assert on fields, not on text.
+A ``CaseReport`` holds every tensor comparison (``cp_harness.judging.compare``), every ``Problem`` that is
+not a tensor (a rank raised, an output that must be a new tensor is the input), the communication the ranks
+recorded and the documented functions they called. Verify, pytest, golden files and bench all judge with it
+and render it with one renderer, so tests assert on fields, not on text.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from cp_harness.judging.compare import TensorComparison
+from cp_harness.judging.compare import Comparison
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Something wrong that is not a tensor. ``message``: one line that says what (the headline a summary
+    prints); ``detail``: the rest (a traceback, the account of a finding); ``rank``: the rank it concerns
+    (``None``: the case as a whole); ``kind``: what sort of problem (``"rank raised"``, ``"not sharded like
+    the tokens"``, ``"padding sensitivity"``, ``"harness crashed"``, ``"contract"``, ...)."""
+
+    message: str
+    detail: str = ""
+    rank: int | None = None
+    kind: str = "contract"
+
+    @classmethod
+    def of(cls, text: str, **fields) -> "Problem":
+        """A problem from a text whose first line is the headline."""
+        message, _, detail = str(text).partition("\n")
+        return cls(message, detail, **fields)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
@@ -18,11 +40,14 @@ class CaseReport:
     """The verdict on one case: every tensor comparison, every problem found, and what moved over the wire."""
 
     case: dict
-    comparisons: list[TensorComparison] = dataclasses.field(default_factory=list)
-    problems: list[str] = dataclasses.field(default_factory=list)
+    comparisons: list[Comparison] = dataclasses.field(default_factory=list)
+    problems: list[Problem] = dataclasses.field(default_factory=list)
     comm: list[dict] = dataclasses.field(default_factory=list)
     info: dict = dataclasses.field(default_factory=dict)
     called: set[str] = dataclasses.field(default_factory=set)  # documented functions some rank called
+    # What this case could not judge where it ran, and why (e.g. gradients on a device without a backward
+    # kernel): named so that a report never reads as if it had judged them.
+    not_judged: dict[str, str] = dataclasses.field(default_factory=dict)
     # Where the time went (seconds: ranks, transport, oracle, compare; set by the runner). Not part of the verdict.
     timing: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -30,30 +55,30 @@ class CaseReport:
     def ok(self) -> bool:
         return not self.problems and bool(self.comparisons) and all(c.ok for c in self.comparisons)
 
-    def add(self, comparison: TensorComparison) -> TensorComparison:
+    def add(self, comparison: Comparison) -> Comparison:
         self.comparisons.append(comparison)
         return comparison
 
-    def require(self, condition: bool, problem: str) -> None:
+    def problem(self, text: str, **fields) -> Problem:
+        """Record a problem (its first line is the headline, the rest its detail) and return it."""
+        found = Problem.of(text, **fields)
+        self.problems.append(found)
+        return found
+
+    def require(self, condition: bool, problem: str, **fields) -> None:
         if not condition:
-            self.problems.append(problem)
+            self.problem(problem, **fields)
 
     @property
     def max_ulp(self) -> float:
-        values = [c.max_ulp for c in self.comparisons if c.mode == "ulp"]
+        values = [c.max_ulp for c in self.comparisons if c.arithmetic]
         return max(values) if values else 0.0
 
     @property
     def max_excess(self) -> float | None:
         """The largest CP excess over the one-rank baseline (``cp_harness.judging.excess``); ``None`` when not judged."""
-        values = [c.excess for c in self.comparisons if c.excess is not None]
+        values = [c.excess.excess for c in self.comparisons if c.arithmetic and c.excess is not None]
         return max(values) if values else None
 
-    def failures(self) -> list[TensorComparison]:
+    def failures(self) -> list[Comparison]:
         return [c for c in self.comparisons if not c.ok]
-
-    def format(self) -> str:
-        """The full account (``cp_harness.judging.render.report_text``)."""
-        from cp_harness.judging.render import report_text
-
-        return report_text(self)

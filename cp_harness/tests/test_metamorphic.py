@@ -14,7 +14,8 @@ from cp_harness.checks.models import MODEL, model_cases
 from cp_harness.judging.policy import STRICT
 from cp_harness.cases.descriptions import canonical, with_changes
 from cp_harness.checks._token_layout import reported_layout
-from cp_harness.judging.compare import compare
+from cp_harness.judging.compare import compare_exact, compare_ulp
+from cp_harness.judging.render import comparison_summary
 from cp_harness.cases.profiles import examples
 from oracle.layout import layout_from_batch
 from cp_harness.cases.descriptions import build_batch
@@ -46,17 +47,17 @@ def test_padding_contents_never_change_real_results(cp_runner, case, padding_see
     real = _real_mask(base, layout.padded_len)
     grid = layout.grid
     results = [
-        compare("logits (real tokens)", layout.scatter(b, "logits"), layout.scatter(a, "logits"), mode="exact", mask=real,
+        compare_exact("logits (real tokens)", layout.scatter(b, "logits"), layout.scatter(a, "logits"), mask=real,
                 grid=grid) if real.any() else None,
-        compare("input-embedding gradient", layout.scatter(b, "inputs_embeds.grad"),
-                layout.scatter(a, "inputs_embeds.grad"), mode="exact", grid=grid),
+        compare_exact("input-embedding gradient", layout.scatter(b, "inputs_embeds.grad"),
+                layout.scatter(a, "inputs_embeds.grad"), grid=grid, gradient=True),
     ]
     for o_a, o_b in zip(a, b):
-        results.append(compare(f"loss@rank{o_a.rank}", o_b.tensors["loss"], o_a.tensors["loss"], mode="exact"))
+        results.append(compare_exact(f"loss@rank{o_a.rank}", o_b.tensors["loss"], o_a.tensors["loss"], rank=o_a.rank))
         for name in o_a.tensors:
             if name.startswith("grad."):
-                results.append(compare(f"{name}@rank{o_a.rank}", o_b.tensors[name], o_a.tensors[name], mode="exact"))
-    failed = [r.summary() for r in results if r is not None and not r.ok]
+                results.append(compare_exact(f"{name}@rank{o_a.rank}", o_b.tensors[name], o_a.tensors[name], rank=o_a.rank))
+    failed = [comparison_summary(r) for r in results if r is not None and not r.ok]
     assert not failed, ("padding contents changed a real result\n"
                         f"case: {canonical(base)}\nwith padding: {canonical(noisy)}\n" + "\n".join(failed))
 
@@ -71,15 +72,15 @@ def test_results_do_not_depend_on_cp_size(cp_runner, case):
     budget = STRICT.budget(MODEL, case.get("dtype", "float64"))
     S = build_batch(case)["input_ids"].shape[1]
     many, one_rank = reported_layout(multi, S), reported_layout(single, S)  # any padding, any index map
-    kw = dict(mode="ulp", budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction)
+    kw = dict(budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction)
     results = [
-        compare("logits", many.scatter(multi, "logits")[:, :S], one_rank.scatter(single, "logits")[:, :S], **kw),
-        compare("loss", np.array(sum(float(o.tensors["loss"]) for o in multi) / n), single[0].tensors["loss"], **kw),
-        compare("input-embedding gradient", many.scatter(multi, "inputs_embeds.grad")[:, :S] / n,
+        compare_ulp("logits", many.scatter(multi, "logits")[:, :S], one_rank.scatter(single, "logits")[:, :S], **kw),
+        compare_ulp("loss", np.array(sum(float(o.tensors["loss"]) for o in multi) / n), single[0].tensors["loss"], **kw),
+        compare_ulp("input-embedding gradient", many.scatter(multi, "inputs_embeds.grad")[:, :S] / n,
                 one_rank.scatter(single, "inputs_embeds.grad")[:, :S], **kw),
     ]
     for name in single[0].tensors:
         if name.startswith("grad."):
-            results.append(compare(name, sum(o.tensors[name] for o in multi) / n, single[0].tensors[name], **kw))
-    failed = [r.summary() for r in results if not r.ok]
+            results.append(compare_ulp(name, sum(o.tensors[name] for o in multi) / n, single[0].tensors[name], **kw))
+    failed = [comparison_summary(r) for r in results if not r.ok]
     assert not failed, f"N={n} differs from N=1\ncase: {canonical(case)}\n" + "\n".join(failed)

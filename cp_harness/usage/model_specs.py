@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from cp_harness.judging.compare import ulp_errors
+
 REQUIRED = ("build", "shard", "forward", "gather_logits", "loss", "num_label_tokens", "valid_positions",
             "make_batch")
 OPTIONAL = ("local_labels", "pad_batch", "cp_padded_length")
@@ -137,10 +139,14 @@ def ulp_unit(dtype: str) -> float:
 
 
 def normwise(actual: np.ndarray, expected: np.ndarray, scale: float, unit: float) -> tuple[float, np.ndarray]:
-    """``(max |actual - expected| / (scale x unit), |actual - expected|)``: ULPs at the tensor's largest value."""
+    """``(max |actual - expected| / (scale x unit), |actual - expected|)``: ULPs at the tensor's largest value
+    (``cp_harness.judging.compare.ulp_errors`` with the scale as every element's unit)."""
     diff = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
-    worst = float(diff.max()) if diff.size else 0.0
-    return (worst / (scale * unit) if scale > 0 else (0.0 if worst == 0 else float("inf"))), diff
+    if not diff.size:
+        return 0.0, diff
+    if scale <= 0:
+        return (0.0 if float(diff.max()) == 0 else float("inf")), diff
+    return float(ulp_errors(actual, expected, unit, scale).max()), diff
 
 
 def judge_tensor(cp: np.ndarray, ref: np.ndarray, other: np.ndarray, dtype: str, c: float, floor: float,
@@ -188,15 +194,12 @@ def padding_repro_command(spec_name: str, dtype: str, seed: int, overrides: dict
     return f'HF_HUB_OFFLINE=1 PYTHONPATH=. python -c "{code}"'
 
 
-PRELOAD_ENV = "CP_HARNESS_MODEL_SPECS"
-
-
-def preload(names: str | None = None) -> list[str]:
-    """Import the spec modules named (comma-separated) in ``names`` or ``$CP_HARNESS_MODEL_SPECS`` once, in the
-    launcher before it forks the ranks (so that no rank imports the framework's models and ``transformers`` on
-    its own). A spec that fails here is reported by the case that uses it; the problems are returned."""
+def preload(names: str) -> list[str]:
+    """Import the spec modules named (comma-separated) in ``names`` once, in the launcher before it forks the
+    ranks (so that no rank imports the framework's models and ``transformers`` on its own). A spec that fails
+    here is reported by the case that uses it; the problems are returned."""
     problems = []
-    for name in filter(None, (names if names is not None else os.environ.get(PRELOAD_ENV, "")).split(",")):
+    for name in filter(None, names.split(",")):
         try:
             load_spec(name)
         except Exception as exc:  # noqa: BLE001 - the case names it again, on its rank

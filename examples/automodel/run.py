@@ -103,10 +103,10 @@ def load_known(path: Path = KNOWN) -> list[dict]:
             for defect in load_defects(path) for row in defect["rows"]]
 
 
-def gradient_only(failing_tensors: list[str], problems: bool) -> bool:
-    """The documented signature: no rank raised, and every failing tensor is a gradient (the forward is right)."""
-    return bool(failing_tensors) and not problems and all(
-        name.startswith(("grad ", "grad@", "input-embedding gradient", "gradient returned")) for name in failing_tensors)
+def gradient_only(failing_tensors: list[dict], problems: list) -> bool:
+    """The documented signature: no problem (no rank raised), and every failing tensor is a gradient (the forward
+    is right). ``failing_tensors``: the comparisons as data (``Comparison.as_dict``; ``gradient`` is their role)."""
+    return bool(failing_tensors) and not problems and all(t["gradient"] for t in failing_tensors)
 
 
 def ulp_text(row: dict) -> str:
@@ -136,12 +136,19 @@ def run_verify(adapter: str, args, json_path: Path, pool=None) -> int:
     if pool is None:
         return subprocess.run(cmd, cwd=ROOT).returncode
     from cp_harness.cases.descriptions import parse_world_sizes
-    from cp_harness.verify import run_verify as verify
+    from cp_harness.verify import VerifySettings, result_text, run_verify
 
+    settings = VerifySettings(impl=f"examples.automodel.{adapter}", world_sizes=parse_world_sizes(args.world_sizes),
+                              examples=args.examples, backend=args.backend, seed=args.seed,
+                              shrink_seconds=args.shrink_seconds)
     with open(os.devnull, "w") as quiet:
-        return verify(impl=f"examples.automodel.{adapter}", world_sizes=parse_world_sizes(args.world_sizes),
-                      examples=args.examples, backend=args.backend, seed=args.seed, json_path=str(json_path),
-                      shrink_seconds=args.shrink_seconds, pool=pool, progress_stream=quiet)
+        result = run_verify(settings, pool=pool, progress_stream=quiet)
+    if result.cannot_run is not None:
+        print(f"cp_harness verify: cannot run: {result.cannot_run}", file=sys.stderr)
+        return result.exit_code
+    print(result_text(result))
+    json_path.write_text(json.dumps(result.as_dict(), indent=2, allow_nan=False) + "\n")
+    return result.exit_code
 
 
 def replay(defect: dict, backend: str, pool=None) -> tuple[bool, str]:
@@ -166,8 +173,8 @@ def replay(defect: dict, backend: str, pool=None) -> tuple[bool, str]:
     names = [c.name for c in report.failures()]
     if report.ok:
         return False, "the case passes now"
-    if not gradient_only(names, bool(report.problems)):
-        return False, "it fails differently: " + "; ".join([p.splitlines()[0] for p in report.problems] + names)
+    if not gradient_only([c.as_dict() for c in report.failures()], report.problems):
+        return False, "it fails differently: " + "; ".join([p.message for p in report.problems] + names)
     return True, f"fails as documented ({len(names)} gradients wrong: {', '.join(names)})"
 
 
@@ -178,10 +185,10 @@ def judge(adapter: str, report: dict, known: list[dict], backend: str) -> list[d
         if row["ok"]:
             continue
         names = [t["name"] for t in row["failing_tensors"]]
-        problems = "PROBLEM:" in (row["failure"] or "") or not names
+        problems = row["problems"] or not names
         match = next((d for d in known if d["adapter"] == adapter and d["row"] == row["name"]
                       and backend in d["backends"]), None)
-        if match is not None and gradient_only(names, problems):
+        if match is not None and gradient_only(row["failing_tensors"], problems):
             verdicts.append({"adapter": adapter, "row": row["name"], "defect": match["id"],
                              "why": f"documented framework defect {match['id']}: {match['title']}"})
         else:
