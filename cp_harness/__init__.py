@@ -23,7 +23,8 @@ implementation. Data flows one way, and so do the imports (lowest first;
 * :mod:`cp_harness.runner` -- one case on the pool, judged, with its one-rank
   baseline; :mod:`cp_harness.run_summary` -- run-wide counters.
 * :mod:`cp_harness.golden`, :mod:`cp_harness.bench`, :mod:`cp_harness.verify`,
-  :mod:`cp_harness.calibrate` -- the commands (``python -m cp_harness ...``).
+  :mod:`cp_harness.calibrate` -- the commands (``python -m cp_harness ...``);
+  :mod:`cp_harness.options` -- the one option table the command line and the plugin share.
 * :mod:`cp_harness.pytest_plugin` and :mod:`cp_harness.__main__` -- the entry
   points; ``cp_harness.tests`` is the gate suite (``pytest --pyargs cp_harness.tests``).
 """

@@ -1,6 +1,7 @@
 """Measure what the excess judge and the ULP budgets rest on: ``python -m cp_harness.calibrate``.
 
-For each arithmetic row (the loss, each model) and each dtype it draws cases
+For each row of every arithmetic check (``Check.arithmetic``: today the loss and each model) and each dtype it
+has a budget for, it draws cases
 with Hypothesis (as ``verify`` does), runs them on the pool with the judge
 switched off (no budget, no limit), and records for every tensor compared in
 ULPs: the error of the CP run, the error of the same implementation on one
@@ -24,12 +25,12 @@ import time
 
 import numpy as np
 
-from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
+from hypothesis import given, seed as hypothesis_seed
 
-from cp_harness import checks
+from cp_harness import checks, options
 from cp_harness.cases.descriptions import canonical
-from cp_harness.checks.loss import SHIFTED_CP_LOSS, loss_cases
-from cp_harness.checks.models import MODEL, model_cases
+from cp_harness.cases.implementation import impl_names
+from cp_harness.cases.profiles import CaseSpace, command_settings
 from cp_harness.judging import excess
 from cp_harness.judging.policy import UNJUDGED
 from cp_harness.ranks.pool import PoolConfig
@@ -53,41 +54,43 @@ def _terms(comp, ref, fraction: float) -> dict:
     return out
 
 
-def _rows(dtypes):
-    """``(name, strategy factory)`` per arithmetic check and dtype it has a budget for."""
+def _rows(dtypes) -> list[tuple[str, object]]:
+    """``(name, strategy factory)`` of every arithmetic check's verify rows (each row draws one dtype, or
+    several: then one row per dtype it has a budget for), for the ``dtypes`` asked. A new arithmetic check is
+    calibrated as soon as it is registered."""
     rows = []
-    for dtype in dtypes:
-        if dtype in SHIFTED_CP_LOSS.budgets:
-            rows.append((f"{SHIFTED_CP_LOSS.name} {dtype}",
-                         lambda s, d=dtype: loss_cases(s).filter(lambda c, d=d: c["dtype"] == d)))
-        if dtype not in MODEL.budgets:
-            continue  # the miniature models are not float16-safe (rms_norm's eps is subnormal there)
-        for model in ("inkling2", "mistral_large4"):
-            rows.append((f"{MODEL.name} {model} {dtype}", lambda s, d=dtype, m=model: model_cases(
-                s, dtypes=(d,)).filter(lambda c, m=m: c["model"] == m)))
+    for check in checks.load_checks().values():
+        if not check.arithmetic:
+            continue
+        for row in check.rows:
+            for dtype in row.dtypes:
+                if dtype not in dtypes or dtype not in check.budgets:
+                    continue  # e.g. the miniature models are not float16-safe (rms_norm's eps is subnormal there)
+                name = f"{row.id} {dtype}" if len(row.dtypes) > 1 else row.id
+                rows.append((name, lambda space, r=row, d=dtype: r.cases(space).filter(lambda c, d=d: c["dtype"] == d)))
     return rows
 
 
-def measure(runner: CaseRunner, strategy, sizes, examples: int, seed: int) -> list[dict]:
+def measure(runner: CaseRunner, strategy, space: CaseSpace, examples: int, seed: int) -> list[dict]:
     pairs: list[dict] = []
 
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
-              suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+    @command_settings("calibrate", examples)
     @hypothesis_seed(seed)
-    @given(case=strategy(sizes))
+    @given(case=strategy(space))
     def property_(case):
         report = runner.run(case)
         base_case = checks.check_of(case).baseline_case(case)
         reference = {}
         if base_case is not None and not report.problems:
-            reference = {c.name: c for c in runner.baseline(base_case).comparisons if c.mode == "ulp"}
+            reference = {c.name: c for c in runner.baseline(base_case).comparisons if excess.pairs_with_baseline(c)}
         for c in report.comparisons:
-            if c.mode != "ulp":
+            if not c.arithmetic:
                 continue
             entry = {"case": canonical(case), "n": int(case["world_size"]), "tensor": c.name,
                      "measure": c.ulp_dtype, "floor_fraction": c.floor_fraction, "cp": c.max_ulp,
-                     "one_rank": c.baseline_ulp, "problems": len(report.problems), "by_measure": {}}
-            ref = reference.get(excess.baseline_name(c.name) or "")
+                     "one_rank": c.excess.baseline if c.excess is not None else None,
+                     "rank": c.rank, "problems": len(report.problems), "by_measure": {}}
+            ref = reference.get(c.name) if excess.pairs_with_baseline(c) else None
             for label, fraction in MEASURES.items():
                 entry["by_measure"][label] = _terms(c, ref, fraction)
             pairs.append(entry)
@@ -107,7 +110,7 @@ def summary(name: str, pairs: list[dict]) -> dict:
         for p in multi:
             t = p["by_measure"][label]
             if t["one_rank"]:
-                key = p["tensor"].split("@")[0]
+                key = p["tensor"]
                 worst_ratio[key] = max(worst_ratio[key], t["cp"] / t["one_rank"])
         out["by_measure"][label] = {
             "worst_cp": max([0.0] + [t["cp"] for t in m]),
@@ -122,27 +125,24 @@ def summary(name: str, pairs: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cp_harness.calibrate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--impl", default="cp_impl")
-    parser.add_argument("--examples", type=int, default=50, help="examples per row (default 50)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--world-sizes", default="2,3,4,8")
-    parser.add_argument("--dtypes", default="float64,float32,bfloat16,float16")
-    parser.add_argument("--rows", default="", help="only rows whose name contains one of these (comma-separated)")
-    parser.add_argument("--json", dest="json_path", default=None)
+    options.add_cli_options(parser, "calibrate")
     args = parser.parse_args(argv)
-    from cp_harness.cases.descriptions import parse_world_sizes
-
-    sizes = parse_world_sizes(args.world_sizes)
-    wanted = [w for w in args.rows.split(",") if w]
-    rows = [(n, s) for n, s in _rows(args.dtypes.split(",")) if not wanted or any(w in n for w in wanted)]
+    values = options.from_cli(args)  # the one read of $CP_IMPL
+    sizes = values["world_sizes"] if args.world_sizes is not None else (2, 3, 4, 8)  # the judge is about N > 1
+    examples = values["examples"] if args.examples is not None else 50
+    dtypes = values["dtypes"] or ("float64", "float32", "bfloat16", "float16")
+    wanted = values["rows"]
+    rows = [(n, s) for n, s in _rows(dtypes) if not wanted or any(w in n for w in wanted)]
+    space = CaseSpace(world_sizes=tuple(sizes), impls=impl_names(values["impl"]))
     # Every error measured, none judged: the judge's own numbers are what is being measured.
-    runner = CaseRunner(PoolConfig(world_size=max(sizes), impl=args.impl), policy=UNJUDGED)
+    runner = CaseRunner(PoolConfig(world_size=max(sizes), impl=values["impl"], backend=values["backend"],
+                                   launcher=values["launcher"]), policy=UNJUDGED)
     results, everything = [], {}
     started = time.perf_counter()
     try:
         for name, strategy in rows:
             t0 = time.perf_counter()
-            pairs = measure(runner, strategy, sizes, args.examples, args.seed)
+            pairs = measure(runner, strategy, space, examples, values["seed"])
             everything[name] = pairs
             s = summary(name, pairs)
             s["seconds"] = round(time.perf_counter() - t0, 1)
@@ -157,9 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         runner.close()
     print(f"{time.perf_counter() - started:.0f} s, {runner.tally.baseline_runs} one-rank runs", file=sys.stderr)
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump({"impl": args.impl, "world_sizes": list(sizes), "seed": args.seed, "examples": args.examples,
+    if values["json_path"]:
+        with open(values["json_path"], "w") as f:
+            json.dump({"impl": values["impl"], "world_sizes": list(sizes), "seed": values["seed"], "examples": examples,
                        "rows": results, "pairs": everything}, f, indent=1)
     return 0
 

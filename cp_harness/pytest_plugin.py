@@ -5,23 +5,16 @@ repository gates its own implementation with::
 
     pytest --pyargs cp_harness.tests --cp-impl their.module
 
-Options:
-
-- ``--cp-model MODULE``: model spec(s) whose real model the gate suite also judges (``test_real_models``);
-- ``--cp-impl MODULE``: implementation under test (else ``$CP_IMPL``, else ``cp_impl``);
-  ``MODULE,MODULE,...`` judges several in one run (each sharder-using case
-  draws one; the first is the primary one).
-- ``--cp-world-sizes 1,2,3,4,8``: CP sizes the generated cases use; the pool
-  starts ``max`` ranks. Explicit examples of a larger size are skipped.
-- ``--cp-backend gloo|nccl``: gloo on CPU; nccl with one GPU per rank (a pool
-  of ``N`` ranks needs ``N`` visible GPUs; each pytest-xdist worker gets its
-  own ``N``, and ``-n auto`` starts as many workers as there are such sets).
-- ``--cp-case-timeout SECONDS``: how long one case may run on the ranks.
-- ``--cp-launcher fork|torchrun``: how the ranks start (default: fork for
-  gloo, torchrun for nccl; torchrun if importing the implementation starts
-  threads, which a fork does not carry over).
-- ``--update-golden``: rewrite golden files that changed (see ``docs/golden.md``;
-  textual expecttest expectations are rewritten with ``EXPECTTEST_ACCEPT=1``).
+Options: the one table of ``cp_harness.options``, shared with the command line (``--impl`` there is
+``--cp-impl`` here): ``--cp-impl MODULE[,MODULE...]`` (else ``$CP_IMPL``, else ``cp_impl``; several: each
+sharder-using case draws one, the first is the primary one), ``--cp-world-sizes 1,2,3,4,8`` (the pool starts
+``max`` ranks; explicit examples of a larger size are skipped), ``--cp-backend gloo|nccl`` (nccl: one GPU per
+rank, each pytest-xdist worker its own set, ``-n auto`` as many workers as there are sets), ``--cp-launcher
+fork|torchrun``, ``--cp-precision-policy strict|payload``, ``--cp-model MODULE`` (the real-model rows,
+``test_real_models``), ``--cp-error-maps DIR`` (else ``$CP_HARNESS_ERROR_MAP_DIR``), ``--cp-case-timeout
+SECONDS``, ``--cp-summary-json PATH``, ``--update-golden`` (``docs/golden.md``; textual expecttest
+expectations are rewritten with ``EXPECTTEST_ACCEPT=1``). The environment is read once, in
+``pytest_configure``.
 
 Hypothesis profiles (choose with Hypothesis' own ``--hypothesis-profile``):
 ``ci`` (default: derandomised, fixed examples, no database writes),
@@ -52,57 +45,31 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from cp_harness import options
 from cp_harness.cases import profiles
+from cp_harness.cases.implementation import impl_names, load_impl, primary_impl
 from cp_harness.run_summary import SUMMARY
-from cp_harness.cases.implementation import impl_names, load_impl, primary_impl, selected_impl_name
 
 profiles.register()
 
-_WORLD_SIZES_HELP = "comma-separated positive integers, e.g. 1,2,3,4,8"
 _STARTED = pytest.StashKey[float]()
+_SETTINGS = pytest.StashKey[dict]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("cp_harness", "context-parallel correctness harness")
-    group.addoption("--cp-impl", default=None, metavar="MODULE",
-                    help="module exposing inkling2 and mistral_large4 (default: $CP_IMPL or cp_impl); "
-                         "a comma-separated list judges several in one run")
-    group.addoption("--cp-world-sizes", default="1,2,3,4,8", metavar="SIZES",
-                    help="comma-separated CP sizes to exercise (default 1,2,3,4,8); the pool starts max(SIZES) ranks")
-    group.addoption("--cp-backend", default="gloo", choices=("gloo", "nccl"),
-                    help="process-group backend of the rank pool: gloo on CPU, nccl with one GPU per rank")
-    group.addoption("--cp-launcher", default=None, choices=("fork", "torchrun"),
-                    help="how the pool's ranks start: forked from one process that imported torch and the "
-                         "implementation (default for gloo) or by torchrun (default for nccl; use it if importing "
-                         "the implementation starts threads)")
-    group.addoption("--cp-case-timeout", type=float, default=120.0, metavar="SECONDS",
-                    help="seconds one case may run on the ranks before they count as hung")
-    group.addoption("--update-golden", action="store_true", default=False,
-                    help="rewrite golden files whose content changed (see docs/golden.md)")
-    group.addoption("--cp-model", default=None, metavar="MODULE",
-                    help="model spec module(s), comma-separated: the gate suite also judges these real models (the "
-                         "framework's own CP path against the same model on one device; cp_harness/tests/"
-                         "test_real_models.py); the ranks import them once, before they are forked")
-    group.addoption("--cp-precision-policy", default="strict", choices=("strict", "payload"),
-                    help="strict: bfloat16/float16 sums accumulate in float32 and round once (the contract); payload: "
-                         "partial sums may stay in the payload's precision within N-1 ULPs (cp_harness/judging/policy.py)")
-    group.addoption("--cp-summary-json", default=None, metavar="PATH",
-                    help="also write the run summary (and pytest's outcome counts and duration) to PATH as JSON")
+    options.add_pytest_options(parser.getgroup("cp_harness", "context-parallel correctness harness"))
 
 
-def _world_sizes(config: pytest.Config) -> tuple[int, ...]:
-    from cp_harness.cases.descriptions import parse_world_sizes
-
-    raw = config.getoption("--cp-world-sizes")
-    try:
-        return parse_world_sizes(raw)
-    except ValueError as exc:
-        raise pytest.UsageError(f"--cp-world-sizes={raw!r}: give {_WORLD_SIZES_HELP}") from exc
+def cp_settings(config: pytest.Config) -> dict:
+    """The run's resolved options (``cp_harness.options``): read once, at ``pytest_configure``."""
+    if _SETTINGS not in config.stash:
+        config.stash[_SETTINGS] = options.from_pytest(config)
+    return config.stash[_SETTINGS]
 
 
 def _is_cp_run(config: pytest.Config) -> bool:
     """Whether this run is about CP: then ``ci`` is the default Hypothesis profile (else Hypothesis' own stays)."""
-    if config.getoption("--cp-impl") or os.environ.get("CP_IMPL"):
+    if config.getoption("cp_impl") or os.environ.get("CP_IMPL"):
         return True
     if any("cp_harness" in str(arg) for arg in config.args):
         return True
@@ -122,32 +89,25 @@ def _xdist_workers(config: pytest.Config) -> int:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: long-running checks (run nightly; deselect with -m 'not slow')")
     config.addinivalue_line("markers", "gpu: needs CUDA devices and the NCCL backend (skipped unless --cp-backend nccl)")
-    from cp_harness.cases import strategies
-
     cp_run = _is_cp_run(config)
+    values = cp_settings(config)  # the one read of the environment ($CP_IMPL, $CP_HARNESS_ERROR_MAP_DIR)
     profile = config.getoption("--hypothesis-profile", default=None)
     if profile is None and cp_run:
         settings.load_profile("ci")
         profile = "ci"
-    sizes = _world_sizes(config)
+    sizes = values["world_sizes"]
     impls: tuple[str, ...] = ()
     if cp_run:
-        # Ranks and in-process checks must judge the same module (xdist workers inherit it too).
-        selection = selected_impl_name(config.getoption("--cp-impl"))
         try:
-            impls = tuple(impl_names(selection))
+            impls = tuple(impl_names(values["impl"]))
         except ValueError as exc:
             raise pytest.UsageError(f"--cp-impl: {exc}") from exc
-        os.environ["CP_IMPL"] = selection
-    # The session's case space, set once before any test module builds its strategies (like a profile).
-    models = tuple(m for m in (config.getoption("--cp-model") or "").split(",") if m)
-    if models:
-        from cp_harness.usage.model_specs import PRELOAD_ENV
-
-        os.environ[PRELOAD_ENV] = ",".join(models)  # the pool's launcher imports them before it forks
-    strategies.use_session_space(strategies.CaseSpace(world_sizes=tuple(sizes), impls=impls,
-                                                      favour_small=profile == "ci", models=models))
-    if config.getoption("--cp-backend") == "nccl":
+    # The session's case space, registered and loaded once before any test module builds its strategies (as
+    # Hypothesis profiles are).
+    profiles.register_space("session", profiles.CaseSpace(world_sizes=tuple(sizes), impls=impls,
+                                                          favour_small=profile == "ci", models=tuple(values["model_specs"])))
+    profiles.load_space("session")
+    if values["backend"] == "nccl":
         _configure_gpus(config, max(sizes))
 
 
@@ -170,15 +130,15 @@ def _configure_gpus(config: pytest.Config, ranks: int) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config):
     """With ``--cp-backend nccl``, ``-n auto`` means one worker per set of GPUs that holds a whole pool."""
-    if config.getoption("--cp-backend") != "nccl":
+    if cp_settings(config)["backend"] != "nccl":
         return None
     from cp_harness.ranks.devices import visible_gpus
 
-    return max(1, len(visible_gpus()) // max(_world_sizes(config)))
+    return max(1, len(visible_gpus()) // max(cp_settings(config)["world_sizes"]))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--cp-backend") == "nccl":
+    if cp_settings(config)["backend"] == "nccl":
         return
     skip_gpu = pytest.mark.skip(reason="needs --cp-backend nccl and CUDA devices")
     for item in items:
@@ -188,13 +148,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def cp_world_sizes(pytestconfig: pytest.Config) -> tuple[int, ...]:
-    return _world_sizes(pytestconfig)
+    return tuple(cp_settings(pytestconfig)["world_sizes"])
 
 
 @pytest.fixture(scope="session")
 def cp_impl_selection(pytestconfig: pytest.Config) -> str:
     """Every implementation of the run, comma-separated (what the ranks load)."""
-    return selected_impl_name(pytestconfig.getoption("--cp-impl"))
+    return cp_settings(pytestconfig)["impl"]
 
 
 @pytest.fixture(scope="session")
@@ -210,12 +170,12 @@ def cp_impl(cp_impl_name: str):
 
 @pytest.fixture(scope="session")
 def cp_backend(pytestconfig: pytest.Config) -> str:
-    return pytestconfig.getoption("--cp-backend")
+    return cp_settings(pytestconfig)["backend"]
 
 
 @pytest.fixture(scope="session")
 def cp_update_golden(pytestconfig: pytest.Config) -> bool:
-    return bool(pytestconfig.getoption("--update-golden"))
+    return bool(cp_settings(pytestconfig)["update_golden"])
 
 
 def _skip_case(reason: str) -> None:
@@ -247,16 +207,17 @@ def cp_runner(pytestconfig: pytest.Config, cp_world_sizes, cp_impl_selection):
         except Exception as exc:  # noqa: BLE001
             raise pytest.UsageError(f"--cp-impl {name}: the implementation does not import here: "
                                     f"{type(exc).__name__}: {exc}") from exc
-    timeout = pytestconfig.getoption("--cp-case-timeout")
+    values = cp_settings(pytestconfig)
+    timeout = values["case_timeout"]
     from cp_harness.judging.policy import policy_named
     from cp_harness.runner import CaseRunner
 
-    runner = CaseRunner(PoolConfig(world_size=max(cp_world_sizes), backend=pytestconfig.getoption("--cp-backend"),
+    runner = CaseRunner(PoolConfig(world_size=max(cp_world_sizes), backend=values["backend"], preload=tuple(values["model_specs"]),
                                    impl=cp_impl_selection, case_timeout=timeout,
-                                   launcher=pytestconfig.getoption("--cp-launcher"),
+                                   launcher=values["launcher"],
                                    collective_timeout=max(10.0, timeout / 2)),
                         admit=_within(max(cp_world_sizes)),
-                        policy=policy_named(pytestconfig.getoption("--cp-precision-policy")))
+                        policy=policy_named(values["precision_policy"]), error_dir=values["error_dir"])
     try:
         yield runner
     finally:
@@ -290,13 +251,13 @@ def _write_summary_json(terminalreporter, exitstatus, config: pytest.Config, pat
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
     if getattr(config, "workerinput", None) is not None:
         return
-    if config.getoption("--cp-summary-json"):
-        _write_summary_json(terminalreporter, exitstatus, config, config.getoption("--cp-summary-json"))
+    values = cp_settings(config)
+    if values["summary_json"]:
+        _write_summary_json(terminalreporter, exitstatus, config, values["summary_json"])
     if SUMMARY.empty:
         return
     terminalreporter.section("cp_harness")
-    terminalreporter.write_line(f"implementation: {selected_impl_name(config.getoption('--cp-impl'))}, "
-                                f"backend: {config.getoption('--cp-backend')}, "
-                                f"precision policy: {config.getoption('--cp-precision-policy')}")
+    terminalreporter.write_line(f"implementation: {values['impl']}, backend: {values['backend']}, "
+                                f"precision policy: {values['precision_policy']}")
     for line in SUMMARY.lines():
         terminalreporter.write_line(line)

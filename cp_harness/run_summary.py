@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-DTYPE_ORDER = ("float64", "float32", "bfloat16", "float16", "int64", "int32", "bool", "layout")
+from cp_harness.cases.profiles import in_dtype_order
 
 
 @dataclasses.dataclass
@@ -78,8 +78,7 @@ class RunSummary:
             per_size = ", ".join(f"N={n}: {self.by_size[n]}" for n in sorted(self.by_size))
             out.append(f"CP examples run: {sum(self.by_size.values())} ({per_size})")
         if self.by_dtype:
-            order = {name: i for i, name in enumerate(DTYPE_ORDER)}
-            names = sorted(self.by_dtype, key=lambda d: (order.get(d, len(order)), d))
+            names = in_dtype_order(self.by_dtype)
             out.append("CP examples per dtype: " + ", ".join(f"{d}: {self.by_dtype[d]}" for d in names))
         named = dict(self.counts)
         if self.several_impls:

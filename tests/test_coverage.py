@@ -12,7 +12,9 @@ import io
 from cp_harness.instruments import coverage
 from cp_harness.checks.transport import gather_cases
 from cp_harness.cases.implementation import load_impl
-from cp_harness.verify import Progress, Row, _run_row
+from cp_harness.cases.profiles import CaseSpace
+from cp_harness.checks import VerifyRow
+from cp_harness.verify import Progress, Row, run_row
 
 
 def test_instrumented_calls_are_recorded_and_internal_ones_are_not():
@@ -39,10 +41,11 @@ def test_claims_with_wildcards():
 
 
 def test_a_row_that_never_calls_a_claimed_function_fails(cp_runner, tmp_path):
-    row = Row("gathers claiming unpack_row_layout",
-              lambda sizes: gather_cases(sizes).filter(lambda c: c["check"] == "gather_sequence"),
-              ("inkling2.gather_sequence", "inkling2.unpack_row_layout"))
-    _run_row(row, cp_runner, (1, 2), 3, 0, Progress(3, stream=io.StringIO()), "gloo", str(tmp_path), 3.0)
-    assert row.passed == row.examples == 3  # every case passed its comparisons ...
-    assert not row.ok and "inkling2.unpack_row_layout" in row.failure  # ... and the false claim fails the row
-    assert "inkling2.gather_sequence" in row.called and "inkling2.unpack_row_layout" not in row.called
+    row = Row(VerifyRow("gathers claiming unpack_row_layout",
+                        lambda space: gather_cases(space).filter(lambda c: c["check"] == "gather_sequence"),
+                        ("inkling2.gather_sequence", "inkling2.unpack_row_layout"), id="false-claim"))
+    run_row(row, cp_runner, CaseSpace(world_sizes=(1, 2)), 3, 0, Progress(3, stream=io.StringIO()), "gloo",
+            str(tmp_path), 3.0)
+    assert row.tally.passed == row.tally.examples == 3  # every case passed its comparisons ...
+    assert not row.ok and "inkling2.unpack_row_layout" in row.failure.text  # ... and the false claim fails the row
+    assert "inkling2.gather_sequence" in row.tally.called and "inkling2.unpack_row_layout" not in row.tally.called

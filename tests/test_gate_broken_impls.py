@@ -72,19 +72,20 @@ def _table(stdout: str) -> dict[str, bool]:
 def _verify(impl: str, tmp_path: Path, cp_runner, *, world_sizes=(2, 3), examples: int = 4,
             shrink_seconds: float = 1.0, rows: tuple[str, ...] = ()) -> tuple[int, str, dict[str, bool], dict]:
     """``cp_harness verify`` in this process on the session's warm ranks (they load ``impl`` on first use):
-    ``(exit code, printed report, {row: failed}, JSON report)``. The CLI around it runs in
+    ``(exit code, printed report, {row: failed}, JSON report)``, all from the returned ``VerifyResult`` (the
+    row verdicts are read off its rows, not the printed table). The CLI around it runs in
     ``test_verify_command_line``."""
-    from cp_harness.verify import run_verify
+    from cp_harness.verify import VerifySettings, result_text, run_verify
 
     if max(world_sizes) > cp_runner.config.world_size:
         pytest.skip(f"needs {max(world_sizes)} ranks (--cp-world-sizes)")
-    report_path, out = tmp_path / "reports" / "verify.json", io.StringIO()
-    code = run_verify(impl=impl, world_sizes=tuple(world_sizes), examples=examples, backend=cp_runner.config.backend,
-                      seed=0, json_path=str(report_path), stream=out, error_dir=str(tmp_path / "error-maps"),
-                      progress_stream=io.StringIO(), shrink_seconds=shrink_seconds, pool=cp_runner.pool,
-                      row_names=rows)
-    stdout = out.getvalue()
-    return code, stdout, _table(stdout), json.loads(report_path.read_text())
+    settings = VerifySettings(impl=impl, world_sizes=tuple(world_sizes), examples=examples,
+                              backend=cp_runner.config.backend, error_dir=str(tmp_path / "error-maps"),
+                              shrink_seconds=shrink_seconds, rows=rows)
+    result = run_verify(settings, pool=cp_runner.pool, progress_stream=io.StringIO())
+    assert result.cannot_run is None, result.cannot_run
+    table = {row.name: not row.ok for row in result.rows}
+    return result.exit_code, result_text(result), table, json.loads(json.dumps(result.as_dict()))
 
 
 def _verify_broken(impl: str, tmp_path: Path, cp_runner, rows: tuple[str, ...] = ()) -> tuple[str, dict[str, bool], dict]:
@@ -102,7 +103,7 @@ def test_verify_passes_on_the_bundled_implementation(tmp_path, cp_runner, cp_wor
     code, stdout, table, report = _verify("cp_impl", tmp_path, cp_runner, world_sizes=cp_world_sizes, examples=5,
                                           shrink_seconds=120.0)
     assert code == 0, f"exit {code}\n{stdout}"
-    names = [row.name for row in default_rows() if not row.needs_model]  # real-model rows run with --model
+    names = [row.name for row in default_rows() if not row.spec.needs_model]  # real-model rows run with --model
     assert list(table) == names, stdout
     assert not any(table.values()), stdout
     assert f"examples per world size: N={min(cp_world_sizes)}:" in stdout and f"N={max(cp_world_sizes)}:" in stdout

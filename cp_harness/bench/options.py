@@ -27,7 +27,7 @@ class BenchOptions:
 
     json_path: str | None = DEFAULT_JSON
     quick: bool = False
-    impl: str | None = None  # None: $CP_IMPL or cp_impl
+    impl: str = "cp_impl"  # the command line resolves --impl / $CP_IMPL (cp_harness.options)
     backend: str = "gloo"
     skip_throughput: bool = False
     skip_fresh: bool = False
@@ -62,9 +62,11 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 def _description() -> str:
     """The package docstring up to its module map: what the command measures, for ``--help``."""
-    import cp_harness.bench
+    import ast
+    from pathlib import Path
 
-    return cp_harness.bench.__doc__.split("\nModules\n")[0]
+    package = ast.get_docstring(ast.parse((Path(__file__).parent / "__init__.py").read_text())) or ""
+    return package.split("\nModules\n")[0]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"where to write the JSON report (default {DEFAULT_JSON})")
     p.add_argument("--quick", action="store_true",
                    help="small counts and a small grid (the smoke test); numbers are then only indicative")
-    p.add_argument("--impl", default=None, help="module exposing inkling2 and mistral_large4 (default: $CP_IMPL or cp_impl)")
+    from cp_harness import options
+
+    options.add_cli_options(p, "bench")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     p.add_argument("--skip-throughput", action="store_true", help="leave out the warm-pool throughput section")
     p.add_argument("--skip-fresh", action="store_true", help="leave out the fresh-torchrun-per-case baseline")
@@ -103,7 +107,10 @@ def options_from_namespace(args: argparse.Namespace) -> BenchOptions:
 
     A count below its minimum exits with the option's name, as argparse does for a malformed value.
     """
+    from cp_harness import options
+
     values = {field.name: getattr(args, field.name) for field in dataclasses.fields(BenchOptions)}
+    values["impl"] = options.from_cli(args)["impl"]  # the one read of $CP_IMPL
     for key, (full, quick) in _COUNT_DEFAULTS.items():
         if values[key] is None:
             values[key] = quick if args.quick else full

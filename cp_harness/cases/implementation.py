@@ -2,8 +2,9 @@
 
 Any importable module that exposes ``inkling2`` and ``mistral_large4`` (as
 submodules or plain attributes) with the documented functions can be judged.
-The choice comes from ``--cp-impl`` / ``--impl``, else the ``CP_IMPL``
-environment variable, else the bundled ``cp_impl``. A comma-separated list
+The choice comes from ``--cp-impl`` / ``--impl`` (whose default, ``$CP_IMPL``, the
+command line and the plugin read at their boundary: ``cp_harness.options``), else the
+bundled ``cp_impl``. A comma-separated list
 (``cp_impl,cp_impl.variants.load_balanced``) judges several implementations
 in one run: the ranks load each, and every case that goes through a sharder
 draws one of them (the case's ``"impl"`` key); the first is the primary one,
@@ -13,7 +14,6 @@ used where a case names none.
 from __future__ import annotations
 
 import importlib
-import os
 import types
 
 DEFAULT_IMPL = "cp_impl"
@@ -26,8 +26,8 @@ REQUIRED = {
 
 
 def selected_impl_name(explicit: str | None = None) -> str:
-    """The module name(s) to judge: ``explicit``, else ``$CP_IMPL``, else ``cp_impl`` (comma-separated when several)."""
-    return explicit or os.environ.get("CP_IMPL") or DEFAULT_IMPL
+    """The module name(s) to judge: ``explicit``, else ``cp_impl`` (comma-separated when several)."""
+    return explicit or DEFAULT_IMPL
 
 
 def impl_names(selection: str) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """Hypothesis strategies for CP cases.
 
-Small composable families: the case space (``CaseSpace``: CP sizes, dtypes,
-implementations, passed to every strategy or read from the session's), payload
+Small composable families over the case space (``cp_harness.cases.profiles.CaseSpace``: CP sizes, dtypes,
+implementations, passed to every strategy or read from the loaded case-space profile), payload
 dtypes, layouts (packed THD rows, padded BSHD rows) and images placed on real
 tokens. Each check's own strategy, which yields a complete case description
 (``cp_harness.cases.descriptions``), lives in the check's module and is built
@@ -16,64 +16,12 @@ import dataclasses
 
 from hypothesis import strategies as st
 
+from cp_harness.cases import profiles
 from cp_harness.cases.descriptions import PATCH_SIZE, spec_layout
+from cp_harness.cases.profiles import (  # noqa: F401 - the case space's vocabulary, used with the strategies
+    ALL_DTYPES, CI_FULL_WEIGHT_MAX_SIZE, DEFAULT_WORLD_SIZES, FLOAT_DTYPES, VALUE_DTYPES, CaseSpace)
 
-DEFAULT_WORLD_SIZES = (1, 2, 3, 4, 8)
 seeds = st.integers(min_value=0, max_value=2**31 - 1)
-
-# Floating dtypes (payloads, logits, models) and the integer/bool payloads of data-movement checks.
-FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
-VALUE_DTYPES = ("int64", "bool")
-ALL_DTYPES = FLOAT_DTYPES + VALUE_DTYPES + ("int32",)
-
-# The ci profile draws CP sizes above this half as often as the others: on 2 cores a case of 8 ranks costs
-# 5-7 times one of 2 (every collective waits for 8 processes to be scheduled), and the 1,2,3,4 cases exercise
-# the same shard boundaries; the nightly and dev profiles draw every size equally.
-CI_FULL_WEIGHT_MAX_SIZE = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class CaseSpace:
-    """Where cases are drawn from: CP sizes, payload dtypes, implementations.
-
-    ``favour_small`` (the ci profile): sizes up to ``CI_FULL_WEIGHT_MAX_SIZE`` are drawn twice as often as
-    larger ones (every size is still drawn; shrinking still goes towards the first). ``impls``: with more
-    than one, every case that goes through a sharder draws one into its ``"impl"`` key.
-    """
-
-    world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES
-    dtypes: tuple[str, ...] = FLOAT_DTYPES + VALUE_DTYPES
-    impls: tuple[str, ...] = ()
-    favour_small: bool = False
-    models: tuple[str, ...] = ()  # model spec modules the real-model rows draw (``--model`` / ``--cp-model``)
-
-    def __post_init__(self) -> None:
-        unknown = sorted(set(self.dtypes) - set(ALL_DTYPES))
-        if unknown or not self.dtypes:
-            raise ValueError(f"dtypes {unknown or list(self.dtypes)}: choose among {list(ALL_DTYPES)}")
-        if not self.world_sizes or any(int(n) < 1 for n in self.world_sizes):
-            raise ValueError(f"world sizes {list(self.world_sizes)}: give positive CP sizes")
-
-    @property
-    def size_draws(self) -> tuple[int, ...]:
-        """The sizes as drawn: a size listed twice is drawn twice as often."""
-        if self.favour_small and any(n <= CI_FULL_WEIGHT_MAX_SIZE for n in self.world_sizes):
-            return tuple(n for n in self.world_sizes for _ in range(2 if n <= CI_FULL_WEIGHT_MAX_SIZE else 1))
-        return tuple(self.world_sizes)
-
-
-_session_space = CaseSpace()
-
-
-def use_session_space(space: CaseSpace) -> None:
-    """The space of a whole pytest session (the plugin sets it once, from its options and the profile, before
-    any test module is imported). Strategies given no space read it when they draw."""
-    global _session_space
-    _session_space = space
-
-
-def session_space() -> CaseSpace:
-    return _session_space
 
 
 def as_space(space) -> CaseSpace | None:
@@ -81,11 +29,11 @@ def as_space(space) -> CaseSpace | None:
     dtypes and implementations with these sizes)."""
     if space is None or isinstance(space, CaseSpace):
         return space
-    return dataclasses.replace(_session_space, world_sizes=tuple(space), favour_small=False)
+    return dataclasses.replace(profiles.current_space(), world_sizes=tuple(space), favour_small=False)
 
 
 def _resolved(space: CaseSpace | None) -> CaseSpace:
-    return space if space is not None else _session_space
+    return space if space is not None else profiles.current_space()
 
 
 def float_dtypes(allowed=FLOAT_DTYPES, space: CaseSpace | None = None) -> st.SearchStrategy[str]:
@@ -130,7 +78,7 @@ def world_sizes(space: CaseSpace | None = None) -> st.SearchStrategy[int]:
     """A CP size of ``space`` (default: the session's, read when drawn)."""
     if space is not None:
         return st.sampled_from(space.size_draws)
-    return st.deferred(lambda: st.sampled_from(_session_space.size_draws))
+    return st.deferred(lambda: st.sampled_from(profiles.current_space().size_draws))
 
 
 @st.composite

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from cp_harness import options
 from cp_harness.cases.descriptions import canonical
 from cp_harness.golden.comparison import verify
 from cp_harness.golden.contents import CASES, GOLDEN_DIR, REGENERATE, GoldenError
@@ -29,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         if command == "list":
             continue
         p.add_argument("-k", dest="pattern", default=None, help="only cases whose name contains this")
-        p.add_argument("--dir", default=str(GOLDEN_DIR), help=f"golden folder (default {GOLDEN_DIR})")
-        p.add_argument("--impl", default=None, help="module under test (default: $CP_IMPL or cp_impl)")
+        p.add_argument("--dir", default=None, help=f"golden folder (default: $CP_HARNESS_GOLDEN_DIR, else {GOLDEN_DIR})")
+        options.add_cli_options(p, "golden")
         if command == "check":
             p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
             p.add_argument("--storage-only", action="store_true", help="verify the files and the oracle; start no ranks")
@@ -39,9 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, case in CASES.items():
             print(f"{name}: {canonical(case)}")
         return 0
-    from cp_harness.cases.implementation import selected_impl_name
-
-    impl = selected_impl_name(args.impl)
+    impl = options.from_cli(args)["impl"]  # the one read of $CP_IMPL
+    args.dir = args.dir or os.environ.get("CP_HARNESS_GOLDEN_DIR") or str(GOLDEN_DIR)
     names = _select(args.pattern)
     if args.command == "update":
         try:

@@ -77,6 +77,8 @@ class RankProcesses:
         cfg = self.config
         worker = ["-m", "cp_harness.ranks.worker", f"--connect=127.0.0.1:{port}", f"--backend={cfg.backend}",
                   f"--impl={cfg.impl}", f"--collective-timeout={cfg.collective_timeout}", f"--stack-dir={self._workdir}"]
+        if cfg.preload:
+            worker.append(f"--preload={','.join(cfg.preload)}")
         if self.launcher == "torchrun":
             return [cfg.python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.world_size}",
                     "--max-restarts=0", "--monitor-interval=0.2", *worker]

@@ -59,6 +59,7 @@ class PoolConfig:
     ``launcher``: ``"fork"`` (one process imports, then forks the ranks) or
     ``"torchrun"``; ``None`` picks fork for gloo and torchrun for nccl (the
     nccl pool has only run under torchrun).
+    ``preload``: model spec modules the fork launcher imports once, before it forks (the real-model rows).
     """
 
     world_size: int = 8
@@ -70,6 +71,7 @@ class PoolConfig:
     start_timeout: float = 180.0
     python: str = sys.executable
     log_dir: str | None = None
+    preload: tuple[str, ...] = ()
 
     @property
     def resolved_launcher(self) -> str:

@@ -5,7 +5,7 @@ Ranks are started one of two ways, both with torchrun's environment
 
 - ``--ranks N`` (the default launcher for gloo): this process imports torch,
   the checks, the implementations and the model specs named in
-  ``$CP_HARNESS_MODEL_SPECS`` once, then forks ``N`` ranks and waits
+  ``--preload`` once, then forks ``N`` ranks and waits
   for them; when one exits abnormally it ends the others and exits non-zero
   (what torchrun's monitor does). A rank then costs no import of its own:
   8 ranks cost one Python start-up, not 9.
@@ -46,6 +46,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--collective-timeout", type=float, default=60.0, help="seconds before a collective gives up")
     parser.add_argument("--idle-timeout", type=float, default=3600.0, help="seconds without a request before the rank exits")
     parser.add_argument("--stack-dir", default=None, help="folder for stack dumps on SIGUSR1")
+    parser.add_argument("--preload", default="", help="model spec modules (comma-separated) the launcher imports once")
     parser.add_argument("--ranks", type=int, default=None,
                         help="start this many ranks by forking this process after its imports (without it: one rank, "
                              "started by torchrun)")
@@ -98,7 +99,7 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
     load_checks()
     from cp_harness.usage.model_specs import preload
 
-    for problem in preload():  # $CP_HARNESS_MODEL_SPECS: the real models' specs (and transformers), once
+    for problem in preload(args.preload):  # the real models' specs (and transformers), once
         print(f"cp_harness.ranks.worker: {problem}", file=sys.stderr, flush=True)
     import threading
 

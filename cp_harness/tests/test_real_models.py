@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 
 from cp_harness.cases.profiles import examples
-from cp_harness.cases.strategies import session_space
+from cp_harness.cases.profiles import current_space
 from cp_harness.checks import load_checks
 
 ROWS = [row for check in load_checks().values() for row in check.rows if row.needs_model]
@@ -16,7 +16,7 @@ ROWS = [row for check in load_checks().values() for row in check.rows if row.nee
 
 @pytest.mark.parametrize("row", ROWS, ids=[row.label for row in ROWS])
 def test_real_model_matches_one_device(cp_runner, row):
-    if not session_space().models:
+    if not current_space().models:
         pytest.skip("no model spec given (--cp-model MODULE)")
 
     @settings(max_examples=examples(0.5))
