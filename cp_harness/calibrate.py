@@ -9,7 +9,7 @@ rank, and their ratio. It prints, per row and dtype: the worst CP error, the
 worst one-rank error, the worst ratio, and the smallest ``c`` that passes
 every tensor for each candidate floor; ``--json`` keeps every pair. Run it on
 every implementation that the figures in ``cp_harness.judging.excess`` should hold
-for (the README lists the runs behind them)::
+for (``docs/budgets.md`` lists the runs behind them)::
 
     python -m cp_harness.calibrate --impl cp_impl --examples 100 --json reports/calibrate-cp_impl.json
     PYTHONPATH=tests/fixtures python -m cp_harness.calibrate --impl alt_reduction_order ...

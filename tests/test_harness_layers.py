@@ -1,6 +1,6 @@
 """The harness's folders import one way: each layer uses only the layers below it, and no module cycle exists.
 
-The order is the architecture the README's layout section and ``cp_harness/__init__.py`` describe; a module
+The order is the architecture ``docs/layout.md`` and ``cp_harness/__init__.py`` describe; a module
 that reaches up (a check importing the rank pool, the judge importing a command) or a new import cycle fails
 here with the offending file and line. Imports inside functions count too: they are deferred, not absent.
 """
@@ -59,7 +59,7 @@ def _imports(path: pathlib.Path, *, top_level_only: bool = False) -> list[tuple[
 
 def test_every_unit_has_a_layer():
     units = {_unit(p) for p in _sources()} - {"__init__"}
-    assert units <= set(RANK), f"place these in LAYERS (and the README's layout): {sorted(units - set(RANK))}"
+    assert units <= set(RANK), f"place these in LAYERS (and docs/layout.md): {sorted(units - set(RANK))}"
 
 
 def test_no_unit_imports_a_higher_layer():

@@ -4,7 +4,7 @@ Machines differ in the last bits their float kernels produce (AVX2, AVX-512, ARM
 ``default`` kernels). ``ATEN_CPU_CAPABILITY`` makes PyTorch use another kernel set, so this one machine runs
 the tests that read float results against stored ones as a machine of another family would: the golden
 comparisons must pass within their budgets, and byte identity is asserted only where the golden manifest
-records this very platform (README "Golden files": which guarantee holds where).
+records this very platform (docs/golden.md "What holds on which CPU").
 """
 
 from __future__ import annotations

@@ -212,7 +212,7 @@ def _golden_arrays(case: dict, expected: dict) -> dict:
             "count": np.asarray(int(expected["count"]), dtype=np.int64)}
 
 
-# Measured and explained in cp_harness/judging/budgets.py (figures: README "Error budgets").
+# Measured and explained in cp_harness/judging/budgets.py (figures: ``docs/budgets.md``).
 BUDGETS = {
     "float64": Budget(16.0, 1.0),
     "float32": Budget(256.0, 1.0),

@@ -250,7 +250,7 @@ def _golden_arrays(case: dict, expected: Expected) -> dict:
     return arrays
 
 
-# Measured and explained in cp_harness/judging/budgets.py (figures: README "Error budgets"). No float16: the
+# Measured and explained in cp_harness/judging/budgets.py (figures: ``docs/budgets.md``). No float16: the
 # miniature models are not float16-safe (rms_norm's eps is subnormal there).
 BUDGETS = {
     "float64": Budget(16384.0, 1 / 1024),

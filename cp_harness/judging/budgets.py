@@ -35,7 +35,7 @@ implementation on one rank + k ULPs, normwise. The budgets here are ceilings
 beside it, for what is wrong at every CP size.
 
 The measurements behind every number, and how the float64 loss came to be judged
-at a cross-entropy's rounding scale: README "Error budgets" and ``docs/history.md``.
+at a cross-entropy's rounding scale: ``docs/budgets.md`` and ``docs/history.md``.
 """
 
 from __future__ import annotations

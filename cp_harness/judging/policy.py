@@ -3,7 +3,7 @@
 Each arithmetic check owns its ULP budgets per dtype (``Check.budgets``); the policy decides how they
 are applied, and the excess judge's factor ``c`` and floors ``k`` (``cp_harness.judging.excess``):
 
-- ``STRICT``: the contract as documented (README "Error budgets"): every sum of bfloat16/float16 values is
+- ``STRICT``: the contract as documented (``docs/budgets.md``): every sum of bfloat16/float16 values is
   accumulated in float32 and rounded once, so a gather's or halo's gradient is one bit pattern.
 - ``PAYLOAD``: partial sums may be kept in the payload's precision, as a backend's bfloat16 reduce-scatter
   does unless float32 accumulation is asked for: a sum of ``k`` contributions may be off by ``k - 1`` ULPs
@@ -34,7 +34,7 @@ class ExcessRule:
 # ``python -m cp_harness.calibrate`` on cp_impl and tests/fixtures/alt_reduction_order (seeds 0 and 1, 300
 # cases per row and dtype, world sizes 1-8): at these floors no tensor needed more than c = 0.37 (margin
 # 5.4); float64 needs the larger floor because its one-rank run is often exact (0 ULP) while CP's own
-# roundings (N x scaling, the average over ranks, reordered sums) reach 6.7 ULP. Figures: README.
+# roundings (N x scaling, the average over ranks, reordered sums) reach 6.7 ULP. Figures: docs/budgets.md.
 EXCESS_LIMIT = 2.0
 EXCESS_FLOOR = {"float64": 16.0, "float32": 4.0, "bfloat16": 4.0, "float16": 4.0}
 

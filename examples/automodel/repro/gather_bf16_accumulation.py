@@ -4,7 +4,7 @@ Runs without the harness on three gloo ranks (self-spawning, or ``torchrun --npr
 Exit status 1 when the defect shows, 0 when every gradient is right (``--fixed``).
 
 A gather's backward hands each rank the sum, over the N ranks, of the gradient slices of its own shard. With a
-bf16 payload the precision contract (README, "Production precision") is: accumulate in float32, round once to
+bf16 payload the precision contract (docs/budgets.md, "bfloat16 and float16") is: accumulate in float32, round once to
 bf16. ``_AllGatherSequence.backward`` all-reduces the bf16 gradient, so every partial sum is rounded to bf16 (from
 three ranks on, the result depends on the reduction order and is off by up to an ULP per hop). Here each rank
 gathers ``x [1, 1, 64]`` bf16 and backpropagates seeded random bf16 gradients ``[1, 3, 64]``; the expected
