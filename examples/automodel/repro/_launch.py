@@ -1,8 +1,9 @@
 """Run a repro's ``main(rank, world, args) -> exit status`` on gloo ranks: under ``torchrun``, or self-started.
 
-Shared by the repro scripts beside this file (they stay runnable as ``python <script>.py``). Exit status: 0
-when every rank returned 0, else 1; a rank left waiting in a collective by a peer that raised is killed after
-``timeout`` seconds.
+Shared by the repro scripts beside this file (they stay runnable as ``python <script>.py``), with what they
+have in common: ``FixedGather`` (the sequence gather proposed upstream, ``--fixed``) and ``leave(ok)`` (the
+ranks agree on the verdict and leave together). Exit status: 0 when every rank returned 0, else 1; a rank left
+waiting in a collective by a peer that raised is killed after ``timeout`` seconds.
 
 Self-started ranks are forked from this process after it has imported torch and the ``preload`` modules (the
 framework functions under test), so a rank costs no import of its own: importing nemo-automodel's CP modules
@@ -26,6 +27,40 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+
+class FixedGather(torch.autograd.Function):
+    """``[B, L, ...]`` -> ``[B, N*L, ...]`` along ``dim``, the gather proposed upstream: an all-gather forward;
+    a backward that reduce-scatters *contiguous* gradient slices into a contiguous buffer (D1, D2: no
+    ``empty_like`` of a permuted gradient, no global-rank peers), summing bfloat16/float16 slices in float32
+    and rounding once (D4), and never writing into the gradient it is handed (D3)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        parts = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        wide = torch.float32 if grad.dtype in (torch.bfloat16, torch.float16) else grad.dtype
+        pieces = [p.to(wide).contiguous() for p in grad.chunk(dist.get_world_size(ctx.group), dim=ctx.dim)]
+        mine = torch.empty(pieces[0].shape, dtype=wide, device=grad.device)
+        dist.reduce_scatter(mine, pieces, group=ctx.group)
+        return mine.to(grad.dtype), None, None
+
+
+def leave(ok: bool) -> int:
+    """Agree with every rank on the verdict (all must be right) and leave the process group together: rank 0
+    hosts the store, and a peer still talking to it fails if rank 0 exits first. Returns the exit status."""
+    flag = torch.tensor([int(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    dist.destroy_process_group()
+    return 0 if flag.item() else 1
 
 
 def _started(main: Callable[[int, int, Any], int], rank: int, world: int, port: int, args: Any) -> None:

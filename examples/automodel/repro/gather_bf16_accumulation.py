@@ -21,27 +21,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from _launch import command_line, run
+from _launch import FixedGather, command_line, run
 
 WORLD = 3
-
-
-class FixedGather(torch.autograd.Function):
-    """``[B, L, ...]`` -> ``[B, N*L, ...]`` along dim 1; backward: float32 reduce-scatter, rounded once."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        pieces = [p.float().contiguous() for p in grad.chunk(dist.get_world_size(ctx.group), dim=1)]
-        mine = torch.empty_like(pieces[0])
-        dist.reduce_scatter(mine, pieces, group=ctx.group)
-        return mine.to(grad.dtype), None
 
 
 def upstream(rank: int) -> torch.Tensor:
@@ -53,7 +35,7 @@ def main(rank: int, world: int, args) -> int:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         if args.fixed:
-            gather = lambda t: FixedGather.apply(t, dist.group.WORLD)  # noqa: E731
+            gather = lambda t: FixedGather.apply(t, dist.group.WORLD, 1)  # noqa: E731
         else:
             from nemo_automodel.components.models.kimi_linear.cp import all_gather_sequence
             gather = lambda t: all_gather_sequence(t, dist.group.WORLD, dim=1)  # noqa: E731

@@ -16,7 +16,7 @@ than NCCL/XCCL its backward emulates the reduce-scatter with one ``dist.scatter`
 made by ``torch.empty_like(grad)``, which keep the gradient's transposed strides, and gloo's scatter writes its
 bytes into them as if they were contiguous: the received slices come back transposed.
 
-``--fixed`` routes the same calls through ``FixedGather`` below (all-gather forward; backward reduce-scatters
+``--fixed`` routes the same calls through ``FixedGather`` (``_launch.py``: all-gather forward; backward reduce-scatters
 contiguous gradient slices into a contiguous buffer), the change proposed upstream.
 """
 
@@ -27,7 +27,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from _launch import command_line, run
+from _launch import FixedGather, command_line, run
 
 FUNCTIONS = {  # name -> (module, function, how it is called with (tensor, group))
     "deepseek_v41": "nemo_automodel.components.models.deepseek_v41.cp:gather_sequence",
@@ -35,24 +35,6 @@ FUNCTIONS = {  # name -> (module, function, how it is called with (tensor, group
     "glm_moe_dsa": "nemo_automodel.components.models.glm_moe_dsa.cp:glm_dsa_cp_all_gather",
     "qwen3_8_flash_next": "nemo_automodel.components.models.qwen3_8_flash_next.cp:qwen3_8_flash_next_cp_all_gather",
 }
-
-
-class FixedGather(torch.autograd.Function):
-    """``[B, L, ...]`` -> ``[B, N*L, ...]`` along ``dim``; backward: reduce-scatter of contiguous slices."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        parts = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        pieces = [p.contiguous() for p in grad.chunk(dist.get_world_size(ctx.group), dim=ctx.dim)]
-        mine = torch.empty(pieces[0].shape, dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter(mine, pieces, group=ctx.group)
-        return mine, None, None
 
 
 def framework_gather(name: str):

@@ -19,25 +19,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from _launch import command_line, run
-
-
-class FixedGather(torch.autograd.Function):
-    """``[B, L, ...]`` -> ``[B, N*L, ...]`` along ``dim``; backward: reduce-scatter of contiguous slices."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        parts = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        pieces = [p.contiguous() for p in grad.chunk(dist.get_world_size(ctx.group), dim=ctx.dim)]
-        mine = torch.empty(pieces[0].shape, dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter(mine, pieces, group=ctx.group)
-        return mine, None, None
+from _launch import FixedGather, command_line, run
 
 
 def main(rank: int, world: int, args) -> int:

@@ -23,7 +23,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from _launch import command_line, run
+from _launch import command_line, leave, run
 
 FRAMEWORK = "nemo_automodel.components.distributed.context_parallel.sharder"
 
@@ -57,9 +57,7 @@ def main(rank: int, world: int, args) -> int:
         print(f"rank {rank} {strategy.__name__}: WRONG: accepted a {mesh.ndim}-D mesh {mesh.mesh_dim_names}: "
               f"padded_seq_len {layout.padded_seq_len} (2 * all 4 ranks; cp=2 needs {S + (-S) % 4}), the caller's "
               f"batch is now {touched}; {late}", flush=True)
-    dist.barrier()  # leave together: rank 0 hosts the store, a peer still connecting fails if it exits first
-    dist.destroy_process_group()
-    return 0 if ok else 1
+    return leave(ok)
 
 
 def cli(argv: list[str]) -> int:

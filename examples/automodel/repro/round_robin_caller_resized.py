@@ -24,7 +24,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from _launch import command_line, run
+from _launch import command_line, leave, run
 
 FRAMEWORK = "nemo_automodel.components.distributed.context_parallel.sharder"
 
@@ -48,9 +48,7 @@ def main(rank: int, world: int, args) -> int:
             print(f"rank {rank} {strategy.__name__} S={S}: caller's tensors "
                   + (f"WRONG, resized in place: {', '.join(changed)}" if changed else "unchanged"), flush=True)
             ok = ok and not changed
-    dist.barrier()  # leave together: rank 0 hosts the store, a peer still connecting fails if it exits first
-    dist.destroy_process_group()
-    return 0 if ok else 1
+    return leave(ok)
 
 
 def cli(argv: list[str]) -> int:

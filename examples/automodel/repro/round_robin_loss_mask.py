@@ -26,7 +26,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from _launch import command_line, run
+from _launch import command_line, leave, run
 
 FRAMEWORK = "nemo_automodel.components.distributed.context_parallel.sharder"
 
@@ -62,9 +62,7 @@ def main(rank: int, world: int, args) -> int:
                       f"{None if got is None else got.tolist()}, want {want.tolist()}; the constructor's "
                       f"tensor is now {list(mask.shape)}", flush=True)
                 ok = ok and right
-    dist.barrier()  # leave together: rank 0 hosts the store, a peer still connecting fails if it exits first
-    dist.destroy_process_group()
-    return 0 if ok else 1
+    return leave(ok)
 
 
 def cli(argv: list[str]) -> int:

@@ -25,7 +25,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from _launch import command_line, run
+from _launch import command_line, leave, run
 
 FRAMEWORK = "nemo_automodel.components.distributed.context_parallel.sharder"
 
@@ -62,9 +62,7 @@ def main(rank: int, world: int, args) -> int:
         print(f"rank {rank} {strategy.__name__}: owns global {want}, local position_ids {got}"
               + ("" if got == want else "  WRONG: a pad slot does not count on"), flush=True)
         ok = ok and got == want
-    dist.barrier()  # leave together: rank 0 hosts the store, a peer still connecting fails if it exits first
-    dist.destroy_process_group()
-    return 0 if ok else 1
+    return leave(ok)
 
 
 def cli(argv: list[str]) -> int:
