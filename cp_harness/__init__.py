@@ -4,7 +4,7 @@ The harness draws small JSON case descriptions, runs them on a warm pool of
 ranks with the implementation under test, and judges every rank's outputs
 against the float64 oracles (``oracle/``) and against one rank of the same
 implementation. Data flows one way, and so do the imports (lowest first;
-``tests/test_harness_layers.py`` keeps it so):
+``tests/project/test_harness_layers.py`` keeps it so):
 
 * :mod:`cp_harness.cases` -- case descriptions and the tensors they stand for,
   Hypothesis strategies and profiles, the catalogue of malformed inputs,

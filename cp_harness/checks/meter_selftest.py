@@ -10,7 +10,7 @@ it received together with the value a correct exchange gives, computed in
 closed form from the CP size and rank; ``evaluate`` compares the two bit for
 bit, so a case passes only when the bytes really moved. What the meter
 recorded comes back with every rank's output (``RankOutput.comm``); the tests
-in ``tests/test_comm_meter.py`` hold the exact bytes each style must show.
+in ``tests/instruments/test_comm_meter.py`` hold the exact bytes each style must show.
 
 Ranks ``0..N-1`` of the pool form the case's group, so group ranks and global
 ranks agree.

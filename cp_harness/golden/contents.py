@@ -23,7 +23,7 @@ MANIFEST = "manifest.json"
 ORACLE_FILE = "oracle.npz"
 IMPL_FILE = "impl.npz"
 ARRAY_FILES = (ORACLE_FILE, IMPL_FILE)
-REGENERATE = "./scripts/test tests/test_golden.py --update-golden  (or: python -m cp_harness golden update)"
+REGENERATE = "./scripts/test tests/golden/test_golden.py --update-golden  (or: python -m cp_harness golden update)"
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 
 

@@ -310,7 +310,7 @@ def compare_exact(name: str, actual, expected, *, mask=None, grid: TokenGrid | N
     if a.dtype.kind in "fiu":
         with np.errstate(invalid="ignore", over="ignore"):
             diff = np.abs(a.astype(np.float64) - e.astype(np.float64))
-        diff = np.where(np.isnan(diff), np.inf, diff)
+        diff = np.where(same, 0.0, np.where(np.isnan(diff), np.inf, diff))  # NaN against NaN is no difference
     score = np.where(bad, np.where(diff > 0, diff, 1.0), -1.0)
     return _locate(comp, a, e, bad, score, diff, select, grid)
 

@@ -5,7 +5,7 @@ did not answer, a connection that closed, which ranks the launcher saw exit
 (and with what code or signal), the launcher's log, the stacks of stuck ranks,
 the case and its timeout -- and returns the ``RankFailure`` to raise, or
 ``None`` when every rank answered normally. No process is needed to call it,
-so each kind of failure is testable on its own (``tests/test_pool_diagnosis.py``);
+so each kind of failure is testable on its own (``tests/ranks/test_pool_diagnosis.py``);
 the pool (``tickets``) gathers the evidence and tears itself down after a failure.
 """
 

@@ -6,7 +6,7 @@ Each case below runs twice on the session's pool; every tensor every rank
 returns (outputs, losses, input and parameter gradients), its ``info`` and the
 collectives it made must be identical, bit for bit (``-0.0`` differs from
 ``0.0``, NaN payloads count). The companion test
-``tests/test_pool_faults.py`` runs a failing case's printed reproduction
+``tests/ranks/test_pool_faults.py`` runs a failing case's printed reproduction
 command.
 """
 

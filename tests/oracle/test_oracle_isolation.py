@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 FORBIDDEN = ("cp_impl", "cp_harness")
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ORACLE = ROOT / "oracle"
 
 

@@ -20,7 +20,7 @@ import pytest
 from cp_harness.checks.real_model import smoke_cases
 from cp_harness.judging.render import report_text
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
 SPEC = "examples.automodel.models.deepseek_v41"
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 from helpers import check_png, error_maps
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
 
 LOSS_ROW = "mistral_large4.shifted_cp_loss"

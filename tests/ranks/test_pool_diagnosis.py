@@ -1,6 +1,6 @@
 """``ranks.diagnosis.diagnose``: which rank failed a case, and how, from plain data (no processes).
 
-``tests/test_pool_faults.py`` drives the same diagnosis through real faulting
+``tests/ranks/test_pool_faults.py`` drives the same diagnosis through real faulting
 ranks; here each kind of failure is built from the evidence the pool would have
 gathered (replies, a closed connection, the launcher's exit lines and log,
 stack dumps), so that every branch, and the wording a newcomer reads, is pinned

@@ -19,7 +19,7 @@ the CP example counts; and the ``cp-harness`` console script must work.
   ``CP_HARNESS_NIGHTLY=1`` (the nightly workflow) or when ``-m`` names
   ``nightly``; the default command skips it::
 
-      CP_HARNESS_NIGHTLY=1 ./scripts/test -n 0 tests/test_install_plugin.py
+      CP_HARNESS_NIGHTLY=1 ./scripts/test -n 0 tests/project/test_install_plugin.py
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "README.md", "oracle", "cp_impl", "cp_harness")
 PROJECT_TOP_LEVEL = ("cp_harness", "cp_impl", "oracle")  # packages and their metadata, never shared
 

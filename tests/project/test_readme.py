@@ -15,7 +15,7 @@ import urllib.parse
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 MAX_README_LINES = 200
 TEST_COMMAND = "./scripts/test"

@@ -44,7 +44,7 @@ COLLECTIVE_TIMEOUT = 2.0  # below the case timeout: peers of a stuck rank give u
 # with 3 s waits, and 0.5 s for stack dumps.
 TEARDOWN_ALLOWANCE = 8.0
 WORLD = 3
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BROKEN_IMPL = "broken_rel_loss_scale"
 LOSS_CASE = {"check": "shifted_cp_loss", "world_size": 2, "seed": 21, "model": "mistral_large4", "dtype": "float64",
              "vocab": 7, "batch": {"format": "thd", "seq_len": 10, "docs": [[[4, 5], [5, 5]]]}}

@@ -158,7 +158,7 @@ def test_a_cross_entropy_computed_as_logsumexp_minus_picked_is_no_false_alarm(mo
 
     from cp_harness.checks import loss as loss_check
 
-    monkeypatch.syspath_prepend(str(Path(__file__).parent / "fixtures"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "fixtures"))
     alt = importlib.import_module("alt_reduction_order")
     case = {"batch": {"docs": [[[1, 1]], [[1, 1]], [[2, 2]]], "format": "thd", "seq_len": 2},
             "check": "shifted_cp_loss", "dtype": "float64", "model": "mistral_large4", "seed": 6434, "vocab": 3,

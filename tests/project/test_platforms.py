@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-TESTS = ["tests/test_golden.py", "tests/test_golden_storage.py", "tests/test_oracle_layout.py",
-         "tests/test_oracle_attention.py", "tests/test_oracle_convolution.py", "tests/test_oracle_loss.py",
-         "tests/test_oracle_models.py"]
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = ["tests/golden/test_golden.py", "tests/golden/test_golden_storage.py", "tests/oracle/test_oracle_layout.py",
+         "tests/oracle/test_oracle_attention.py", "tests/oracle/test_oracle_convolution.py", "tests/oracle/test_oracle_loss.py",
+         "tests/oracle/test_oracle_models.py"]
 
 
 def _capabilities() -> list[str]:

@@ -24,7 +24,7 @@ import torch
 from examples.automodel import ADAPTERS
 from examples.automodel import run as real_clients
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REPRO = ROOT / "examples" / "automodel" / "repro"
 
 

@@ -12,7 +12,7 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "cp_harness"
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "cp_harness"
 
 # Lowest first. A unit is a folder of cp_harness/ or one of its top-level modules.
 LAYERS: tuple[tuple[str, ...], ...] = (
