@@ -39,6 +39,8 @@ class RunSummary:
         self.baseline_runs += tally.baseline_runs
         self.pool_starts += runner.pool.starts
         self.error_maps.extend(runner.error_maps)
+        for what, why in sorted(tally.not_judged.items()):
+            self.note(f"not judged: {what} ({why})")
 
     def count(self, name: str, n: int = 1) -> None:
         self.counts[name] += n

@@ -59,6 +59,12 @@ class RunCounts:
     baseline_runs: int = 0
     failures: int = 0
     seconds: float = 0.0
+    not_judged: dict = dataclasses.field(default_factory=dict)  # "<subject>: <what>" -> why it was not judged
+
+    def add_not_judged(self, report: CaseReport) -> None:
+        subject = report.case.get("spec") or report.case["check"]
+        for what, why in report.not_judged.items():
+            self.not_judged[f"{subject}: {what}"] = why
 
     def add(self, case: dict, selection: str) -> None:
         self.by_size[int(case["world_size"])] += 1
@@ -247,6 +253,7 @@ class CaseRunner:
             raise job.expect_error
         started = time.perf_counter()
         report = checks.evaluate(job.case, outputs, job.expected, policy=self.policy)
+        self.tally.add_not_judged(report)
         compared = time.perf_counter()
         if excess:
             self.judge_excess(report, timeout=timeout)

@@ -112,6 +112,8 @@ class VerifyRow:
     position: float = 0
     needs_model: bool = False  # a real-model row: runs only when a model spec is given (``--model``)
     id: str = ""  # a stable identifier apart from the label (``register`` gives the check's name by default)
+    # Why the row cannot run in a case space (``None``: it can), e.g. every model spec it would draw needs CUDA.
+    skip: Callable[[Any], str | None] | None = None
 
 
 def _same_case_on_one_rank(case: dict) -> dict:

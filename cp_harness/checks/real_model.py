@@ -32,11 +32,12 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from cp_harness.cases.strategies import as_space, world_sizes
+from cp_harness.cases.profiles import current_space
+from cp_harness.cases.strategies import as_space
 from cp_harness.checks import VerifyRow, register
 from cp_harness.judging.compare import ExcessVerdict, UlpComparison
 from cp_harness.judging.verdicts import CaseReport
-from cp_harness.usage import model_specs
+from cp_harness.usage import model_specs, spec_contract
 
 C = 4.0
 FLOOR = {"float32": 1024.0, "bfloat16": 8.0}  # ULPs of the dtype at the tensor's largest value (docs/real_models.md)
@@ -120,20 +121,26 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
     except Exception as exc:  # noqa: BLE001 - reported by every rank of the case, naming this one
         error = exc
     _agree_ready(ctx, error)
-    cp = model_specs.step(spec, model, ctx.mesh, batch)
+    forward_only = model_specs.spec_traits(case["spec"]).forward_only(ctx.device.type)
+    backward = forward_only is None
+    cp = model_specs.step(spec, model, ctx.mesh, batch, backward=backward)
     if ctx.rank != 0:
         return {}, {}
-    runs = {Run.CP: _quantities(cp), Run.REFERENCE: _quantities(model_specs.step(spec, model, None, batch)),
+    runs = {Run.CP: _quantities(cp),
+            Run.REFERENCE: _quantities(model_specs.step(spec, model, None, batch, backward=backward)),
             Run.REORDERED: _quantities(model_specs.step(spec, model, None, batch, split=max(2, ctx.cp_size),
-                                                        reverse=True))}
+                                                        reverse=True, backward=backward))}
     valid = spec.valid_positions(batch).to(torch.bool)
-    info = {"padded_len": None}
+    info = {"padded_len": None, "not_judged": {}}
+    if forward_only is not None:
+        count = sum(1 for p in model.parameters() if p.requires_grad)
+        info["not_judged"][f"the gradients of all {count} parameters on {ctx.device.type}"] = forward_only
     arrays = {run: {q: _np(t) for q, t in tensors.items()} for run, tensors in runs.items()}
     if not all(r["ok"] for r in _judged(case, _np(valid), arrays).values()):
         padded_len = _padded_length(spec, model, batch, ctx.cp_size)
         if padded_len is not None:
             seq_len = batch["input_ids"].shape[1]
-            padded = model_specs.step(spec, model, None, spec.pad_batch(batch, padded_len))
+            padded = model_specs.step(spec, model, None, spec.pad_batch(batch, padded_len), backward=backward)
             padded["logits"] = padded["logits"][:, :seq_len]
             runs[Run.PADDED] = _quantities(padded)
             info["padded_len"] = padded_len
@@ -141,7 +148,8 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().float().numpy() if t.dtype != torch.bool else t.numpy()
+    t = t.detach().cpu()
+    return t.float().numpy() if t.dtype != torch.bool else t.numpy()
 
 
 def _padded_length(spec, model, batch: dict, cp_size: int) -> int | None:
@@ -205,7 +213,7 @@ def _comparison(q: Quantity, verdict: dict, shape: tuple, dtype: str, label: str
 
 
 def _evaluate(case: dict, outputs: list) -> CaseReport:
-    report = CaseReport(case=case)
+    report = CaseReport(case=case, not_judged=dict(outputs[0].info.get("not_judged", {})))
     valid, runs = _from_wire(outputs[0].tensors)
     dtype = case["dtype"]
     judged = _judged(case, valid, runs)
@@ -240,20 +248,20 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     return report
 
 
-BATCH_KINDS = ("plain", "right_padded", "packed")
-
-
 @st.composite
-def _batches(draw) -> dict:
-    kind = draw(st.sampled_from(BATCH_KINDS))
+def _batches(draw, kinds: tuple[str, ...] = spec_contract.BATCH_KINDS) -> dict:
+    kind = draw(st.sampled_from(kinds))
     seq_len = draw(st.integers(2, 24))
     rows = draw(st.integers(1, 2))
     batch = {"kind": kind, "seq_len": seq_len, "batch_size": rows, "seed": draw(st.integers(0, 999))}
     if kind == "right_padded":
         batch["pad"] = draw(st.integers(1, seq_len - 2)) if seq_len >= 3 else 0
         if batch["pad"] == 0:
-            batch["kind"] = "plain"
-            del batch["pad"]
+            if "plain" not in kinds:
+                batch["seq_len"], batch["pad"] = 3, 1
+            else:
+                batch["kind"] = "plain"
+                del batch["pad"]
     elif kind == "packed":
         documents = []
         for _ in range(rows):
@@ -273,19 +281,51 @@ def _batches(draw) -> dict:
     return batch
 
 
+def _space_models(space) -> tuple[str, ...]:
+    models = getattr(space, "models", ()) if space is not None else ()
+    return models or current_space().models
+
+
+def _runnable(models: tuple[str, ...], dtype: str) -> tuple[list[str], dict[str, str]]:
+    """``(specs that can run a ``dtype`` case here, {spec: why not} for the others)``."""
+    runnable, skipped = [], {}
+    for name in models:
+        traits = model_specs.spec_traits(name)
+        unmet = traits.unmet()
+        if unmet:
+            skipped[name] = "; ".join(f"needs {key}: {why}" for key, why in unmet.items())
+        elif dtype not in traits.dtypes:
+            skipped[name] = f"declares DTYPES {list(traits.dtypes)}, not {dtype}"
+        else:
+            runnable.append(name)
+    return runnable, skipped
+
+
+def _skip_reason(dtype: str):
+    def reason(space) -> str | None:
+        models = _space_models(as_space(space))
+        if not models:
+            return None  # the strategy says what is missing
+        runnable, skipped = _runnable(models, dtype)
+        return None if runnable else "; ".join(f"{name}: {why}" for name, why in skipped.items())
+    return reason
+
+
 def real_model_cases(dtype: str):
     @st.composite
     def cases(draw, space=None) -> dict:
         space = as_space(space)
-        models = getattr(space, "models", ()) if space is not None else ()
-        if not models:
-            from cp_harness.cases.profiles import current_space
-
-            models = current_space().models
+        models = _space_models(space)
         if not models:
             raise ValueError("no model spec given: pass --model MODULE (verify) or --cp-model MODULE (pytest)")
-        return {"check": "real_model", "spec": draw(st.sampled_from(models)), "dtype": dtype, "seed": 0,
-                "batch": draw(_batches()), "world_size": draw(world_sizes(space))}
+        runnable, _ = _runnable(models, dtype)
+        spec = draw(st.sampled_from(runnable)) if runnable else draw(st.nothing())
+        traits = model_specs.spec_traits(spec)
+        batch = draw(_batches(traits.batch_kinds))
+        sizes = (space if space is not None else current_space()).size_draws  # the profile's weights
+        allowed = [n for n in sizes if traits.world_sizes is None or n in traits.world_sizes]
+        size = draw(st.sampled_from(allowed)) if allowed else draw(st.nothing())
+        return {"check": "real_model", "spec": spec, "dtype": dtype, "seed": 0, "batch": batch, "world_size": size}
     return cases
 
 
@@ -312,6 +352,6 @@ def smoke_cases(spec: str) -> list[dict]:
 REAL_MODEL = register(
     "real_model", rank=_rank, evaluate=_evaluate,
     rows=tuple(VerifyRow(f"real model ({dtype})", real_model_cases(dtype), (), dtypes=(dtype,), position=20 + i,
-                         needs_model=True, id=f"real_model.{dtype}")
+                         needs_model=True, id=f"real_model.{dtype}", skip=_skip_reason(dtype))
                for i, dtype in enumerate(("float32", "bfloat16"))),
     gate_share=0.0)

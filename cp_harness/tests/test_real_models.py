@@ -18,6 +18,9 @@ ROWS = [row for check in load_checks().values() for row in check.rows if row.nee
 def test_real_model_matches_one_device(cp_runner, row):
     if not current_space().models:
         pytest.skip("no model spec given (--cp-model MODULE)")
+    reason = row.skip(None) if row.skip is not None else None
+    if reason is not None:
+        pytest.skip(reason)
 
     @settings(max_examples=examples(0.5))
     @given(case=row.cases(None))

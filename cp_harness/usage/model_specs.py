@@ -1,9 +1,10 @@
 """Real models through a *model spec*: loading and validating a spec module, one model per (spec, dtype, seed)
 in a rank process, one training step the framework's way, and the normwise judge without a float64 oracle.
 
-A model spec is a module (``examples/automodel/models/deepseek_v41.py`` is the worked example; its docstring
-documents every function) exposing ``REQUIRED``'s functions; ``OPTIONAL`` ones enable more (the padding
-check needs ``pad_batch`` and ``cp_padded_length``). ``step`` runs one forward and backward:
+A model spec is a module meeting ``cp_harness.usage.spec_contract.ModelSpec``, checked when it loads
+(``examples/automodel/models/deepseek_v41.py`` is the worked example; ``docs/extending.md`` writes one); optional
+functions enable more (the padding check needs ``pad_batch`` and ``cp_padded_length``). ``step`` runs one forward
+and backward:
 
 * on CP ranks (``mesh`` a 1-D ``"cp"`` DeviceMesh): ``spec.shard`` (the framework's sharder), the forward in
   ``ctx_factory()``, the loss over this rank's labels divided by the *global* label count, backward, the
@@ -28,15 +29,9 @@ import numpy as np
 import torch
 
 from cp_harness.judging.compare import ulp_errors
+from cp_harness.usage.spec_contract import SpecError, SpecTraits, check_spec  # noqa: F401 - SpecError re-exported
 
-REQUIRED = ("build", "shard", "forward", "gather_logits", "loss", "num_label_tokens", "valid_positions",
-            "make_batch")
-OPTIONAL = ("local_labels", "pad_batch", "cp_padded_length")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class SpecError(ValueError):
-    """A model spec module that does not meet the interface (names the missing field)."""
 
 
 def _inductor_cache_per_kernel_set() -> None:
@@ -52,15 +47,18 @@ def _inductor_cache_per_kernel_set() -> None:
 
 @functools.lru_cache(maxsize=None)
 def load_spec(name: str) -> types.ModuleType:
-    """Import the spec module ``name`` and check its interface; ``SpecError`` names every missing field."""
+    """Import the spec module ``name`` and check it against the contract (``spec_contract.check_spec``);
+    ``SpecError`` names every field that is missing or wrong."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # specs build from a config: no Hub lookups (20-30 s otherwise)
     _inductor_cache_per_kernel_set()
     module = importlib.import_module(name)
-    missing = [field for field in REQUIRED if not callable(getattr(module, field, None))]
-    if missing:
-        raise SpecError(f"model spec {name!r} is missing required field(s) {', '.join(missing)} "
-                        f"(a spec exposes {', '.join(REQUIRED)}; optional: {', '.join(OPTIONAL)})")
+    check_spec(name, module)
     return module
+
+
+def spec_traits(name: str) -> SpecTraits:
+    """The optional declarations of spec ``name`` (loaded and checked once)."""
+    return check_spec(name, load_spec(name))
 
 
 _MODELS: dict[tuple, torch.nn.Module] = {}
@@ -86,10 +84,12 @@ def _row_order(batch: dict, order: list[int]) -> dict:
 
 
 def step(spec: types.ModuleType, model: torch.nn.Module, mesh: Any, batch: dict, *, split: int = 1,
-         reverse: bool = False) -> dict[str, Any]:
+         reverse: bool = False, backward: bool = True) -> dict[str, Any]:
     """One forward and backward; ``{"logits" [B, S, V] global, "loss" [], "grads" {name: tensor}}`` (detached).
 
     With ``mesh`` every rank of the mesh calls this with the same global ``batch`` and gets the same result.
+    ``backward=False`` (a device where the model has no backward kernel): the forward and the loss only, no
+    gradients (``grads`` empty).
     """
     group = mesh.get_group() if mesh is not None else None
     rows = batch["input_ids"].shape[0]
@@ -103,7 +103,9 @@ def step(spec: types.ModuleType, model: torch.nn.Module, mesh: Any, batch: dict,
         logits = spec.forward(model, local)
         labels = spec.local_labels(local) if hasattr(spec, "local_labels") else local["labels"]
         value = spec.loss(logits, labels, count)
-        if split <= 1:
+        if not backward:
+            pass
+        elif split <= 1:
             value.backward()
         else:  # the same loss, its backward cut into position chunks: parameter gradients accumulate partial sums
             (upstream,) = torch.autograd.grad(value, logits, retain_graph=True)
@@ -117,7 +119,7 @@ def step(spec: types.ModuleType, model: torch.nn.Module, mesh: Any, batch: dict,
     full = spec.gather_logits(sharder, logits.detach())
     grads = {}
     for name, parameter in model.named_parameters():
-        if not parameter.requires_grad:
+        if not parameter.requires_grad or not backward:
             continue
         grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
         grad = grad.detach().float().clone()

@@ -125,6 +125,7 @@ COLUMNS = {
     "unaccounted_ops": "communication ops the meter could not attribute (no byte rule, or a group "
                        "it could not size); the table then says 'unaccounted' instead of a ratio",
     "not_judged": "what the row's cases could not judge where they ran (e.g. gradients on CPU), and why",
+    "skipped": "why the row did not run here at all (e.g. every model spec it draws needs CUDA); null: it ran",
 }
 
 
@@ -137,8 +138,9 @@ def format_table(rows: list[Row]) -> str:
     for row in rows:
         ratio = row.comm_ratio
         ratio_text = "unaccounted" if row.tally.unaccounted_ops else "-" if ratio is None else f"{ratio:.2f}"
+        mark = "   FAILED" if not row.ok else "   skipped" if row.tally.skipped else ""
         lines.append(f"{row.name:<{width}} {row.tally.examples:>8} {row.tally.passed:>7} {row.ulp_text():>9} "
-                     f"{row.excess_text():>9} {ratio_text:>15}" + ("   FAILED" if not row.ok else ""))
+                     f"{row.excess_text():>9} {ratio_text:>15}" + mark)
     return "\n".join(lines)
 
 
@@ -161,6 +163,8 @@ def result_text(result: VerifyResult) -> str:
     lines.append(f"examples per dtype: {_by_dtype(per_dtype)}; failed per dtype: {_by_dtype(failed_dtype)}; "
                  f"one-rank baseline runs: {result.baseline_runs}")
     for row in result.rows:
+        if row.tally.skipped:
+            lines.append(f"skipped {row.name}: {row.tally.skipped}")
         for what, why in sorted(row.tally.not_judged.items()):
             lines.append(f"not judged in {row.name}: {what} ({why})")
     for row in result.failed_rows:
@@ -182,5 +186,7 @@ def result_text(result: VerifyResult) -> str:
     if failed:
         lines.append(f"\n{len(failed)} of {len(result.rows)} rows FAILED: {', '.join(r.name for r in failed)}")
     else:
-        lines.append(f"all {len(result.rows)} rows passed")
+        ran = [r for r in result.rows if not r.tally.skipped]
+        lines.append(f"all {len(ran)} rows passed" + (f" ({len(result.rows) - len(ran)} skipped)"
+                                                      if len(ran) < len(result.rows) else ""))
     return "\n".join(lines)

@@ -36,6 +36,7 @@ class RowTally:
     unaccounted_ops: list[str] = dataclasses.field(default_factory=list)  # ops whose bytes the meter could not tell
     called: set = dataclasses.field(default_factory=set)  # documented functions its cases called on the ranks
     not_judged: dict = dataclasses.field(default_factory=dict)  # what its cases could not judge here -> why
+    skipped: str | None = None  # why the row did not run at all here (e.g. its model specs need CUDA)
 
     def add(self, case: dict, report: CaseReport) -> None:
         """Count one case's report (its examples, dtype, errors, communication, calls)."""
@@ -120,7 +121,7 @@ class Row:
             "max_ulp": t.max_ulp, "max_excess": t.max_excess, "examples_by_dtype": t.examples_by_dtype,
             "failed_by_dtype": t.failed_by_dtype, "arithmetic": t.arithmetic, "moved_bytes": t.moved_bytes,
             "minimum_bytes": t.minimum_bytes, "unaccounted_ops": t.unaccounted_ops,
-            "not_judged": t.not_judged,
+            "not_judged": t.not_judged, "skipped": t.skipped,
             "failure": f.text if f is not None else None, "failing_case": f.case if f is not None else None,
             "reproduce": f.reproduce if f is not None else None, "error_maps": f.error_maps if f is not None else [],
             "functions": list(self.spec.functions), "dtypes": list(self.spec.dtypes), "called": sorted(t.called),

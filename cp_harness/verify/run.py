@@ -110,6 +110,11 @@ def run_verify(settings: VerifySettings, *, rows: list[Row] | None = None, pool:
         progress.note(f"cp_harness verify: pool up in {time.perf_counter() - started:.1f} s; "
                       f"{s.examples} examples per row, {len(chosen)} rows")
         for row in chosen:
+            skip = row.spec.skip(space) if row.spec.skip is not None else None
+            if skip is not None:
+                row.tally.skipped = skip
+                progress.note(f"cp_harness verify: skipped {row.name}: {skip}")
+                continue
             run_row(row, runner, space, s.examples, s.seed, progress, s.backend, result.error_map_dir,
                     s.shrink_seconds)
     finally:

@@ -107,7 +107,7 @@ def test_spec_missing_a_field_is_named():
     import sys
     sys.path.insert(0, str(FIXTURES))
     try:
-        with pytest.raises(SpecError, match=r"missing required field\(s\) loss"):
+        with pytest.raises(SpecError, match=r"loss: missing \(a function taking 3 positional argument"):
             load_spec("real_model_spec_missing_loss")
     finally:
         sys.path.remove(str(FIXTURES))
@@ -121,3 +121,28 @@ def test_model_raising_on_one_rank_names_the_rank(model_runner):
     text = "\n".join(p.message for p in report.problems)
     assert "rank 1" in text and "injected on rank 1" in text, text
     assert model_runner.run({**case, "spec": SPEC}).ok  # the pool still works
+
+
+def test_a_forward_only_spec_judges_logits_and_loss_and_names_what_it_did_not_judge(model_runner):
+    case = {"check": "real_model", "spec": "real_model_spec_forward_only", "dtype": "float32", "seed": 0,
+            "world_size": 2, "batch": {"kind": "packed", "seq_len": 19, "documents": [[7, 5, 6]], "seed": 1}}
+    report = model_runner.run(case)
+    assert report.ok, report_text(report)
+    assert {c.name.split(" (")[0] for c in report.comparisons} == {"logits", "loss"}
+    (what, why), = report.not_judged.items()
+    assert what.startswith("the gradients of all") and what.endswith("parameters on cpu"), what
+    assert "no backward kernel" in why
+    assert model_runner.tally.not_judged, "the runner's tally (the session summary) records it too"
+
+
+def test_a_spec_whose_requirements_are_unmet_is_skipped_with_its_reasons(model_runner):
+    import io
+
+    from cp_harness.verify import VerifySettings, result_text, run_verify
+
+    settings = VerifySettings(model=("real_model_spec_needs_cuda",), world_sizes=(1, 2), examples=2)
+    result = run_verify(settings, pool=model_runner.pool, progress_stream=io.StringIO())
+    assert result.exit_code == 0 and result.rows and all(r.tally.skipped and not r.tally.examples for r in result.rows)
+    text = result_text(result)
+    assert "needs cuda: declared by the test fixture" in text and "needs no_such_module_cp_harness" in text, text
+    assert result.as_dict()["rows"][0]["skipped"], result.as_dict()["rows"][0]
