@@ -1,0 +1,218 @@
+"""Model spec: nemo-automodel 0.7.0's ``NemotronHForCausalLM`` (Nemotron V3 hybrid Mamba2 / attention) at a tiny
+random config with SDPA attention: the Mamba all-to-all ("hidden parallel") CP together with the framework's
+default load-balanced ring SDPA for the attention layers.
+
+GPU only (``REQUIRES``): the Mamba2 mixer's training path is ``mamba_ssm``'s fused Triton kernel
+(``mamba_split_conv1d_scan_combined``) and its gated RMSNorm is ``mamba_ssm``'s Triton ``rmsnorm_fn``; the
+framework gives no torch path, so not even the one-device forward runs on a CPU. The attention layers' CP is torch's
+ring SDPA (CUDA kernels only, see ``load_balanced_sdpa``). Never run end to end (``docs/models/gpu_only.md``).
+
+How the spec enters CP (as the recipe does):
+
+1. model setup, Nemotron-H's own parallelizer (``nemotron_v3/parallelization.py``,
+   ``NemotronHModelParallelizer._apply``, CP part): every ``mamba`` block's ``mixer.cp =
+   MambaContextParallel(cp_group, num_heads, head_dim, n_groups, d_state, mixer)``; attention blocks are given a TE
+   CP group only when their ``attn_module`` is a TE ``DotProductAttention`` (not here: SDPA). ``_apply`` also shards
+   with FSDP, which the harness does not judge, so the spec makes exactly the CP assignments of that loop (the
+   framework's class, constructed with the arguments the parallelizer passes), again whenever the model meets a new
+   CP mesh. Then ``_transformers/infrastructure.py``'s ``attach_context_parallel_hooks(model)`` (dense model,
+   ``cp_size > 1``, not TE), for the CP step only, as in ``load_balanced_sdpa``.
+2. per step: the batch on the rank's device, ``ContextParallelSharder(model, mesh, batch)`` (no model hook, not TE:
+   the generic ``shard_batch_load_balanced``), ``sharder.shard(batch)``, the forward inside its train context.
+3. forward: attention layers run torch's ring SDPA on the head-tail layout; each Mamba layer's
+   ``MambaContextParallel.pre_conv_ssm`` undoes the load balancing (``_undo_attention_load_balancing``: chunk
+   reorder to rank order) and all-to-alls ``[B, S/N, D] -> [B, S, D/N]`` (``_AllToAll``: all_to_all_single, its own
+   backward), the kernel runs the full sequence on ``heads / N`` heads with its slices of conv, ``dt_bias``,
+   ``A_log``, ``D``, and ``post_conv_ssm`` all-to-alls back and redoes the load balancing.
+
+Interface and shapes: as ``load_balanced_sdpa`` (the same sharder and layout; logits ``[B, S_local, V]``).
+
+Batch kinds (``BATCH_KINDS``): ``"plain"``, ``"right_padded"`` (the load-balanced path has no document masking).
+
+Tiny config (``TINY``): hidden 32, 4 blocks ``mamba, attention, mamba, mlp``; Mamba2 with 8 heads of 8, 8 groups,
+state 16, conv 4, chunk 16 (``MambaContextParallel`` needs ``heads % cp == 0`` and groups divisible by, or dividing,
+``cp``: ``WORLD_SIZES`` 1, 2, 4, 8); attention 2 query / 2 key-value heads of 16, no RoPE; vocabulary 64.
+Backend ``BackendConfig(attn="sdpa", linear="torch", rms_norm="torch_fp32", rope_fusion=False)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable
+
+import torch
+from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
+
+from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
+from nemo_automodel.components.models.common import BackendConfig
+from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
+
+from ._gpu_spec_common import (  # noqa: F401 - part of the spec interface
+    IGNORE_INDEX,
+    batch_to,
+    local_labels,
+    loss,
+    make_batch,
+    model_device,
+    num_label_tokens,
+    pad_batch,
+    rank_device,
+    valid_positions,
+)
+from .load_balanced_sdpa import _context_parallel_hooks, cp_padded_length  # noqa: F401 - same layout
+
+NAME = "nemotron_v3_mamba"
+FRAMEWORK_CLASS = "nemo_automodel.components.models.nemotron_v3.model.NemotronHForCausalLM"
+DTYPES = (torch.float32, torch.bfloat16)
+WORLD_SIZES = (1, 2, 4, 8)  # MambaContextParallel: 8 heads and 8 groups split over cp ranks
+BATCH_KINDS = ("plain", "right_padded")
+
+FORWARD_ERROR_WITHOUT_MAMBA = "ModuleNotFoundError: No module named 'mamba_ssm'"
+REQUIRES: dict[str, str] = {
+    "mamba_ssm": "the Mamba2 mixer's training forward is mamba_ssm's fused Triton kernel "
+                 "(mamba_split_conv1d_scan_combined) and its gated RMSNorm mamba_ssm's rmsnorm_fn; no torch path "
+                 "(CPU: build works; the one-device forward fails in nemotron_v3/layers.py with: "
+                 + FORWARD_ERROR_WITHOUT_MAMBA + ")",
+    "cuda": "mamba_ssm's Triton kernels and torch's ring SDPA (attention layers under CP) run on CUDA only; the "
+            "one-device forward needs CUDA too",
+}
+COVERS: dict[str, str] = {
+    "nemo_automodel.components.distributed.context_parallel.mamba.MambaContextParallel":
+        "per Mamba layer: head / group split over the CP ranks (model setup, as the Nemotron-H parallelizer does)",
+    "nemo_automodel.components.distributed.context_parallel.mamba.MambaContextParallel.pre_conv_ssm":
+        "by reading: undo the head-tail layout, all-to-all [B, S/N, D] -> [B, S, D/N]",
+    "nemo_automodel.components.distributed.context_parallel.mamba.MambaContextParallel.post_conv_ssm":
+        "by reading: all-to-all back [B, S, D/N] -> [B, S/N, D], redo the head-tail layout",
+    "nemo_automodel.components.distributed.context_parallel.mamba._AllToAll":
+        "by reading: all_to_all_single forward and backward",
+    "nemo_automodel.components.distributed.context_parallel.utils.attach_context_parallel_hooks":
+        "self_attn pre-hooks (model setup at cp_size > 1; Nemotron's attention is registered as 'mixer')",
+    "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_load_balanced":
+        "pops attention_mask, adds position_ids, pads to 2 * cp_size, builds the ring SDPA context",
+    "torch.distributed.tensor.experimental._context_parallel._attention._templated_ring_attention":
+        "by reading: ring SDPA of the attention layers (allgather rotater)",
+    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor":
+        "differentiable all_gather of the logits, round-robin order undone, CP padding trimmed",
+}
+
+BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch_fp32", rope_fusion=False)
+
+TINY: dict[str, Any] = dict(
+    vocab_size=64,
+    hidden_size=32,
+    layers_block_type=["mamba", "attention", "mamba", "mlp"],
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=32,
+    mlp_hidden_act="relu2",
+    ssm_state_size=16,
+    mamba_num_heads=8,
+    mamba_head_dim=8,
+    n_groups=8,
+    conv_kernel=4,
+    chunk_size=16,
+    use_conv_bias=True,
+    mamba_hidden_act="silu",
+    max_position_embeddings=4096,
+    initializer_range=0.2,
+    layer_norm_epsilon=1e-5,
+    tie_word_embeddings=False,
+    use_cache=False,
+    pad_token_id=0,
+    num_nextn_predict_layers=0,
+)
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> NemotronHConfig:
+    """The HF ``NemotronHConfig`` for the tiny model (``TINY`` with ``overrides``) in ``dtype``."""
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"{NAME}: dtype {dtype} not supported (supported: {list(_DTYPE_NAMES.values())})")
+    cfg = NemotronHConfig(**{**copy.deepcopy(TINY), **overrides})
+    cfg.torch_dtype = _DTYPE_NAMES[dtype]
+    return cfg
+
+
+def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """The tiny model with seeded random weights (drawn on the CPU), in ``dtype``, on ``rank_device()``, train mode."""
+    from nemo_automodel.components.models.nemotron_v3.model import NemotronHForCausalLM
+
+    cfg = config(dtype, **overrides)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = NemotronHForCausalLM(cfg, backend=BackendConfig(**BACKEND))
+        model.initialize_weights(buffer_device=torch.device("cpu"), dtype=dtype)
+    finally:
+        torch.random.set_rng_state(state)
+    return model.to(rank_device()).train()
+
+
+def _mamba_cp_once(model: torch.nn.Module, mesh: Any) -> None:
+    """The CP assignments of ``NemotronHModelParallelizer._apply`` for a new CP mesh (Mamba layers only: the
+    attention layers here are SDPA, which that loop leaves alone)."""
+    if getattr(model, "_cp_harness_cp_mesh", None) is mesh:
+        return
+    from nemo_automodel.components.distributed.context_parallel.mamba import MambaContextParallel
+
+    cp_group = mesh.get_group()
+    for layer in model.model.layers.values():
+        if getattr(layer, "block_type", None) == "mamba":
+            mixer = layer.mixer
+            mixer.cp = MambaContextParallel(cp_group=cp_group, num_heads=mixer.num_heads, head_dim=mixer.head_dim,
+                                            n_groups=mixer.n_groups, d_state=mixer.ssm_state_size, mixer=mixer)
+    model._cp_harness_cp_mesh = mesh
+
+
+@contextlib.contextmanager
+def _mamba_cp_off(model: torch.nn.Module):
+    """No Mamba CP for the block: a one-device user's model has ``mixer.cp = None``."""
+    mixers = [layer.mixer for layer in model.model.layers.values() if getattr(layer, "block_type", None) == "mamba"]
+    saved = [mixer.cp for mixer in mixers]
+    for mixer in mixers:
+        mixer.cp = None
+    try:
+        yield
+    finally:
+        for mixer, cp in zip(mixers, saved):
+            mixer.cp = cp
+
+
+def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_token_id: int = 0,
+          ) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
+    """Mamba CP at a new CP mesh, then the recipe's sharder on a device copy; ``ctx_factory()`` adds the CP hooks.
+
+    Returns:
+        ``(ctx_factory, local_batch, sharder)``; ``local_batch`` tensors ``[B, S_local]`` inside ``ctx_factory()``.
+    """
+    batch = batch_to(batch, model_device(model))
+    sharder = ContextParallelSharder(model, mesh, batch, padding_token_id=padding_token_id)
+    train_ctx, local_batch = sharder.shard(batch)
+    if mesh is None or mesh.size() <= 1:
+        @contextlib.contextmanager
+        def one_device():
+            with _mamba_cp_off(model), train_ctx():
+                yield
+        return one_device, local_batch, sharder
+    _mamba_cp_once(model, mesh)
+
+    @contextlib.contextmanager
+    def ctx_factory():
+        with _context_parallel_hooks(model), train_ctx():
+            yield
+
+    return ctx_factory, local_batch, sharder
+
+
+def forward(model: torch.nn.Module, local_batch: dict[str, Any]) -> torch.Tensor:
+    """The model on this rank's shard (inside ``ctx_factory()``); logits ``[B, S_local, V]``."""
+    kwargs = {key: value for key, value in local_batch.items() if key != "labels"}
+    return model(**filter_forward_kwargs(model, kwargs)).logits
+
+
+def gather_logits(sharder: ContextParallelSharder, local_logits: torch.Tensor) -> torch.Tensor:
+    """Local logits ``[B, S_local, V]`` -> ``[B, S, V]`` in global order, CP padding trimmed (the sharder's verb)."""
+    return sharder.gather_token_tensor(local_logits, seq_dim=1, trim=True)
