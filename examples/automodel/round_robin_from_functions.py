@@ -30,8 +30,13 @@ import cp_impl
 from examples.automodel._compose import compose
 
 FRAMEWORK_FUNCTION = shard_sequence_for_cp_round_robin
-_FUNCTIONS = "nemo_automodel...sharder.{round_robin_local_indices,shard_sequence_for_cp_round_robin,shard_token_tensor_by_indices}"
-SERVES = {"inkling2.prepare_cp_inputs": _FUNCTIONS, "mistral_large4.prepare_cp_inputs": _FUNCTIONS}
+_SHARDER = "nemo_automodel.components.distributed.context_parallel.sharder"
+SERVES = {"inkling2.prepare_cp_inputs": f"{_SHARDER}.shard_sequence_for_cp_round_robin",
+          "mistral_large4.prepare_cp_inputs": f"{_SHARDER}.shard_sequence_for_cp_round_robin"}
+# The other framework callables the served hooks run (the coverage table reads them too).
+ALSO_USES = {f"{_SHARDER}.round_robin_local_indices": "the index map of every shard",
+             f"{_SHARDER}.shard_token_tensor_by_indices": "every key sharded out of place",
+             f"{_SHARDER}.ContextParallelSharder": "the sharder the hooks return"}
 
 
 def _local_indices(cp_mesh, padded_seq_len: int, device=None):

@@ -32,6 +32,7 @@ from examples.automodel._compose import compose
 
 FRAMEWORK_FUNCTION = shard_batch_identity
 _STRATEGY = "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_identity"
+WORLD_SIZES = (1,)  # the framework dispatches it at cp_size <= 1 only (S4: at N > 1 every rank owns every token)
 SERVES = {"inkling2.prepare_cp_inputs": _STRATEGY, "mistral_large4.prepare_cp_inputs": _STRATEGY}
 
 

@@ -20,6 +20,9 @@ import pytest
 from cp_harness.checks.real_model import smoke_cases
 from cp_harness.judging.render import report_text
 
+# The subjects whose CP path these tests run and judge (examples/automodel/coverage.py reads it).
+JUDGES = ("spec:deepseek_v41",)
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
 SPEC = "examples.automodel.models.deepseek_v41"

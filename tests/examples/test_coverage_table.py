@@ -1,0 +1,69 @@
+"""The coverage table of ``scripts/real_clients`` (``examples/automodel/coverage.py``): generated from the
+framework's sources, the adapters' ``SERVES`` / ``ALSO_USES``, the specs' ``COVERS``, the tests' ``JUDGES`` and the
+nightly workflow; no ranks."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
+    reason="the coverage table reads the framework and its model specs (the 'models' extra)")
+
+
+def _summary(**outcomes) -> dict:
+    subjects = {s: {"failed_rows": rows} for s, rows in outcomes.items()}
+    return {"subjects": subjects, "skipped": {"spec:load_balanced_sdpa": "needs cuda: the ring"}, "findings": [
+        {"subject": "adapter:deepseek_v41_gather", "row": "model: MistralLarge4-mini (float64)", "defect": "D1"}]}
+
+
+@pytest.fixture(scope="module")
+def table():
+    from examples.automodel import coverage
+
+    return coverage.build(_summary(**{"adapter:deepseek_v41_gather": ["model: MistralLarge4-mini (float64)"],
+                                      "adapter:shard_batch_contiguous": []}), [])
+
+
+def test_every_public_cp_function_of_the_framework_is_a_row(table):
+    from examples.automodel import coverage
+
+    functions = coverage.framework_functions()
+    assert len(functions) > 100 and len({r.function for r in table.rows}) == len(table.rows)
+    assert set(functions) <= {r.function for r in table.rows}
+    assert "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_load_balanced" in functions
+
+
+def test_what_an_adapter_serves_is_exercised_by_it_and_says_where(table):
+    from examples.automodel import ADAPTERS
+
+    rows = {r.function: r for r in table.rows}
+    for adapter in ADAPTERS:
+        module = importlib.import_module(f"examples.automodel.{adapter}")
+        for dotted in module.SERVES.values():
+            assert f"adapter:{adapter}" in {s for s, _ in rows[dotted].exercised_by}, (adapter, dotted)
+    gather = rows["nemo_automodel.components.models.deepseek_v41.cp.gather_sequence"]
+    assert "tests/examples/test_real_clients.py" in gather.default_command  # its JUDGES name the adapter
+    assert gather.real_clients == ["adapter:deepseek_v41_gather: failed as documented (D1)"]
+    assert gather.nightly == ["adapter:deepseek_v41_gather"]  # real_clients --backend nccl in the nightly
+
+
+def test_a_spec_that_cannot_run_here_says_why_and_runs_in_the_nightly(table):
+    ring = next(r for r in table.rows if r.function.endswith("_templated_ring_attention_backward"))
+    assert any(o.startswith("spec:load_balanced_sdpa: skipped here (needs cuda") for o in ring.real_clients)
+    assert "spec:load_balanced_sdpa" in ring.nightly and not ring.default_command
+
+
+def test_a_function_nothing_exercises_says_why_and_the_text_forms_count_them(table):
+    rows = {r.function: r for r in table.rows}
+    halo = rows["nemo_automodel.components.distributed.blockdiag_cp.exchange._LeftHaloExchange"]
+    assert not halo.exercised_by and halo.why_not.startswith("one neighbour only")
+    unjudged = [r for r in table.rows if not r.exercised_by]
+    assert unjudged and all(r.why_not for r in unjudged)
+    judged = sum(1 for r in table.rows if r.exercised_by)
+    assert table.markdown().startswith(f"{judged} of {len(table.rows)} framework CP functions are exercised")
+    assert f"{judged} of {len(table.rows)}" in table.text()
+    assert table.as_dict()["judged"] == judged
