@@ -224,24 +224,26 @@ def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_toke
 
 
 @contextlib.contextmanager
-def _flex_attention_for(model: torch.nn.Module) -> Iterator[None]:
-    """On CPU, the framework's FlexAttention cache holds the uncompiled function for the call."""
+def flex_attention_for(model: torch.nn.Module, cache: list) -> Iterator[None]:
+    """On CPU, the framework's FlexAttention cache ``cache`` (a one-element list) holds the uncompiled function
+    for the call, and its previous content afterwards."""
     if next(model.parameters()).device.type != "cpu":
         yield
         return
-    saved = kimi_cp._COMPILED_FLEX_ATTENTION[0]
-    kimi_cp._COMPILED_FLEX_ATTENTION[0] = model_owned_cp.flex_attention_eager()
+    saved = cache[0]
+    cache[0] = model_owned_cp.flex_attention_eager()
     try:
         yield
     finally:
-        kimi_cp._COMPILED_FLEX_ATTENTION[0] = saved
+        cache[0] = saved
 
 
-def forward(model: torch.nn.Module, local_batch: dict[str, Any]) -> torch.Tensor:
+def forward(model: torch.nn.Module, local_batch: dict[str, Any], *,
+            flex_cache: list = kimi_cp._COMPILED_FLEX_ATTENTION) -> torch.Tensor:
     """The model (or its CP twin) on this rank's shard, in ``ctx_factory()``; logits ``[B, S_local, V]``."""
     target = local_batch.get("_spec_cp_model", model)
     kwargs = {key: value for key, value in local_batch.items() if key not in ("labels", "_spec_cp_model")}
-    with _flex_attention_for(target):
+    with flex_attention_for(target, flex_cache):
         return target(**filter_forward_kwargs(target, kwargs)).logits
 
 
