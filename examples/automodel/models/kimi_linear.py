@@ -254,8 +254,9 @@ def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
     return seq_len + (-seq_len) % cp_size
 
 
-_NEAT = PackingCapabilities(packed_mask_type=KimiLinear48BForCausalLM.packed_mask_type,
-                            requires_packed_sequence_metadata=KimiLinear48BForCausalLM.requires_packed_sequence_metadata)
+_NEAT = PackingCapabilities(  # the contract the model declares (the same for Kimi K3)
+    packed_mask_type=KimiLinear48BForCausalLM.packed_mask_type,
+    requires_packed_sequence_metadata=KimiLinear48BForCausalLM.requires_packed_sequence_metadata)
 
 
 def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, vocab: int = 64,
