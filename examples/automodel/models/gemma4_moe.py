@@ -1,0 +1,295 @@
+"""Model spec: nemo-automodel 0.7.0's Gemma4 MoE (``Gemma4ForConditionalGeneration`` with ``enable_moe_block``)
+at a tiny random config, CP the framework's way: contiguous shards and Gemma4's own p2p ring attention.
+
+The interface is ``deepseek_v41``'s (see its docstring for every function and shape); this module documents
+what differs. Shapes: ``B`` rows, ``S`` global sequence, ``S_local`` this rank's shard, ``V`` vocabulary.
+
+CP machinery (model-owned, ``_owns_cp_attention``): ``prepare_model_inputs_for_cp`` returns a
+``ContextParallelSharder`` whose ``shard_batch`` (``_cp_shard_batch_aux_only``) pads every stream to a
+multiple of ``2 x cp`` and keeps one contiguous slice per rank of the *auxiliary* streams only (``labels``,
+``position_ids``, ``padding_mask``, the document map ``_packed_seq_ids``, synthesized for unpacked rows);
+``input_ids`` stays full length and the forward embeds the whole row and slices it
+(``shard_sequence_for_cp_contiguous``). Each attention layer swaps ``F.scaled_dot_product_attention`` for a
+ring (``_Gemma4FlexRingAttention``): K/V and the mask metadata rotate rank to rank over
+``batch_isend_irecv`` (``_ring_exchange``), each received chunk is attended with FlexAttention under a
+local-query/global-key mask (causal, sliding window, document, padding, vision groups) and merged by its
+log-sum-exp (``_merge_flex_chunk``). Sliding layers collect ``ceil(window / S_local)`` prior chunks, full
+layers (and any layer when vision metadata is present) all ``cp - 1``. Backward (GPU only, see
+``FORWARD_ONLY_ON``) recomputes the chunks, and sends each owner's dK/dV back to it
+(``_route_kv_grads_to_owners``, p2p).
+
+How the spec enters CP: as a run with ``ep_size > 1`` does (the Gemma4 MoE recipes run EP 8): the framework's
+``apply_cp`` (``model_owned_cp.apply_moe_cp``) installs the ring on every attention module, then the
+recipe's ``ContextParallelSharder(model, mesh, batch)`` + ``shard(batch)``; the sharder's own
+``setup_cp_attention`` call is then a no-op, as in training. It does so on a CP twin of the model
+(``model_owned_cp.cp_twin``: same parameters, own modules), because the install is permanent.
+
+One-device reference: the untouched model through the identity sharder, attention ``eager`` (what the Gemma4
+MoE recipes set; CP forces ``sdpa``, which the ring replaces). Packed batches are collated as the VLM
+loader does at ``cp_size <= 1`` (``neat_packed_vlm_collater(materialize_4d_mask=True)``: a ``[B, 1, S, S]``
+block-causal ``attention_mask``, ``_packed_seq_ids`` only when some row holds two or more documents); the
+CP path gets the loader's ``cp_size > 1`` form (the indexed ``[B, S]`` mask and ``_packed_seq_ids``), which is
+what ``make_batch`` returns. (``collate_fns`` itself cannot be imported without the ``datasets`` package,
+which the pinned set does not hold, so ``one_device_batch`` applies those lines of it.) Two one-device
+findings follow (``docs/models/gemma4_moe.md``, repro ``repro_gemma4_packed_masks.py``), and such cases fail:
+G1, rows that are all single documents lose the sliding window (any attention); G2, with ``eager`` attention
+packs of two or more documents get no masking at all. ``overrides={"attn_implementation": "sdpa"}`` removes
+G2 (the CP path does not depend on it).
+
+On CPU (``FORWARD_ONLY_ON``): the forward must run under ``torch.no_grad()``, and the twin's FlexAttention
+runs uncompiled (``_gemma4_cp_compiled_flex_attn``, the framework's per-module compile cache; see
+``model_owned_cp.flex_attention_eager`` for the two inductor errors). Logits and loss are judged, no gradient.
+
+Batch keys: plain and right-padded batches are ``deepseek_v41``'s (``input_ids``, ``labels``, optional
+``attention_mask`` 1/0). Packed rows (``documents`` per row, concatenated from column 0): ``input_ids``,
+``labels`` (shifted within each document, -100 on its last token and on padding), ``attention_mask``
+``[B, S]`` (document index 1.., 0 padding), ``position_ids`` (document-local, 0 on padding),
+``mm_token_type_ids`` (0: text), ``_packed_seq_ids`` (= ``attention_mask``).
+
+Tiny config (``TINY``): hidden 16, 4 layers ``[sliding, full, sliding, full]``, sliding window 4, 2 query
+heads and 1 KV head of 8 (sliding) / 16 (full, ``attention_k_eq_v``: V is K), MoE with 4 experts (2 active)
+beside the dense MLP in every layer, vocabulary 64, final logit soft-cap 30, ``use_bidirectional_attention=
+"vision"`` (as the released Gemma 4 configs), no vision/audio tower, no per-layer inputs, tied embeddings.
+The FFPA (head_dim 512, CUDA) and FlashAttention sliding kernels are not selected (``cp_*_attn_backend``
+default ``flex``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+
+from examples.automodel.models import model_owned_cp
+from examples.automodel.models.deepseek_v41 import (  # noqa: F401  (re-exported: same verbs, same semantics)
+    IGNORE_INDEX,
+    gather_logits,
+    local_labels,
+    loss,
+    num_label_tokens,
+    pad_batch,
+    valid_positions,
+)
+from examples.automodel.models.deepseek_v41 import make_batch as _unpacked_batch
+from nemo_automodel.components.datasets.utils import _indexed_mask_to_4d_block_causal
+from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
+from nemo_automodel.components.models.common import BackendConfig
+from nemo_automodel.components.models.gemma4_moe.model import Gemma4Config, Gemma4ForConditionalGeneration
+from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
+
+NAME = "gemma4_moe"
+FRAMEWORK_CLASS = "nemo_automodel.components.models.gemma4_moe.model.Gemma4ForConditionalGeneration"
+DTYPES = (torch.float32, torch.bfloat16)
+WORLD_SIZES = (1, 2, 3)  # CP 4 and above never run (3 ranks at most on the machine these were measured on)
+BATCH_KINDS = ("plain", "right_padded", "packed")
+
+FORWARD_ONLY_ON = {
+    "cpu": "torch 2.13 has no FlexAttention backward on CPU: in a training step the ring's forward already raises "
+           "'RuntimeError: Gemma4 CP ring requires FlexAttention for local-query/ring-KV attention. FlexAttention "
+           "failed for Q=(1, 2, 8, 8) K=(1, 1, 8, 8) V=(1, 1, 8, 8) cp_rank=0 seq_local=8 kv_global_start=0.' from "
+           "'NotImplementedError: FlexAttention does not support backward on CPU. Please set the input "
+           "requires_grad to False or use another device.' (torch/nn/attention/flex_attention.py "
+           "_validate_device); without grad the compiled kernel raises 'torch.compile on CPU only supports "
+           "inference and `return_lse` is not supported yet', so on CPU the forward runs under torch.no_grad() "
+           "with FlexAttention uncompiled",
+}
+
+COVERS: dict[str, str] = {
+    "nemo_automodel.components.moe.parallelizer.apply_cp":
+        "sets the CP flags and mesh, calls every attention module's setup_cp_attention",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._install_gemma4_cp_ring_sdpa":
+        "installs the pre/post hooks that swap F.scaled_dot_product_attention for the ring per attention call",
+    "nemo_automodel.components.models.gemma4_moe.model.Gemma4ForConditionalGeneration.prepare_model_inputs_for_cp":
+        "returns the model-owned contiguous sharder",
+    "nemo_automodel.components.models.gemma4_moe.model.Gemma4ForConditionalGeneration._cp_shard_batch_aux_only":
+        "the sharder's shard_batch: records cp_mesh, shards the auxiliary streams",
+    "nemo_automodel.components.models.gemma4_moe.cp_batch.make_contiguous_aux_only_shard_cp_batch_and_ctx":
+        "attention_mask -> padding_mask, synthesizes _packed_seq_ids for unpacked rows",
+    "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_contiguous":
+        "pads to 2 x cp, slices labels / position_ids / padding_mask / _packed_seq_ids per rank",
+    "nemo_automodel.components.models.gemma4_moe.model.Gemma4ForConditionalGeneration._cp_sunk_prepare_inputs":
+        "embeds the full row, slices embeddings and mm_token_type_ids / vision-group ids per rank",
+    "nemo_automodel.components.distributed.context_parallel.sharder.shard_sequence_for_cp_contiguous":
+        "pads and slices the embeddings (differentiable index_select)",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._gemma4_cp_manual_attention":
+        "builds the ring context from the captured metadata",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._Gemma4FlexRingAttention.forward":
+        "the ring's autograd function (forward)",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._collect_ring_kv_chunks":
+        "rotates K/V and metadata around the ring",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._direct_exchange":
+        "batch_isend_irecv to cp_rank + 1, from cp_rank - 1",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._run_gemma4_flex_chunk":
+        "one chunk: local-query/global-key block mask, FlexAttention with LSE",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._merge_flex_chunk":
+        "log-sum-exp merge of the chunk outputs",
+    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor":
+        "logits back to global order (differentiable all_gather), CP padding trimmed",
+}
+
+BATCH_KEYS: dict[str, dict[str, str]] = {
+    "required": {
+        "input_ids": "[B, S] int64 token ids",
+        "labels": "[B, S] int64 targets, already shifted (within each document when packed); -100 ignored",
+    },
+    "optional": {
+        "attention_mask": "[B, S] 1 real / 0 padding (right padding), or document index 1.. / 0 (packed rows)",
+        "position_ids": "[B, S] int64 (document-local in packed rows)",
+        "mm_token_type_ids": "[B, S] int64 0 text (packed rows, as the VLM collater emits them)",
+        "_packed_seq_ids": "[B, S] document index 1.. / 0 padding (packed rows)",
+    },
+    "produced_by_sharder": {
+        "padding_mask": "[B, S_local] bool, True on padding (CP)",
+        "_packed_seq_ids": "[B, S_local] (CP; synthesized for unpacked rows: 1 real, 0 padding)",
+    },
+}
+
+BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch", experts="torch", dispatcher="torch",
+               fake_balanced_gate=False, enable_hf_state_dict_adapter=False)
+ONE_DEVICE_ATTENTION = "eager"
+
+TINY: dict[str, Any] = dict(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=16,
+    num_hidden_layers=4,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    sliding_window=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    global_head_dim=16,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    enable_moe_block=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=8,
+    hidden_size_per_layer_input=0,
+    vocab_size_per_layer_input=64,
+    use_bidirectional_attention="vision",
+    final_logit_softcapping=30.0,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    pad_token_id=0,
+    use_cache=False,
+)
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> Gemma4Config:
+    """The framework's config for the tiny model (``TINY`` with ``overrides``) in ``dtype``, text only.
+
+    ``overrides["attn_implementation"]`` (default ``ONE_DEVICE_ATTENTION``) selects the HF attention of the
+    one-device path; every other key replaces a text-config field.
+    """
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"{NAME}: dtype {dtype} not supported (supported: {list(_DTYPE_NAMES.values())})")
+    overrides = dict(overrides)
+    attention = overrides.pop("attn_implementation", ONE_DEVICE_ATTENTION)
+    text = {**copy.deepcopy(TINY), **overrides, "dtype": _DTYPE_NAMES[dtype]}
+    cfg = Gemma4Config(text_config=text, vision_config=None, audio_config=None, dtype=_DTYPE_NAMES[dtype])
+    cfg._attn_implementation = attention
+    cfg.text_config._attn_implementation = attention
+    return cfg
+
+
+def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """The tiny model on CPU in ``train()`` mode with seeded random weights (same on every rank)."""
+    cfg = config(dtype, **overrides)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = Gemma4ForConditionalGeneration(cfg, backend=BackendConfig(**BACKEND))
+        model.initialize_weights(buffer_device=torch.device("cpu"), dtype=dtype)
+    finally:
+        torch.random.set_rng_state(state)
+    return model.train()
+
+
+def _enter_cp(twin: torch.nn.Module, cp_mesh: Any) -> None:
+    model_owned_cp.apply_moe_cp(twin, cp_mesh)
+    if next(twin.parameters()).device.type == "cpu":
+        flex = model_owned_cp.flex_attention_eager()
+        for module in twin.modules():
+            if hasattr(module, "_gemma4_cp_sliding_backend"):  # set by attach_gemma4_cp_ring_attention
+                module._gemma4_cp_compiled_flex_attn = flex
+
+
+def one_device_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """A packed batch as the VLM loader collates it at ``cp_size <= 1``: the indexed mask expanded to the
+    ``[B, 1, S, S]`` block-causal mask, ``_packed_seq_ids`` kept only when some row holds two or more
+    documents (``neat_packed_vlm_collater``, ``materialize_4d_mask=True``). Unpacked batches are unchanged."""
+    ids = batch.get("_packed_seq_ids")
+    if ids is None:
+        return batch
+    out = dict(batch)
+    out["attention_mask"] = _indexed_mask_to_4d_block_causal(batch["attention_mask"])
+    if not bool(batch["attention_mask"].max() > 1):
+        out.pop("_packed_seq_ids")
+    return out
+
+
+def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_token_id: int = 0,
+          ) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
+    """``ContextParallelSharder(model, mesh, batch)`` then ``shard``, on the CP twin when ``mesh`` has > 1 rank.
+
+    Returns ``(ctx_factory, local_batch, sharder)``; under CP ``local_batch`` holds ``[B, S_local]`` auxiliary
+    streams, the full ``[B, S]`` ``input_ids`` and, under ``"_spec_cp_model"``, the twin ``forward`` runs.
+    """
+    batch = dict(batch)
+    target = model
+    if model_owned_cp.cp_active(mesh):
+        target = model_owned_cp.cp_twin(model, mesh, _enter_cp)
+    else:
+        batch = one_device_batch(batch)
+    sharder = ContextParallelSharder(target, mesh, batch, padding_token_id=padding_token_id)
+    ctx_factory, local_batch = sharder.shard(batch)
+    if target is not model:
+        local_batch["_spec_cp_model"] = target
+    return ctx_factory, local_batch, sharder
+
+
+def forward(model: torch.nn.Module, local_batch: dict[str, Any]) -> torch.Tensor:
+    """The model (or its CP twin) on this rank's shard, in ``ctx_factory()``; logits ``[B, S_local, V]`` in the
+    model dtype, soft-capped."""
+    target = local_batch.get("_spec_cp_model", model)
+    kwargs = {key: value for key, value in local_batch.items() if key not in ("labels", "_spec_cp_model")}
+    return target(**filter_forward_kwargs(target, kwargs)).logits
+
+
+def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
+    """Global length a row of ``seq_len`` is padded to at ``cp_size`` (a multiple of ``2 x cp_size``)."""
+    if cp_size <= 1:
+        return seq_len
+    return seq_len + (-seq_len) % (2 * cp_size)
+
+
+def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, vocab: int = 64,
+               documents: list[list[int]] | None = None, pad: int = 0, pad_id: int = 0) -> dict[str, Any]:
+    """An example batch: ``"plain"`` and ``"right_padded"`` as ``deepseek_v41``; ``"packed"`` as the VLM
+    neat-packing collater emits it for CP (see the module docstring for its keys)."""
+    if kind != "packed":
+        return _unpacked_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad,
+                               pad_id=pad_id)
+    if documents is None or len(documents) != batch_size:
+        raise ValueError("packed batches need one list of document lengths per row")
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, vocab, (batch_size, seq_len), generator=generator)
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    doc_ids = torch.zeros_like(input_ids)
+    position_ids = torch.zeros_like(input_ids)
+    for row, lengths in enumerate(documents):
+        if sum(lengths) > seq_len:
+            raise ValueError(f"documents {lengths} exceed the row of {seq_len}")
+        start = 0
+        for index, length in enumerate(lengths, start=1):
+            labels[row, start:start + length - 1] = input_ids[row, start + 1:start + length]
+            doc_ids[row, start:start + length] = index
+            position_ids[row, start:start + length] = torch.arange(length)
+            start += length
+        input_ids[row, start:] = pad_id
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": doc_ids, "position_ids": position_ids,
+            "mm_token_type_ids": torch.zeros_like(input_ids), "_packed_seq_ids": doc_ids.clone()}

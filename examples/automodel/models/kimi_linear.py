@@ -1,0 +1,300 @@
+"""Model spec: nemo-automodel 0.7.0's Kimi Linear (``KimiLinear48BForCausalLM``) at a tiny random config, MLA
+layers only, CP the framework's way: contiguous shards and an all-gather of the compressed KV latent.
+
+The interface is ``deepseek_v41``'s (see its docstring for every function and shape); this module documents
+what differs. Shapes: ``B`` rows, ``S`` global sequence, ``S_local`` this rank's shard, ``V`` vocabulary.
+
+CP machinery (model-owned, ``_owns_cp_attention``): ``prepare_model_inputs_for_cp`` returns a
+``ContextParallelSharder`` whose ``shard_batch`` (``kimi_linear.cp.shard_batch_for_kimi_cp``) resolves one
+global document-id map ``[B, S]`` from the batch (``_packed_seq_ids``, else a 2-D ``attention_mask``, else
+``seq_lens_padded`` / ``seq_lens``, else all ones minus ``padding_mask``), pads every stream to a multiple of
+``cp``, keeps one contiguous slice per rank and hands the layers a ``KimiPackedContext`` (global map, shard
+offset). Each MLA layer keeps its queries local, all-gathers the compressed latent
+(``kv_a_proj_with_mqa`` output, ``kv_lora_rank + qk_rope_head_dim`` per token; ``all_gather_sequence``),
+expands K/V from the full latent and runs FlexAttention with a causal per-document block mask of local
+queries against global keys (``document_causal_flex_attention``). Backward (GPU only, see
+``FORWARD_ONLY_ON``): the all-gather's backward all-reduces the latent gradient and keeps this rank's slice.
+
+Restricted to MLA: the real model interleaves Kimi Delta Attention (KDA) layers, whose one-device and CP paths
+(``chunk_kda`` with FLA's ``cp_context``, short-convolution boundary exchange) are Triton kernels from
+``fla`` (flash-linear-attention), not installed and not runnable on CPU (``KimiDeltaAttention.__init__``
+raises ``UnavailableError`` without it). ``linear_attn_config["kda_layers"]`` is empty here, so KDA's CP path
+is not judged.
+
+How the spec enters CP: as a run with ``ep_size > 1`` does (the Kimi Linear CP recipe runs EP 8, CP 8): the
+framework's ``apply_cp`` (``model_owned_cp.apply_moe_cp``) hands the mesh to every attention and MoE module,
+then the recipe's ``ContextParallelSharder(model, mesh, batch)`` + ``shard(batch)``; on a CP twin of the model
+(``model_owned_cp.cp_twin``). At ``ep_size == 1`` the infrastructure does not call ``apply_cp`` and the MLA
+forward raises ``RuntimeError: Kimi MLA attention received a context-parallel batch but no CP mesh``; see
+``docs/models/kimi_linear.md``.
+
+One-device reference: the untouched model through the identity sharder (the batch as given). On CPU
+(``FORWARD_ONLY_ON``) the forward must run under ``torch.no_grad()`` and the CP forward runs FlexAttention
+uncompiled (the framework's cache ``kimi_linear.cp._COMPILED_FLEX_ATTENTION``, set for the call and restored).
+
+Batch keys: plain and right-padded batches are ``deepseek_v41``'s. Packed rows (``documents`` per row,
+concatenated from column 0), two forms, both from the framework's collaters:
+
+* ``packing="neat"`` (default; the ``document_ids`` contract the model declares): ``neat_packed_collater``
+  output, ``input_ids``, ``labels`` (shifted within each document), ``position_ids`` (document-local),
+  ``attention_mask`` ``[B, S]`` (document index 1.., 0 padding), ``_packed_seq_ids`` (the same),
+  ``packed_token_indices`` ``[B, S]``, ``cu_seqlens`` ``[B, D + 1]``, ``max_seqlen`` (int);
+* ``packing="thd"`` (the recipe's default packing strategy, and the collater of the framework's Kimi Linear
+  CP example): ``packed_sequence_thd_collater`` output, ``input_ids``, ``labels``, ``position_ids``,
+  ``seq_lens`` / ``seq_lens_padded`` ``[B, D]`` (-1000 absent), ``qkv_format="thd"``. The one-device model
+  ignores ``seq_lens`` (documents attend to each other) while CP honours them: finding K1 in
+  ``docs/models/kimi_linear.md``; such cases fail.
+
+Tiny config (``TINY``): hidden 16, 3 MLA layers (2 heads, nope 8 + rope 4 query/key dims, value 8, latent
+``kv_lora_rank`` 8, no query LoRA, NoPE as the real model), layer 0 dense MLP, layers 1-2 MoE with 4 routed
+experts (2 active, sigmoid router with score-correction bias) and one shared expert, vocabulary 64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable, Iterator
+
+import torch
+
+from examples.automodel.models import model_owned_cp
+from examples.automodel.models.deepseek_v41 import (  # noqa: F401  (re-exported: same verbs, same semantics)
+    IGNORE_INDEX,
+    gather_logits,
+    local_labels,
+    loss,
+    num_label_tokens,
+    pad_batch,
+    valid_positions,
+)
+from examples.automodel.models.deepseek_v41 import make_batch as _unpacked_batch
+from nemo_automodel.components.datasets.utils import neat_packed_collater, packed_sequence_thd_collater
+from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
+from nemo_automodel.components.models.common import BackendConfig
+from nemo_automodel.components.models.common.packing import PackingCapabilities
+from nemo_automodel.components.models.kimi_linear import cp as kimi_cp
+from nemo_automodel.components.models.kimi_linear.config import KimiLinear48BConfig
+from nemo_automodel.components.models.kimi_linear.model import KimiLinear48BForCausalLM
+from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
+
+NAME = "kimi_linear"
+FRAMEWORK_CLASS = "nemo_automodel.components.models.kimi_linear.model.KimiLinear48BForCausalLM"
+DTYPES = (torch.float32, torch.bfloat16)
+WORLD_SIZES = (1, 2, 3)  # CP 4 and above never run (3 ranks at most on the machine these were measured on)
+BATCH_KINDS = ("plain", "right_padded", "packed")
+
+FORWARD_ONLY_ON = {
+    "cpu": "torch 2.13 has no FlexAttention backward on CPU: in a training step the CP forward of every MLA layer "
+           "(kimi_linear/cp.py document_causal_flex_attention) raises 'NotImplementedError: FlexAttention does not "
+           "support backward on CPU. Please set the input requires_grad to False or use another device.' "
+           "(torch/nn/attention/flex_attention.py _validate_device); without grad the compiled kernel fails to "
+           "build ('torch._inductor.exc.InductorError: CppCompileError: C++ compile error ... error: "
+           "'cur_qSplitSize7' was not declared in this scope'), so on CPU the forward runs under torch.no_grad() "
+           "with FlexAttention uncompiled",
+}
+
+COVERS: dict[str, str] = {
+    "nemo_automodel.components.moe.parallelizer.apply_cp":
+        "hands the CP mesh to every MLA module (setup_cp_attention) and MoE module",
+    "nemo_automodel.components.models.kimi_linear.model.KimiMLAAttention.setup_cp_attention":
+        "stores the CP mesh the latent all-gather uses",
+    "nemo_automodel.components.models.kimi_linear.model.KimiLinear48BForCausalLM.prepare_model_inputs_for_cp":
+        "returns the model-owned contiguous sharder",
+    "nemo_automodel.components.models.kimi_linear.cp.shard_batch_for_kimi_cp":
+        "global document map, pads to a multiple of cp, contiguous slices, KimiPackedContext",
+    "nemo_automodel.components.models.kimi_linear.cp._global_doc_ids_from_batch":
+        "document ids from _packed_seq_ids / attention_mask / seq_lens(_padded) / padding_mask",
+    "nemo_automodel.components.models.kimi_linear.model.KimiMLAAttention._forward_with_cp":
+        "local queries, gathered latent expanded to global K/V",
+    "nemo_automodel.components.models.kimi_linear.cp.all_gather_sequence":
+        "all-gathers the compressed latent along the sequence (autograd: all-reduce + slice)",
+    "nemo_automodel.components.models.kimi_linear.cp.document_causal_flex_attention":
+        "FlexAttention of local queries against global keys, causal per document",
+    "nemo_automodel.components.models.kimi_linear.cp._document_causal_block_mask":
+        "the block mask (global query offset = the shard start)",
+    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor":
+        "logits back to global order (differentiable all_gather), CP padding trimmed",
+}
+
+BATCH_KEYS: dict[str, dict[str, str]] = {
+    "required": {
+        "input_ids": "[B, S] int64 token ids",
+        "labels": "[B, S] int64 targets, already shifted (within each document when packed); -100 ignored",
+    },
+    "optional": {
+        "attention_mask": "[B, S] 1 real / 0 padding, or document index 1.. / 0 (neat-packed rows)",
+        "position_ids": "[B, S] int64 (document-local in packed rows; not read: NoPE)",
+        "_packed_seq_ids": "[B, S] document index 1.. / 0 padding (neat-packed rows)",
+        "packed_token_indices": "[B, S] row-local token positions, -1 padding (neat-packed rows)",
+        "cu_seqlens": "[B, D + 1] int32 row-local boundaries, -1 after the last (neat-packed rows)",
+        "max_seqlen": "int, longest document (neat-packed rows)",
+        "seq_lens": "[B, D] int64 document lengths, -1000 absent (THD-packed rows)",
+        "seq_lens_padded": "[B, D] int64 physical spans, trailing padding in the last (THD-packed rows)",
+        "qkv_format": "'thd' (THD-packed rows)",
+    },
+    "produced_by_sharder": {
+        "kimi_packed_context": "KimiPackedContext: global document ids [B, S_padded], shard start, cp size (CP)",
+        "padding_mask": "[B, S_local] bool, True on padding (CP)",
+    },
+}
+
+BACKEND = dict(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch",
+               fake_balanced_gate=False, enable_hf_state_dict_adapter=False)
+
+TINY: dict[str, Any] = dict(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    q_lora_rank=None,
+    kv_lora_rank=8,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    mla_use_nope=True,
+    num_experts=4,
+    num_experts_per_token=2,
+    num_shared_experts=1,
+    moe_intermediate_size=8,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    use_grouped_topk=True,
+    num_expert_group=1,
+    topk_group=1,
+    moe_router_activation_func="sigmoid",
+    moe_renormalize=True,
+    routed_scaling_factor=2.446,
+    linear_attn_config={"kda_layers": [], "full_attn_layers": [1, 2, 3], "short_conv_kernel_size": 4,
+                        "head_dim": 8, "num_heads": 2},
+    initializer_range=0.2,
+    rms_norm_eps=1e-6,
+    pad_token_id=0,
+    use_cache=False,
+)
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> KimiLinear48BConfig:
+    """The framework's config for the tiny model (``TINY`` with ``overrides``) in ``dtype``."""
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"{NAME}: dtype {dtype} not supported (supported: {list(_DTYPE_NAMES.values())})")
+    return KimiLinear48BConfig(**{**copy.deepcopy(TINY), **overrides}, torch_dtype=_DTYPE_NAMES[dtype])
+
+
+def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """The tiny model on CPU in ``train()`` mode with seeded random weights (same on every rank).
+
+    Parameters are in ``dtype`` except the ones the framework keeps in float32 (router score-correction bias).
+    """
+    cfg = config(dtype, **overrides)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = KimiLinear48BForCausalLM(cfg, backend=BackendConfig(**BACKEND))
+        model.initialize_weights(buffer_device=torch.device("cpu"), dtype=dtype)
+        with torch.no_grad():  # non-zero score-correction bias, so its effect on routing is exercised
+            for parameter in model.parameters():
+                if not parameter.any():
+                    parameter.normal_(std=0.1)
+    finally:
+        torch.random.set_rng_state(state)
+    return model.train()
+
+
+def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_token_id: int = 0,
+          ) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
+    """``ContextParallelSharder(model, mesh, batch)`` then ``shard``, on the CP twin when ``mesh`` has > 1 rank.
+
+    Returns ``(ctx_factory, local_batch, sharder)``; under CP ``local_batch`` holds ``[B, S_local]`` tensors,
+    ``kimi_packed_context`` and, under ``"_spec_cp_model"``, the twin ``forward`` runs.
+    """
+    batch = dict(batch)
+    target = model
+    if model_owned_cp.cp_active(mesh):
+        target = model_owned_cp.cp_twin(model, mesh, model_owned_cp.apply_moe_cp)
+    sharder = ContextParallelSharder(target, mesh, batch, padding_token_id=padding_token_id)
+    ctx_factory, local_batch = sharder.shard(batch)
+    if target is not model:
+        local_batch["_spec_cp_model"] = target
+    return ctx_factory, local_batch, sharder
+
+
+@contextlib.contextmanager
+def flex_attention_for(model: torch.nn.Module, cache: list) -> Iterator[None]:
+    """On CPU, the framework's FlexAttention cache ``cache`` (a one-element list) holds the uncompiled function
+    for the call, and its previous content afterwards."""
+    if next(model.parameters()).device.type != "cpu":
+        yield
+        return
+    saved = cache[0]
+    cache[0] = model_owned_cp.flex_attention_eager()
+    try:
+        yield
+    finally:
+        cache[0] = saved
+
+
+def forward(model: torch.nn.Module, local_batch: dict[str, Any], *,
+            flex_cache: list = kimi_cp._COMPILED_FLEX_ATTENTION) -> torch.Tensor:
+    """The model (or its CP twin) on this rank's shard, in ``ctx_factory()``; logits ``[B, S_local, V]``."""
+    target = local_batch.get("_spec_cp_model", model)
+    kwargs = {key: value for key, value in local_batch.items() if key not in ("labels", "_spec_cp_model")}
+    with flex_attention_for(target, flex_cache):
+        return target(**filter_forward_kwargs(target, kwargs)).logits
+
+
+def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
+    """Global length a row of ``seq_len`` is padded to at ``cp_size`` (a multiple of ``cp_size``)."""
+    if cp_size <= 1:
+        return seq_len
+    return seq_len + (-seq_len) % cp_size
+
+
+_NEAT = PackingCapabilities(  # the contract the model declares (the same for Kimi K3)
+    packed_mask_type=KimiLinear48BForCausalLM.packed_mask_type,
+    requires_packed_sequence_metadata=KimiLinear48BForCausalLM.requires_packed_sequence_metadata)
+
+
+def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, vocab: int = 64,
+               documents: list[list[int]] | None = None, pad: int = 0, pad_id: int = 0,
+               packing: str = "neat") -> dict[str, Any]:
+    """An example batch: ``"plain"`` and ``"right_padded"`` as ``deepseek_v41``; ``"packed"`` collated by the
+    framework's ``neat_packed_collater`` (``packing="neat"``) or ``packed_sequence_thd_collater``
+    (``packing="thd"``) from per-row packs laid out as its packers do (module docstring)."""
+    if kind != "packed":
+        return _unpacked_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad,
+                               pad_id=pad_id)
+    if documents is None or len(documents) != batch_size:
+        raise ValueError("packed batches need one list of document lengths per row")
+    if packing not in ("neat", "thd"):
+        raise ValueError(f"packing must be 'neat' or 'thd', got {packing!r}")
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, vocab, (batch_size, seq_len), generator=generator)
+    rows = []
+    for row, lengths in enumerate(documents):
+        if sum(lengths) > seq_len:
+            raise ValueError(f"documents {lengths} exceed the row of {seq_len}")
+        used = sum(lengths)
+        ids = tokens[row].tolist()
+        ids[used:] = [pad_id] * (seq_len - used)
+        labels, doc_ids, positions, start = [IGNORE_INDEX] * seq_len, [0] * seq_len, [0] * seq_len, 0
+        for index, length in enumerate(lengths, start=1):
+            labels[start:start + length - 1] = ids[start + 1:start + length]
+            doc_ids[start:start + length] = [index] * length
+            positions[start:start + length] = range(length)
+            start += length
+        if packing == "neat":  # neat_packing._build_packed_sample: indexed mask, positions 0 on padding
+            rows.append({"input_ids": torch.tensor(ids), "labels": torch.tensor(labels),
+                         "attention_mask": torch.tensor(doc_ids), "position_ids": torch.tensor(positions)})
+        else:  # packed_sequence._pad_pack at cp_size 1: trailing padding joins the last span, positions continue
+            pad_len = seq_len - used
+            positions[used:] = [min(positions[used - 1] + 1 + i, seq_len - 1) for i in range(pad_len)]
+            rows.append({"input_ids": ids, "labels": labels, "position_ids": positions, "seq_lens": list(lengths),
+                         "seq_lens_padded": list(lengths[:-1]) + [lengths[-1] + pad_len]})
+    if packing == "neat":
+        return neat_packed_collater(rows, packing=_NEAT)
+    return packed_sequence_thd_collater(rows)
