@@ -19,6 +19,7 @@ and backward:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -88,8 +89,8 @@ def step(spec: types.ModuleType, model: torch.nn.Module, mesh: Any, batch: dict,
     """One forward and backward; ``{"logits" [B, S, V] global, "loss" [], "grads" {name: tensor}}`` (detached).
 
     With ``mesh`` every rank of the mesh calls this with the same global ``batch`` and gets the same result.
-    ``backward=False`` (a device where the model has no backward kernel): the forward and the loss only, no
-    gradients (``grads`` empty).
+    ``backward=False`` (a device where the model has no backward kernel): the forward and the loss only, under
+    ``torch.no_grad()``, no gradients (``grads`` empty).
     """
     group = mesh.get_group() if mesh is not None else None
     rows = batch["input_ids"].shape[0]
@@ -99,7 +100,9 @@ def step(spec: types.ModuleType, model: torch.nn.Module, mesh: Any, batch: dict,
     model.zero_grad(set_to_none=True)
     count = spec.num_label_tokens(batch)
     ctx_factory, local, sharder = spec.shard(model, mesh, batch)
-    with ctx_factory():
+    # Without a backward the forward runs without autograd too: a kernel without a backward (FlexAttention on the
+    # CPU) refuses inputs that require grad.
+    with ctx_factory(), (contextlib.nullcontext() if backward else torch.no_grad()):
         logits = spec.forward(model, local)
         labels = spec.local_labels(local) if hasattr(spec, "local_labels") else local["labels"]
         value = spec.loss(logits, labels, count)
