@@ -18,6 +18,14 @@ If CP matches that run within the same bound and that run differs from the unpad
 not a CP defect. It still fails the case (the CP run does not compute what one device computes on the batch
 as given); its problem line says which kind of failure it is.
 
+**Kernel sensitivity.** When a tensor fails at CP > 1 and the spec has ``cp_kernels(model)`` (a context manager
+inside which the model's one-device forward uses the kernels its CP path uses, without CP), rank 0 also runs one
+device under it (and, where the batch is CP-padded, on the padded batch under it as well). If CP matches that
+run within the same bound and that run differs from the plain one, the report says "KERNEL SENSITIVITY, not a
+CP failure: the CP path's kernels (...) round differently from the one-device path's by as much as CP differs"
+with a one-process repro command; where only padding and the kernels together explain it, it says both. The
+case still fails; the problem's ``kind`` is ``"kernel sensitivity"`` (``"padding and kernel sensitivity"``).
+
 Case keys: ``spec`` (module path of a model spec), ``dtype`` (``float32``, ``bfloat16``), ``seed`` (model
 weights), ``overrides`` (optional config fields), ``batch`` (``kind``, ``seq_len`` and ``spec.make_batch``'s
 keywords: ``batch_size``, ``seed``, ``documents``, ``pad``), ``world_size``.
@@ -25,6 +33,7 @@ keywords: ``batch_size``, ``seed``, ``documents``, ``pad``), ``world_size``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 
@@ -70,12 +79,19 @@ def _agree_ready(ctx, error: BaseException | None) -> None:
 class Run(enum.Enum):
     """The runs a case compares, all on rank 0 but ``CP`` (every rank's result, summed and gathered):
     ``REFERENCE`` one device plainly, ``REORDERED`` one device under a neutral change of reduction order (the
-    spread), ``PADDED`` one device on the batch right-padded to the CP padded length (padding sensitivity)."""
+    spread), ``PADDED`` one device on the batch right-padded to the CP padded length (padding sensitivity),
+    ``KERNELS`` one device under ``spec.cp_kernels`` (kernel sensitivity), ``PADDED_KERNELS`` both at once.
+    The last three run only when a tensor fails, and are the *explanations* (``EXPLANATIONS``)."""
 
     CP = "cp"
     REFERENCE = "ref"
     REORDERED = "other"
     PADDED = "padded"
+    KERNELS = "kernels"
+    PADDED_KERNELS = "padded_kernels"
+
+
+EXPLANATIONS = (Run.PADDED, Run.KERNELS, Run.PADDED_KERNELS)  # tried in this order: the simplest first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,14 +153,41 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         info["not_judged"][f"the gradients of all {count} parameters on {ctx.device.type}"] = forward_only
     arrays = {run: {q: _np(t) for q, t in tensors.items()} for run, tensors in runs.items()}
     if not all(r["ok"] for r in _judged(case, _np(valid), arrays).values()):
-        padded_len = _padded_length(spec, model, batch, ctx.cp_size)
-        if padded_len is not None:
-            seq_len = batch["input_ids"].shape[1]
-            padded = model_specs.step(spec, model, None, spec.pad_batch(batch, padded_len), backward=backward)
-            padded["logits"] = padded["logits"][:, :seq_len]
-            runs[Run.PADDED] = _quantities(padded)
-            info["padded_len"] = padded_len
+        runs.update(_explaining_runs(spec, model, batch, ctx.cp_size, backward, info))
     return info, _to_wire(valid, runs)
+
+
+def _explaining_runs(spec, model, batch: dict, cp_size: int, backward: bool, info: dict) -> dict:
+    """The one-device runs that may explain a failure without a CP defect (``EXPLANATIONS``), on rank 0:
+    ``PADDED`` where the CP padded length exceeds the batch's, ``KERNELS`` where the spec has ``cp_kernels``
+    and CP > 1, ``PADDED_KERNELS`` where both. Logits ``[B, S, V]`` (padded runs cut back to ``S``). Records
+    ``padded_len``, ``kernels`` (what the spec's context names) and ``kernels_error`` (the kernel runs raised:
+    not run) in ``info``."""
+    seq_len = batch["input_ids"].shape[1]
+    padded_len = _padded_length(spec, model, batch, cp_size)
+    padded_batch = spec.pad_batch(batch, padded_len) if padded_len is not None else None
+
+    def one_device(inputs: dict, kernels: bool) -> dict[Quantity, torch.Tensor]:
+        with (spec.cp_kernels(model) if kernels else contextlib.nullcontext()) as what:
+            result = model_specs.step(spec, model, None, inputs, backward=backward)
+        if kernels:
+            info["kernels"] = str(what) if what else f"{spec.__name__}.cp_kernels"
+        result["logits"] = result["logits"][:, :seq_len]
+        return _quantities(result)
+
+    out = {}
+    if padded_batch is not None:
+        out[Run.PADDED] = one_device(padded_batch, kernels=False)
+        info["padded_len"] = padded_len
+    if cp_size > 1 and hasattr(spec, "cp_kernels"):
+        try:
+            out[Run.KERNELS] = one_device(batch, kernels=True)
+            if padded_batch is not None:
+                out[Run.PADDED_KERNELS] = one_device(padded_batch, kernels=True)
+        except Exception as exc:  # noqa: BLE001 - named in the report; the failure itself stands unexplained
+            out.pop(Run.KERNELS, None)
+            info["kernels_error"] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -162,8 +205,8 @@ def _padded_length(spec, model, batch: dict, cp_size: int) -> int | None:
 
 def _judged(case: dict, valid: np.ndarray, runs: dict[Run, dict[Quantity, np.ndarray]],
             against: Run = Run.REFERENCE) -> dict[Quantity, dict]:
-    """Every tensor of the CP run judged against the one-device run ``against`` (``REFERENCE``, or ``PADDED``
-    whose spread is taken as the unpadded runs'). The reference spread of a tensor is the worst spread of its
+    """Every tensor of the CP run judged against the one-device run ``against`` (``REFERENCE``, or one of
+    ``EXPLANATIONS``, whose spread is taken as the plain runs'). The reference spread of a tensor is the worst spread of its
     kind in the case (logits, loss, all parameter gradients): one small tensor's own spread can be zero by
     chance."""
     dtype = case["dtype"]
@@ -212,37 +255,84 @@ def _comparison(q: Quantity, verdict: dict, shape: tuple, dtype: str, label: str
     return comparison
 
 
+def _explained(case: dict, valid: np.ndarray, runs: dict[Run, dict[Quantity, np.ndarray]], judged: dict,
+               failing: list[Quantity]) -> tuple[dict[Quantity, Run], dict[Run, dict[Quantity, dict]]]:
+    """``({failing tensor: the explanation run}, {explanation run: every CP tensor judged against it})``. A
+    run explains a tensor when CP matches it within the bound and it differs from the plain one-device run by
+    more than the bound (so a run that changes nothing explains nothing); the first of ``EXPLANATIONS`` that
+    does is taken."""
+    dtype = case["dtype"]
+    against = {run: _judged(case, valid, runs, against=run) for run in EXPLANATIONS if run in runs}
+    explained: dict[Quantity, Run] = {}
+    for q in failing:
+        for run, verdicts in against.items():
+            moved = model_specs.judge_tensor(runs[run][q], runs[Run.REFERENCE][q], runs[Run.REORDERED][q],
+                                             dtype, C, FLOOR[dtype], valid if q.kind == "logits" else None,
+                                             judged[q]["spread"])
+            if verdicts[q]["ok"] and not moved["ok"]:
+                explained[q] = run
+                break
+    return explained, against
+
+
+def _explanation(case: dict, run: Run, tensors: list[Quantity], judged: dict, info: dict) -> tuple[str, str]:
+    """``(problem line, kind)`` for the tensors ``run`` explains."""
+    dtype, padded_len, kernels = case["dtype"], info.get("padded_len"), info.get("kernels")
+    worst = max(tensors, key=lambda q: judged[q]["error"])
+    names = ", ".join(sorted(q.label for q in tensors))
+    where = f"worst: {worst.label} at {_where(worst, judged[worst]['worst_index'])}"
+    padded = run is not Run.KERNELS
+    command = (model_specs.padding_repro_command if run is Run.PADDED else model_specs.kernel_repro_command)(
+        case["spec"], dtype, int(case.get("seed", 0)), case.get("overrides") or {}, case["batch"],
+        padded_len if padded else None)
+    if run is Run.PADDED:
+        return (f"PADDING SENSITIVITY, not a CP failure: padding changes this model's result on one rank. Appending "
+                f"masked pad tokens up to the CP padded length {padded_len} changes {names} on one device by as much "
+                f"as CP does ({where}), and CP matches that padded one-device run. One-process repro (no ranks): "
+                f"{command}", "padding sensitivity")
+    if run is Run.KERNELS:
+        return (f"KERNEL SENSITIVITY, not a CP failure: the CP path's kernels ({kernels}) round differently from "
+                f"the one-device path's by as much as CP differs. On one device, without CP, under the spec's "
+                f"cp_kernels, {names} move by as much as CP does ({where}), and CP matches that one-device run. "
+                f"One-process repro (no ranks): {command}", "kernel sensitivity")
+    return (f"PADDING AND KERNEL SENSITIVITY, not a CP failure: padding changes this model's result on one rank and "
+            f"the CP path's kernels ({kernels}) round differently from the one-device path's; neither alone, but "
+            f"the two together (one device, the batch padded to the CP padded length {padded_len}, under the spec's "
+            f"cp_kernels) change {names} by as much as CP does ({where}), and CP matches that run. One-process "
+            f"repro (no ranks): {command}", "padding and kernel sensitivity")
+
+
+_AGAINST = {Run.PADDED: "CP vs one device padded to {padded_len}",
+            Run.KERNELS: "CP vs one device with the CP path's kernels",
+            Run.PADDED_KERNELS: "CP vs one device padded to {padded_len} with the CP path's kernels"}
+
+
 def _evaluate(case: dict, outputs: list) -> CaseReport:
-    report = CaseReport(case=case, not_judged=dict(outputs[0].info.get("not_judged", {})))
+    info = outputs[0].info
+    report = CaseReport(case=case, not_judged=dict(info.get("not_judged", {})))
     valid, runs = _from_wire(outputs[0].tensors)
     dtype = case["dtype"]
     judged = _judged(case, valid, runs)
     failing = [q for q, v in judged.items() if not v["ok"]]
-    padded_len = outputs[0].info.get("padded_len")
-    explained: set[Quantity] = set()
-    if failing and padded_len:
-        against = _judged(case, valid, runs, against=Run.PADDED)
-        for q in failing:
-            moved = model_specs.judge_tensor(runs[Run.PADDED][q], runs[Run.REFERENCE][q], runs[Run.REORDERED][q],
-                                             dtype, C, FLOOR[dtype], valid if q.kind == "logits" else None,
-                                             judged[q]["spread"])
-            if against[q]["ok"] and not moved["ok"]:
-                explained.add(q)
-        if explained:
-            command = model_specs.padding_repro_command(case["spec"], dtype, int(case.get("seed", 0)),
-                                                        case.get("overrides") or {}, case["batch"], padded_len)
-            worst = max(explained, key=lambda q: judged[q]["error"])
-            report.problem(
-                f"PADDING SENSITIVITY, not a CP failure: padding changes this model's result on one rank. Appending "
-                f"masked pad tokens up to the CP padded length {padded_len} changes "
-                f"{', '.join(sorted(q.label for q in explained))} "
-                f"on one device by as much as CP does (worst: {worst.label} at {_where(worst, judged[worst]['worst_index'])}),"
-                f" and CP matches that padded one-device run. One-process repro (no ranks): {command}",
-                kind="padding sensitivity")
+    explained, against = _explained(case, valid, runs, judged, failing) if failing else ({}, {})
+    # which explanation runs ran, and the tensors each explains (none: the failure stands as a CP failure)
+    if against:
+        report.info["explanations"] = {run.value: sorted(q.label for q, r in explained.items() if r is run)
+                                       for run in against}
+    for run in EXPLANATIONS:
+        tensors = [q for q in failing if explained.get(q) is run]
+        if tensors:
+            text, kind = _explanation(case, run, tensors, judged, info)
+            report.problem(text, kind=kind)
+    if failing and info.get("kernels_error"):
+        report.problem(f"the kernel-sensitivity run (one device under {case['spec']}.cp_kernels) raised "
+                       f"{info['kernels_error']}; the failure is not told apart from a CP failure", kind="contract")
     for q, verdict in judged.items():
         shape = tuple(runs[Run.CP][q].shape)
-        if q in explained:
-            report.add(_comparison(q, against[q], shape, dtype, f"CP vs one device padded to {padded_len}"))
+        run = explained.get(q)
+        if run is not None:
+            label = _AGAINST[run].format(padded_len=info.get("padded_len"))
+            report.add(_comparison(q, against[run][q], shape, dtype, label))
         else:
             report.add(_comparison(q, verdict, shape, dtype, "CP vs one device"))
     return report

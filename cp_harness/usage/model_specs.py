@@ -3,7 +3,8 @@ in a rank process, one training step the framework's way, and the normwise judge
 
 A model spec is a module meeting ``cp_harness.usage.spec_contract.ModelSpec``, checked when it loads
 (``examples/automodel/models/deepseek_v41.py`` is the worked example; ``docs/extending.md`` writes one); optional
-functions enable more (the padding check needs ``pad_batch`` and ``cp_padded_length``). ``step`` runs one forward
+functions enable more (the padding check needs ``pad_batch`` and ``cp_padded_length``; the kernel check
+``cp_kernels``). ``step`` runs one forward
 and backward:
 
 * on CP ranks (``mesh`` a 1-D ``"cp"`` DeviceMesh): ``spec.shard`` (the framework's sharder), the forward in
@@ -195,6 +196,27 @@ def padding_repro_command(spec_name: str, dtype: str, seed: int, overrides: dict
             f"f = lambda x: s.forward(m, s.shard(m, None, x)[1]).detach(); S = b['input_ids'].shape[1]; "
             f"d = (f(b) - f(p)[:, :S]).abs().amax(-1); "
             f"print('max |logit change| from padding:', float(d.max()), 'at [row, position]', "
+            f"[int(i) for i in torch.unravel_index(d.argmax(), d.shape)])")
+    return f'HF_HUB_OFFLINE=1 PYTHONPATH=. python -c "{code}"'
+
+
+def kernel_repro_command(spec_name: str, dtype: str, seed: int, overrides: dict, batch: dict,
+                         padded_len: int | None = None) -> str:
+    """A one-process command (no harness, no ranks) that prints how much the CP path's kernels
+    (``spec.cp_kernels``) change the model's one-device logits ``[B, S, V]`` at the valid positions: the largest
+    absolute change, the same in ULPs of ``dtype`` at the largest plain logit (the harness's unit), and where.
+    With ``padded_len`` the kernel run is on the batch right-padded to that length (``spec.pad_batch``), cut
+    back to ``S``. Without autograd (FlexAttention has no CPU backward)."""
+    other = f"s.pad_batch(b, {int(padded_len)})" if padded_len else "b"
+    code = (f"import torch, importlib; torch.set_grad_enabled(False); s = importlib.import_module({spec_name!r}); "
+            f"m = s.build(torch.{dtype}, {int(seed)}, **{overrides!r}); "
+            f"b = s.make_batch(**{dict(batch)!r}); p = {other}; S = b['input_ids'].shape[1]; "
+            f"f = lambda x: s.forward(m, s.shard(m, None, x)[1]).float()[:, :S]; a = f(b); "
+            f"k = s.cp_kernels(m); what = k.__enter__(); c = f(p); k.__exit__(None, None, None); "
+            f"v = s.valid_positions(b).bool()[..., None]; d = ((c - a).abs() * v).amax(-1); "
+            f"u = float(d.max() / ((a.abs() * v).max() * torch.finfo(torch.{dtype}).eps)); "
+            f"print('max |logit change| from the CP kernels (' + str(what) + '):', float(d.max()), '=', round(u, 1), "
+            f"'ULP of {dtype} at the largest logit, at [row, position]', "
             f"[int(i) for i in torch.unravel_index(d.argmax(), d.shape)])")
     return f'HF_HUB_OFFLINE=1 PYTHONPATH=. python -c "{code}"'
 

@@ -15,6 +15,10 @@ defaults:
   names what was not judged and why);
 - ``REQUIRES``: ``"cuda"`` or an importable module name -> why the spec needs it (unmet: its cases are skipped
   with that reason, never failed and never passed).
+
+Optional functions (``OPTIONAL_FUNCTIONS``, with their arities) enable more checks: ``pad_batch`` +
+``cp_padded_length`` padding sensitivity, ``cp_kernels`` kernel sensitivity (``ModelSpec`` does not list them:
+a protocol cannot say "optional").
 """
 
 from __future__ import annotations
@@ -70,7 +74,12 @@ class ModelSpec(Protocol):
 
 REQUIRED_FUNCTIONS: dict[str, int] = {"build": 2, "shard": 3, "forward": 2, "gather_logits": 2, "loss": 3,
                                       "num_label_tokens": 1, "valid_positions": 1, "make_batch": 2}
-OPTIONAL_FUNCTIONS: dict[str, int] = {"local_labels": 1, "pad_batch": 2, "cp_padded_length": 3}
+# Optional functions, with the positional arguments the harness calls them with:
+# ``local_labels(local_batch)`` this rank's labels; ``pad_batch(batch, length)`` and
+# ``cp_padded_length(model, seq_len, cp_size)`` the padding check; ``cp_kernels(model)`` the kernel check: a
+# context manager inside which ``model``'s one-device forward uses the kernels its CP path uses, without CP (its
+# value, a str, names them; its docstring says exactly what changes inside it; docs/real_models.md).
+OPTIONAL_FUNCTIONS: dict[str, int] = {"local_labels": 1, "pad_batch": 2, "cp_padded_length": 3, "cp_kernels": 1}
 REQUIRED_ATTRIBUTES = ("NAME", "DTYPES")
 
 

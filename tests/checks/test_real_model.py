@@ -4,8 +4,10 @@ One pool of 3 ranks for the module, whose launcher imports the spec (and ``trans
 (``PoolConfig.preload``). The smoke (12 cases at CP 2 and 3, float32 and bfloat16, packed batches with
 several and single-token documents and one crossing every shard boundary, right padding, odd lengths) must
 pass; injected defects in the model's CP path (``tests/fixtures/real_model_spec_*``) must fail naming tensors,
-parameters and positions; the padding-sensitive config must be reported as padding sensitivity; a spec missing
-a field and a model raising on one rank must say so. Skipped without ``transformers`` (the ``models`` extra).
+parameters and positions; the padding-sensitive config must be reported as padding sensitivity, and a Kimi
+Linear bfloat16 case whose CP path's FlexAttention rounds differently from the one-device matmul + softmax as
+kernel sensitivity (while a CP defect on the same batch still fails as a CP failure); a spec missing a field and
+a model raising on one rank must say so. Skipped without ``transformers`` (the ``models`` extra).
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from cp_harness.checks.real_model import smoke_cases
 from cp_harness.judging.render import report_text
 
 # The subjects whose CP path these tests run and judge (examples/automodel/coverage.py reads it).
-JUDGES = ("spec:deepseek_v41",)
+JUDGES = ("spec:deepseek_v41", "spec:kimi_linear")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
 SPEC = "examples.automodel.models.deepseek_v41"
+KIMI = "examples.automodel.models.kimi_linear"  # forward-only on CPU, has cp_kernels (kernel sensitivity)
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
@@ -41,7 +44,7 @@ def model_runner():
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(FIXTURES), str(ROOT), saved) if p)
     runner = CaseRunner(PoolConfig(world_size=3, impl="cp_impl", case_timeout=120.0, collective_timeout=60.0,
-                                   preload=(SPEC,)))
+                                   preload=(SPEC, KIMI)))
     try:
         runner.pool.start()
     finally:
@@ -149,3 +152,37 @@ def test_a_spec_whose_requirements_are_unmet_is_skipped_with_its_reasons(model_r
     text = result_text(result)
     assert "needs cuda: declared by the test fixture" in text and "needs no_such_module_cp_harness" in text, text
     assert result.as_dict()["rows"][0]["skipped"], result.as_dict()["rows"][0]
+
+
+# A verify failure (kimi_linear, --examples 12): CP 2 differs from one device by 50.2 ULP at position 11 in bfloat16,
+# because the CP path's MLA attention is FlexAttention and one device's matmul + softmax (docs/models/kimi_linear.md,
+# "K3: bfloat16 kernels"; repro: examples/automodel/models/repro_kimi_bf16_kernels.py).
+KERNEL_CASE = {"check": "real_model", "spec": KIMI, "dtype": "bfloat16", "seed": 0, "world_size": 2,
+               "batch": {"kind": "plain", "seq_len": 12, "seed": 17}}
+
+
+def test_a_cp_kernel_rounding_difference_is_reported_as_kernel_sensitivity(model_runner):
+    for attempt in range(2):  # twice: the first kernel run must leave the one-device model as it was
+        report = model_runner.run(KERNEL_CASE)
+        text = report_text(report)
+        assert not report.ok, text  # still a failure: CP training does not compute what one device computes
+        (problem,) = report.problems
+        assert problem.kind == "kernel sensitivity", text
+        assert problem.message.startswith("KERNEL SENSITIVITY, not a CP failure: the CP path's kernels (MLA "
+                                          "attention by FlexAttention"), text
+        assert "position 11" in problem.message and "s.cp_kernels(m)" in problem.message, text
+        assert "python -c" in problem.message and "'seed': 17" in problem.message, text
+        assert all(c.ok for c in report.comparisons), text  # CP matches one device under the CP path's kernels
+        logits = next(c for c in report.comparisons if c.name.startswith("logits"))
+        assert logits.name == "logits (CP vs one device with the CP path's kernels)", text
+        assert report.info["explanations"] == {"kernels": ["logits"]}, report.info
+
+
+def test_a_cp_defect_on_that_batch_still_fails_as_a_cp_failure_not_as_kernel_sensitivity(model_runner):
+    case = {**KERNEL_CASE, "spec": "real_model_spec_kimi_linear_latent_out_of_order"}
+    report = model_runner.run(case)
+    text, failures = report_text(report), report.failures()
+    assert not report.ok and not any("sensitivity" in p.kind for p in report.problems) and "SENSITIVITY" not in text, text
+    assert report.info["explanations"] == {"kernels": []}, report.info  # the kernel run ran, explained nothing
+    logits = next(c for c in failures if c.name.startswith("logits"))
+    assert logits.name == "logits (CP vs one device)" and logits.max_ulp > 100, text

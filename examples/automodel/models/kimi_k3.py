@@ -19,6 +19,7 @@ shared, expert hidden 8), SiTU activations (torch), vocabulary 64.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -41,10 +42,12 @@ from examples.automodel.models.kimi_linear import (  # noqa: F401  (re-exported:
     valid_positions,
 )
 from examples.automodel.models.kimi_linear import forward as _kimi_forward
+from examples.automodel.models.kimi_linear import mla_cp_kernels
 from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.kimi_k3 import cp as k3_cp
+from nemo_automodel.components.models.kimi_k3 import model as k3_model
 from nemo_automodel.components.models.kimi_k3.config import KimiK3TextConfig
-from nemo_automodel.components.models.kimi_k3.model import KimiK3ForCausalLM
+from nemo_automodel.components.models.kimi_k3.model import KimiK3ForCausalLM, KimiMLAAttention
 
 NAME = "kimi_k3"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.kimi_k3.model.KimiK3ForCausalLM"
@@ -145,3 +148,17 @@ def forward(model: torch.nn.Module, local_batch: dict[str, Any]) -> torch.Tensor
     """The model (or its CP twin) on this rank's shard, in ``ctx_factory()``; logits ``[B, S_local, V]``."""
     return _kimi_forward(model, local_batch, flex_cache=k3_cp._COMPILED_FLEX_ATTENTION)
 
+
+
+CP_KERNELS = ("MLA attention by FlexAttention (kimi_k3/cp.py document_causal_flex_attention) instead of "
+              "matmul + float32 softmax + matmul")
+
+
+def cp_kernels(model: torch.nn.Module) -> contextlib.AbstractContextManager[str]:
+    """Inside: the one-device forward of ``model`` computes MLA with the kernel K3's CP path uses (the
+    framework's ``kimi_k3.model.KimiMLAAttention._forward_with_cp`` over a world of one rank: the query LoRA and
+    output gate as on one device, attention by FlexAttention under the one-device document map, no shard, no
+    gather); its value names those kernels (``CP_KERNELS``). Exactly what changes:
+    ``kimi_linear.mla_cp_kernels`` (here with K3's own module, ``kimi_k3.model``, and its
+    ``kimi_k3.cp.KimiPackedContext``)."""
+    return mla_cp_kernels(model, KimiMLAAttention, k3_model, k3_cp.KimiPackedContext, CP_KERNELS)
