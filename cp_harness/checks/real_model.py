@@ -137,7 +137,7 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         info["not_judged"][f"the gradients of all {count} parameters on {ctx.device.type}"] = forward_only
     arrays = {run: {q: _np(t) for q, t in tensors.items()} for run, tensors in runs.items()}
     if not all(r["ok"] for r in _judged(case, _np(valid), arrays).values()):
-        padded_len = _padded_length(spec, model, batch, ctx.cp_size)
+        padded_len = _padded_length(spec, model, batch, ctx.cp_size, case["batch"]["kind"])
         if padded_len is not None:
             seq_len = batch["input_ids"].shape[1]
             padded = model_specs.step(spec, model, None, spec.pad_batch(batch, padded_len), backward=backward)
@@ -152,8 +152,9 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.float().numpy() if t.dtype != torch.bool else t.numpy()
 
 
-def _padded_length(spec, model, batch: dict, cp_size: int) -> int | None:
-    if cp_size <= 1 or batch.get("seq_lens") is not None or not all(
+def _padded_length(spec, model, batch: dict, cp_size: int, kind: str) -> int | None:
+    """The CP padded length of an unpacked batch (``None``: not padded, a packed batch, or no padding support)."""
+    if cp_size <= 1 or kind == "packed" or batch.get("seq_lens") is not None or not all(
             hasattr(spec, f) for f in ("pad_batch", "cp_padded_length")):
         return None
     length = int(spec.cp_padded_length(model, batch["input_ids"].shape[1], cp_size))
@@ -249,10 +250,10 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
 
 
 @st.composite
-def _batches(draw, kinds: tuple[str, ...] = spec_contract.BATCH_KINDS) -> dict:
+def _batches(draw, kinds: tuple[str, ...] = spec_contract.BATCH_KINDS, row_counts: tuple[int, ...] = (1, 2)) -> dict:
     kind = draw(st.sampled_from(kinds))
     seq_len = draw(st.integers(2, 24))
-    rows = draw(st.integers(1, 2))
+    rows = draw(st.integers(1, 2)) if row_counts == (1, 2) else draw(st.sampled_from(row_counts))
     batch = {"kind": kind, "seq_len": seq_len, "batch_size": rows, "seed": draw(st.integers(0, 999))}
     if kind == "right_padded":
         batch["pad"] = draw(st.integers(1, seq_len - 2)) if seq_len >= 3 else 0
@@ -321,7 +322,7 @@ def real_model_cases(dtype: str):
         runnable, _ = _runnable(models, dtype)
         spec = draw(st.sampled_from(runnable)) if runnable else draw(st.nothing())
         traits = model_specs.spec_traits(spec)
-        batch = draw(_batches(traits.batch_kinds))
+        batch = draw(_batches(traits.batch_kinds, traits.batch_rows))
         sizes = (space if space is not None else current_space()).size_draws  # the profile's weights
         allowed = [n for n in sizes if traits.world_sizes is None or n in traits.world_sizes]
         size = draw(st.sampled_from(allowed)) if allowed else draw(st.nothing())

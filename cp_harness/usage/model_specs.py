@@ -114,10 +114,19 @@ def step(spec: types.ModuleType, model: torch.nn.Module, mesh: Any, batch: dict,
             (upstream,) = torch.autograd.grad(value, logits, retain_graph=True)
             bounds = np.linspace(0, logits.shape[1], split + 1).round().astype(int)
             parts = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+            # What every backward through the logits adds whatever the upstream gradient (an auxiliary loss injected
+            # in the backward, e.g. a router's load-balancing loss): counted once, as in the plain run, not per chunk.
+            params = [p for p in model.parameters() if p.requires_grad]
+            constant = torch.autograd.grad(logits, params, grad_outputs=torch.zeros_like(logits), retain_graph=True,
+                                           allow_unused=True)
             for i, (a, b) in enumerate(parts):
                 chunk = torch.zeros_like(upstream)
                 chunk[:, a:b] = upstream[:, a:b]
                 logits.backward(chunk, retain_graph=i < len(parts) - 1)
+            with torch.no_grad():
+                for parameter, extra in zip(params, constant):
+                    if extra is not None and parameter.grad is not None and len(parts) > 1:
+                        parameter.grad.sub_(extra, alpha=len(parts) - 1)
         total = value.detach().float().clone()
     full = spec.gather_logits(sharder, logits.detach())
     grads = {}

@@ -10,6 +10,8 @@ defaults:
 
 - ``WORLD_SIZES``: the CP sizes the tiny config supports (cases at other sizes are not drawn);
 - ``BATCH_KINDS``: the ``make_batch`` kinds it supports, among ``plain``, ``right_padded``, ``packed``;
+- ``BATCH_ROWS``: the batch sizes (rows) it supports (default ``(1, 2)``; e.g. ``(1,)`` for a path that takes one
+  packed row per micro-batch);
 - ``COVERS``: framework CP callable (dotted path) -> what this spec's CP path does with it (the coverage table);
 - ``FORWARD_ONLY_ON``: device type -> why gradients cannot be judged there (logits and loss are; the report
   names what was not judged and why);
@@ -81,6 +83,7 @@ class SpecTraits:
     name: str
     world_sizes: tuple[int, ...] | None = None  # None: every size
     batch_kinds: tuple[str, ...] = BATCH_KINDS
+    batch_rows: tuple[int, ...] = (1, 2)
     covers: Mapping[str, str] = dataclasses.field(default_factory=dict)
     forward_only_on: Mapping[str, str] = dataclasses.field(default_factory=dict)
     requires: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -150,6 +153,10 @@ def check_spec(name: str, module: types.ModuleType) -> SpecTraits:
     if sizes is not None and (not isinstance(sizes, tuple) or not sizes or
                               any(not isinstance(n, int) or n < 1 for n in sizes)):
         problems.append(f"WORLD_SIZES: {sizes!r}; give a tuple of positive CP sizes, e.g. (1, 2, 3, 4)")
+    rows = getattr(module, "BATCH_ROWS", (1, 2))
+    if not isinstance(rows, tuple) or not rows or any(not isinstance(n, int) or n < 1 for n in rows):
+        problems.append(f"BATCH_ROWS: {rows!r}; give a tuple of positive batch sizes, e.g. (1,)")
+        rows = (1, 2)
     kinds = getattr(module, "BATCH_KINDS", BATCH_KINDS)
     if not isinstance(kinds, tuple) or not kinds or any(k not in BATCH_KINDS for k in kinds):
         problems.append(f"BATCH_KINDS: {kinds!r}; give a tuple among {BATCH_KINDS}")
@@ -161,6 +168,7 @@ def check_spec(name: str, module: types.ModuleType) -> SpecTraits:
     if problems:
         raise SpecError(f"model spec {name!r} does not meet the spec contract "
                         f"(cp_harness.usage.spec_contract.ModelSpec, docs/extending.md):\n  " + "\n  ".join(problems))
-    return SpecTraits(name=name, world_sizes=sizes, batch_kinds=kinds, covers=dict(getattr(module, "COVERS", {})),
+    return SpecTraits(name=name, world_sizes=sizes, batch_kinds=kinds, batch_rows=rows,
+                      covers=dict(getattr(module, "COVERS", {})),
                       forward_only_on=dict(getattr(module, "FORWARD_ONLY_ON", {})),
                       requires=dict(getattr(module, "REQUIRES", {})), dtypes=tuple(names[d] for d in dtypes))
