@@ -24,9 +24,11 @@ from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.deepseek_v4.config import DeepseekV4Config
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
+from nemo_automodel.components.datasets.utils import pack_features_for_thd, packed_sequence_thd_collater
+
+from examples.automodel.models import deepseek_v41 as _v41
 from examples.automodel.models.deepseek_v41 import (  # noqa: F401  (the shared half of the interface)
-    BACKEND, BATCH_KEYS, DTYPES, IGNORE_INDEX, forward, gather_logits, local_labels, loss, make_batch,
-    num_label_tokens, pad_batch, shard, valid_positions)
+    BACKEND, DTYPES, IGNORE_INDEX, forward, local_labels, loss, num_label_tokens, pad_batch, shard, valid_positions)
 
 NAME = "deepseek_v4"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.deepseek_v4.model.DeepseekV4ForCausalLM"
@@ -63,3 +65,75 @@ def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
         return seq_len
     divisor = cp_size * max(dsv4_cp_local_seq_multiple(model.config), 2)
     return seq_len + (-seq_len) % divisor
+
+
+WORLD_SIZES: tuple[int, ...] = (1, 2, 3, 4)
+BATCH_KINDS: tuple[str, ...] = ("plain", "right_padded", "packed")
+COVERS: dict[str, str] = {}
+
+BATCH_KEYS: dict[str, dict[str, str]] = {
+    "required": _v41.BATCH_KEYS["required"],
+    "optional": {
+        **_v41.BATCH_KEYS["optional"],
+        "position_ids": "[B, S] int64; unpacked rows 0..S-1; packed rows restart at 0 per document and count on "
+                        "through the trailing pack padding (the THD packer's layout)",
+        "seq_lens_padded": "[B, D] int64 physical span per packed document; the last one includes the row's "
+                           "trailing padding (-1000: absent)",
+        "qkv_format": '"thd" on packed batches (the THD collator\'s marker; the one-device path reads '
+                      "seq_lens_padded only when it is set)",
+    },
+    "produced_by_sharder": _v41.BATCH_KEYS["produced_by_sharder"],
+}
+
+
+def gather_logits(sharder, local_logits: torch.Tensor) -> torch.Tensor:
+    """Local logits ``[B, S_local, V]`` -> ``[B, S, V]`` in the caller's coordinates.
+
+    One device on a packed (THD) batch: the model's own CP hook runs at CP 1 (``supports_thd``), leaves every tensor
+    as given and reports no layout, so the logits are already in the caller's coordinates. Otherwise
+    ``deepseek_v41.gather_logits``.
+    """
+    mesh = getattr(sharder, "_cp_mesh", None)
+    if sharder.shard_layout is None and (mesh is None or mesh.size() <= 1):
+        return local_logits
+    return _v41.gather_logits(sharder, local_logits)
+
+
+def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, vocab: int = 64,
+               documents: list[list[int]] | None = None, pad: int = 0, pad_id: int = 0) -> dict[str, Any]:
+    """An example batch with shifted labels; unpacked kinds are ``deepseek_v41.make_batch``'s.
+
+    ``"packed"``: what the framework's default THD packing feeds the model (``packed_sequence.packing_strategy:
+    thd``, ``collate_fn: packed_sequence_thd_collater``, as in its DeepSeek V4 packed example config): each row's
+    documents (``documents[row]`` lengths, labels shifted within each document, -100 on a document's last token)
+    concatenated by ``pack_features_for_thd``, then padded to ``seq_len`` the way the THD packer pads a pack
+    (``datasets/llm/packed_sequence.py _pad_pack``: pad tokens, labels -100, positions counting on from the last
+    document's, the padding added to the last document's ``seq_lens_padded``), collated by
+    ``packed_sequence_thd_collater``: ``input_ids``, ``labels``, ``position_ids`` ``[B, S]``, ``seq_lens``,
+    ``seq_lens_padded`` ``[B, D]`` (-1000 where a row has fewer documents), ``qkv_format="thd"``.
+    """
+    if kind != "packed":
+        return _v41.make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad, pad_id=pad_id)
+    if documents is None or len(documents) != batch_size:
+        raise ValueError("packed batches need one list of document lengths per row")
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, vocab, (batch_size, seq_len), generator=generator)
+    records = []
+    for row, lengths in enumerate(documents):
+        if sum(lengths) > seq_len or not lengths or min(lengths) < 1:
+            raise ValueError(f"documents {lengths} do not fit a row of {seq_len}")
+        features, start = [], 0
+        for length in lengths:
+            ids = tokens[row, start:start + length].tolist()
+            features.append({"input_ids": ids, "labels": ids[1:] + [IGNORE_INDEX]})
+            start += length
+        record = pack_features_for_thd(features)
+        extra = seq_len - len(record["input_ids"])
+        if extra:  # the THD packer's trailing pack padding (_pad_pack)
+            last = record["position_ids"][-1]
+            record["input_ids"] += [pad_id] * extra
+            record["labels"] += [IGNORE_INDEX] * extra
+            record["position_ids"] += [min(last + 1 + i, seq_len - 1) for i in range(extra)]
+            record["seq_lens_padded"][-1] += extra
+        records.append(record)
+    return packed_sequence_thd_collater(records)
