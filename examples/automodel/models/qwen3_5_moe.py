@@ -86,7 +86,7 @@ from nemo_automodel.components.moe.parallelizer import apply_cp
 
 from examples.automodel.models import deepseek_v41 as _v41
 from examples.automodel.models.deepseek_v41 import (  # noqa: F401  (the shared half of the interface)
-    DTYPES, IGNORE_INDEX, forward, gather_logits, local_labels, loss, num_label_tokens, pad_batch)
+    DTYPES, IGNORE_INDEX, forward, gather_logits, local_labels, loss, num_label_tokens)
 
 NAME = "qwen3_5_moe"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.qwen3_5_moe.model.Qwen3_5MoeForConditionalGeneration"
@@ -239,13 +239,6 @@ def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_toke
     sharder = ContextParallelSharder(model, mesh, batch, padding_token_id=padding_token_id)
     ctx_factory, local_batch = sharder.shard(batch)
     return ctx_factory, local_batch, sharder
-
-
-def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
-    """Global length an unpacked row of ``seq_len`` is padded to at ``cp_size`` (round-robin: ``2 x cp_size``)."""
-    if cp_size <= 1:
-        return seq_len
-    return seq_len + (-seq_len) % (2 * cp_size)
 
 
 def valid_positions(batch: dict[str, Any]) -> torch.Tensor:
