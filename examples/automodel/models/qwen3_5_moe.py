@@ -2,64 +2,70 @@
 framework's way: packed batches through the shared block-diagonal CP package (``distributed/blockdiag_cp``).
 
 Same interface as ``deepseek_v41`` (see that module's docstring); ``forward``, ``gather_logits``,
-``local_labels``, ``loss``, ``num_label_tokens`` and ``pad_batch`` are that module's. What differs is the model,
-how it enters CP, and the batches.
+``local_labels``, ``loss`` and ``num_label_tokens`` are that module's. What differs is the model, how it enters
+CP, and the batches. No ``pad_batch``/``cp_padded_length``: only packed batches are supported (``BATCH_KINDS``), and
+the harness's padding re-run is for unpacked ones.
 
-How the framework enters CP for this model (what ``shard`` does, in the same order):
+How the framework enters CP for this model (``recipes/llm/train_ft.py``; what ``shard`` does, in this order):
 
-1. Parallelization. ``Qwen3_5MoeForConditionalGeneration`` has no parallelizer of its own; with expert
-   parallelism (every CP example config of the framework has ``ep_size > 1``) the recipe reaches
+1. Parallelization. ``Qwen3_5MoeForConditionalGeneration`` (the class the registry gives a Qwen3.5-MoE checkpoint,
+   through ``NeMoAutoModelForCausalLM`` too) has no parallelizer of its own; with expert parallelism (every CP
+   example config of the framework for it has ``ep_size > 1``) the recipe reaches
    ``components/moe/parallelizer.parallelize_model``, whose CP step is ``apply_cp(model, cp_mesh)``: it sets
-   ``model.cp_mesh`` (the forward embeds the full sequence, then keeps this rank's contiguous slice),
+   ``model.cp_mesh`` (the forward then embeds the full sequence and keeps this rank's contiguous slice),
    ``_cp_enabled`` on the model and its text module, and ``cp_mesh`` on every MoE block (the router's
    load-balancing statistics are all-reduced over it). ``shard`` calls that same ``apply_cp``; the rest of
-   ``parallelize_model`` (expert parallelism, activation checkpointing, FSDP2) is not applied: one CP group,
-   no data parallelism. ``apply_cp`` imports Transformer Engine's ``DotProductAttention`` only to recognise TE
+   ``parallelize_model`` (expert parallelism, activation checkpointing, FSDP2) is not applied: one CP group, no
+   data parallelism. ``apply_cp`` imports Transformer Engine's ``DotProductAttention`` only to recognise TE
    attention modules; on a machine without TE the import is satisfied, for that one call, by an empty stand-in
    class that no module of this model is an instance of (its attention is ``attn="sdpa"``), then removed.
    Rank processes are reused across cases (and the one-device reference runs on the same model object), so
-   ``shard`` first restores every module attribute ``apply_cp`` changed to its value after ``build``.
+   ``shard`` first restores every module attribute to its value after ``build`` (what ``apply_cp`` set is removed).
 2. ``ContextParallelSharder(model, mesh, batch)``: at CP > 1 the framework calls the model's
-   ``prepare_model_inputs_for_cp``, which selects ``make_cp_blockdiag_batch_and_ctx(shard_primary=False)``
-   with ``contiguous_local_indices`` for packed batches (``_packed_seq_ids`` present) and the round-robin
+   ``prepare_model_inputs_for_cp``, which selects ``make_cp_blockdiag_batch_and_ctx(shard_primary=False)`` with
+   ``contiguous_local_indices`` for packed batches (``_packed_seq_ids`` present) and the round-robin
    ``shard_batch_aux_only`` (torch's ring ``context_parallel``) otherwise. ``sharder.shard(batch)`` pads to
-   ``2 x CP``, slices every sequence tensor but ``input_ids`` to this rank's contiguous chunk, and returns the
-   context that publishes the per-step state (global document ids, this rank's row offset).
+   ``2 x CP``, slices every sequence tensor but ``input_ids`` to this rank's contiguous chunk, drops the dense
+   mask and the packed metadata, adds ``padding_mask``, and returns the context that publishes the per-step
+   state (global document ids, this rank's row offset) and restricts SDPA to the efficient/math kernels.
 3. Forward in that context: the model embeds the full ``input_ids``, keeps its chunk
    (``shard_sequence_for_cp_contiguous``), and every full-attention layer calls ``cp_blockdiag_sdpa``: one
    all-gather of the stacked local K and V over the CP group (``_AllGatherSeqDiff``, whose backward is a
-   reduce-scatter), then stock SDPA of the local queries against the full keys under the dense per-document
-   causal mask rebuilt from the global document ids (``_cp_blockdiag_mask``). On CPU the varlen kernels
-   (flash / TE) are unavailable, so this dense path is the one run; the needed-only exchanges (halo, a2a)
-   need them and are not run.
+   reduce-scatter), then stock SDPA of the local queries against all keys under the dense per-document causal
+   mask rebuilt from the global document ids (``_cp_blockdiag_mask``). The default varlen kernel (``flash``) is
+   asked first and reports itself unavailable on CPU (float32: "needs fp16/bf16"; bfloat16: "flash_attn is
+   unavailable"), so this dense path is the one run; the needed-only exchanges (halo, a2a) need flash or TE and
+   are not run.
 
-One device (``mesh=None``): the identity sharder (the model's hook is not called at CP 1), every module
-attribute as built; the forward reads the dense block-causal ``attention_mask`` ``[B, 1, S, S]`` of the packed
-batch (per-document causal attention in every full-attention layer) and ``padding_mask`` from its diagonal.
+One device (``mesh=None``): the identity sharder (the model's hook is not called at CP 1), every module attribute
+as built; each full-attention layer reads the dense block-causal ``attention_mask`` ``[B, 1, S, S]`` of the
+packed batch, the MoE its ``padding_mask`` from the mask's diagonal.
 
-Batches (``make_batch``), what the framework's VLM recipe feeds this model with NEAT packing
-(``recipes/vlm/finetune.py``, ``datasets/vlm/loader.py``): ``"packed"`` rows are concatenated documents
-(labels shifted within each document, -100 on each document's last token), padded to ``seq_len``, collated
-by the framework's ``neat_packed_vlm_collater`` with this model's packing contract (``PACKING``: dense
-block-causal mask plus packed-sequence metadata, which ``build`` checks against the framework's
-``configure_packing_for_models``): ``input_ids``, ``labels`` ``[B, S]``, mRoPE ``position_ids`` ``[3, B, S]``
-(document-local; for text the three axes are equal), ``attention_mask`` ``[B, 1, S, S]`` bool,
-``mm_token_type_ids`` ``[B, S]`` (zeros: text), ``packed_token_indices`` ``[B, S]``, ``cu_seqlens``
-``[B, D + 1]``, ``max_seqlen`` (int) and ``_packed_seq_ids`` ``[B, S]`` (1-based document ids, 0 padding). At
-CP > 1 the recipe's loader keeps the compact document-id map as ``attention_mask`` instead of the dense mask
-(``materialize_4d_mask = cp_size <= 1``); ``shard`` does the same before sharding. Block-diagonal CP takes
-one packed row per rank (``make_cp_blockdiag_batch_and_ctx`` raises for ``B > 1``: "requires
-local_batch_size=1"). ``"plain"`` / ``"right_padded"`` rows are ``deepseek_v41.make_batch``'s (``input_ids``,
-``labels``, optional ``attention_mask`` ``[B, S]``); at CP > 1 they take the round-robin path.
+Batches (``make_batch``): ``"packed"`` is what the LLM recipe feeds this model with NEAT packing
+(``packed_sequence.packing_strategy: neat``; the default ``thd`` strategy gives no ``_packed_seq_ids`` and does
+not reach block-diagonal CP): one pack per row as ``datasets/llm/neat_packing.py`` builds it (documents
+concatenated from column 0, labels shifted within each document with -100 on each document's last token, an
+indexed mask 1, 2, ... with 0 on padding, positions restarting per document), collated by the framework's
+``neat_packed_collater`` with this model's packing contract (``PACKING``: dense block-causal mask plus
+packed-sequence metadata; ``build`` checks it against the framework's ``configure_packing_for_models``):
+``input_ids``, ``labels``, ``position_ids`` ``[B, S]``, ``attention_mask`` ``[B, 1, S, S]`` bool,
+``packed_token_indices`` ``[B, S]``, ``cu_seqlens`` ``[B, D + 1]``, ``max_seqlen`` (int), ``_packed_seq_ids``
+``[B, S]``. Block-diagonal CP takes one packed row per rank: ``make_cp_blockdiag_batch_and_ctx`` raises for
+``B > 1`` ("requires local_batch_size=1"), so rows > 1 are not supported. ``"plain"`` / ``"right_padded"`` rows
+(``deepseek_v41.make_batch``) take the round-robin path at CP > 1, whose torch ``context_parallel`` has no
+sharding strategy for CPU SDPA (``aten._scaled_dot_product_flash_attention_for_cpu``): not in ``BATCH_KINDS``.
 
 Tiny config (``TEXT``, ``VISION``): hidden 16, 2 decoder layers, both ``full_attention`` (the real model
-interleaves Gated DeltaNet linear-attention layers, whose CP path needs the ``fla`` Triton kernels: not on
-CPU), 2 query heads and 1 K/V head of 8 (grouped-query attention: the CP path repeats K/V after the
-gather), gated attention output, mRoPE over half the head (sections ``[1, 1, 0]``, interleaved), MoE on every
-layer with 4 routed experts (2 active) plus a gated shared expert, router auxiliary loss coefficient 0.001
-(the framework's default, so its CP all-reduce is exercised), vocabulary 64; a one-block vision tower that
-text batches never run. Backend ``BackendConfig(attn="sdpa", linear="torch", rms_norm="torch_fp32",
-experts="torch", dispatcher="torch")``. The LM head is in the model dtype (bfloat16 logits in bfloat16).
+interleaves Gated DeltaNet linear-attention layers, whose CP path needs the ``fla`` Triton kernels: not on CPU),
+2 query heads and 1 K/V head of 8 (grouped-query attention: the CP path repeats K/V after the gather), gated
+attention output, mRoPE over half the head (sections ``[1, 1, 0]``, interleaved), MoE on every layer with 4
+routed experts (2 active) plus a gated shared expert, vocabulary 64; a one-block vision tower that text batches
+never run. ``router_aux_loss_coef=0`` (the framework's default is 0.001): the harness's reordered one-device
+reference backpropagates in chunks, and the aux loss's gradient (``MoEAuxLossAutoScaler``, injected whatever the
+upstream gradient) is added once per chunk, which widened the reference spread of the router gradients to 6.6e6
+ULP and with it every gradient's bound (docs/models/qwen3_5_moe.md). Backend ``BackendConfig(attn="sdpa",
+linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")``. The LM head is in the model dtype
+(bfloat16 logits in bfloat16).
 """
 
 from __future__ import annotations
@@ -93,7 +99,32 @@ FRAMEWORK_CLASS = "nemo_automodel.components.models.qwen3_5_moe.model.Qwen3_5Moe
 
 WORLD_SIZES: tuple[int, ...] = (1, 2, 3, 4)
 BATCH_KINDS: tuple[str, ...] = ("packed",)
-COVERS: dict[str, str] = {}  # filled in once each callable is seen running (see docs/models/qwen3_5_moe.md)
+# Framework CP callables this spec's CP path runs: each was seen running (a temporary counting wrapper around it
+# during a CP step) at CP 2 in float32 and bfloat16 and at CP 3 in float32.
+COVERS: dict[str, str] = {
+    "nemo_automodel.components.moe.parallelizer.apply_cp":
+        "the recipe's CP parallelization step: model.cp_mesh, _cp_enabled, the MoE blocks' cp_mesh",
+    "nemo_automodel.components.models.qwen3_5_moe.model.Qwen3_5MoeForConditionalGeneration.prepare_model_inputs_for_cp":
+        "the model's CP hook: selects the block-diagonal sharder for packed batches",
+    "nemo_automodel.components.distributed.blockdiag_cp.batch.make_cp_blockdiag_batch_and_ctx":
+        "pads to 2 x CP, slices every sequence tensor but input_ids contiguously, publishes the step state",
+    "nemo_automodel.components.distributed.blockdiag_cp.kernels.precompute_blockdiag_varlen_meta":
+        "this rank's varlen segmentation (computed; the varlen kernel is unavailable on CPU)",
+    "nemo_automodel.components.distributed.context_parallel.sharder.shard_sequence_for_cp_contiguous":
+        "in the forward: pads the embedded full sequence and keeps this rank's slice",
+    "nemo_automodel.components.distributed.context_parallel.sharder.contiguous_local_indices":
+        "this rank's global positions (the sharder's index map)",
+    "nemo_automodel.components.distributed.blockdiag_cp.runtime.cp_blockdiag_sdpa":
+        "every full-attention layer: K/V exchange and per-document attention",
+    "nemo_automodel.components.distributed.blockdiag_cp.kernels._cp_blockdiag_varlen":
+        "asked first (attn_backend flash), reports itself unavailable on CPU",
+    "nemo_automodel.components.distributed.blockdiag_cp.exchange._AllGatherSeqDiff":
+        "one all-gather of stacked K and V per layer; backward a reduce-scatter",
+    "nemo_automodel.components.distributed.blockdiag_cp.kernels._cp_blockdiag_mask":
+        "the dense per-document causal mask of the local queries against all keys",
+    "nemo_automodel.components.distributed.context_parallel.sharder.gather_token_tensor_by_indices":
+        "gather_logits: the logits back to global order (differentiable all-gather)",
+}
 
 BATCH_KEYS: dict[str, dict[str, str]] = {
     "required": {
@@ -101,11 +132,11 @@ BATCH_KEYS: dict[str, dict[str, str]] = {
         "labels": "[B, S] int64 targets, already shifted (within each document when packed); -100 ignored",
     },
     "optional": {
-        "attention_mask": "[B, S] 1 real / 0 padding (unpacked); [B, 1, S, S] bool block-causal (packed, one "
-                          "device); [B, S] document ids (packed, CP: the recipe's collator at cp_size > 1)",
-        "position_ids": "[3, B, S] int64 mRoPE positions, document-local when packed",
-        "_packed_seq_ids": "[B, S] int64 1-based document ids, 0 padding (packed: selects block-diagonal CP)",
-        "mm_token_type_ids": "[B, S] int64 0 text / 1 image / 2 video",
+        "attention_mask": "[B, S] 1 real / 0 padding (unpacked); [B, 1, S, S] bool block-causal (packed; "
+                          "the one-device attention reads it, CP drops it)",
+        "position_ids": "[B, S] int64, document-local when packed (the model repeats them over its 3 mRoPE axes)",
+        "_packed_seq_ids": "[B, S] int64 1-based document ids, 0 padding (packed: selects block-diagonal CP, "
+                           "which builds its mask from them)",
         "packed_token_indices": "[B, S] int64 row-local token index, -1 padding (packed metadata)",
         "cu_seqlens": "[B, D + 1] int32 row-local document boundaries, -1 after the last (packed metadata)",
         "max_seqlen": "int, the longest document (packed metadata)",
@@ -129,7 +160,7 @@ TEXT: dict[str, Any] = dict(
     shared_expert_intermediate_size=8,
     num_experts=4,
     num_experts_per_tok=2,
-    router_aux_loss_coef=0.001,
+    router_aux_loss_coef=0.0,
     rms_norm_eps=1e-6,
     max_position_embeddings=4096,
     pad_token_id=0,
