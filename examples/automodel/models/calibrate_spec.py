@@ -10,7 +10,7 @@ harness's named smoke cases for the spec. Per case the harness's own judge runs 
 ``docs/real_models.md``); a kind is ``logits``, ``loss`` or ``grad`` (every parameter gradient). Error and spread
 are ULPs of the dtype at the tensor's largest one-device value; ``ratio`` is error / bound (> 1 fails).
 ``--exclude-packed`` leaves out packed batches (to measure the rest of a model whose packed cases fail for a
-diagnosed reason). Failing cases are listed with their failing tensors; ``--json`` keeps every case.
+diagnosed reason); ``--overrides`` sets config fields of every case. Failing cases are listed with their failing tensors; ``--json`` keeps every case.
 """
 
 from __future__ import annotations
@@ -55,8 +55,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="also the harness's named smoke cases")
     parser.add_argument("--exclude-packed", action="store_true")
+    parser.add_argument("--overrides", default="", help="config overrides of every case, e.g. router_aux_loss_coef=1e-3")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    overrides = {k: json.loads(v) for k, v in (item.split("=") for item in filter(None, args.overrides.split(",")))}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from verify_declared import declared
@@ -74,6 +76,8 @@ def main() -> int:
         cases = [c for c in smoke_cases(args.model) if admits(c)] + cases
     if args.exclude_packed:
         cases = [c for c in cases if c["batch"]["kind"] != "packed"]
+    if overrides:
+        cases = [{**c, "overrides": overrides} for c in cases]
     os.environ[PRELOAD_ENV] = args.model
     runner = CaseRunner(PoolConfig(world_size=max(sizes), impl="cp_impl", case_timeout=300.0))
     worst: dict = collections.defaultdict(lambda: {"error": 0.0, "spread": 0.0, "ratio": 0.0, "at": None})

@@ -9,8 +9,8 @@ multiple of ``cp * max(indexer_compress_ratio, 2)``, ``S_local = S_pad / cp`` th
 How CP is entered (what ``recipes/llm/train_ft.py`` does):
 
 * parallelisation: ``components/moe/parallelizer.py::apply_cp`` marks the model ``_cp_enabled``, hands the CP
-  mesh to every ``self_attn.setup_cp_attention`` (QSA stores ``_cp_mesh``) and every ``MoE.cp_mesh`` (the
-  router's auxiliary loss reduces its expert load over CP). ``apply_cp`` imports TransformerEngine first,
+  mesh to every ``self_attn.setup_cp_attention`` (QSA stores ``_cp_mesh``) and every ``MoE.cp_mesh`` (with an
+  auxiliary router loss, the router reduces its expert load over CP). ``apply_cp`` imports TransformerEngine first,
   unconditionally, which this CPU venv does not have; ``setup_cp`` below does the same assignments without
   that import. Because the harness runs the same model object at CP 1, 2, 3, ``shard`` applies them for the
   mesh of the step (and removes them for one device: with ``_cp_enabled`` the model refuses a batch without
@@ -32,8 +32,8 @@ here, so it reaches across several ranks, with rank 0's zero-width collective an
 
 Tiny config (``TINY``): hidden 16, 2 decoder layers, both ``full_attention`` (QSA; the GatedDeltaNet layers need
 ``fla`` kernels), PLE on layer 1 (``ple_layer_ids=[2]``, 16 hash heads of width 1, kernel 4, dilation 3), 2
-HyperConnection streams, MoE 4 experts (2 active) + a gated shared expert, router auxiliary loss 1e-3 (the
-released default), 2 query heads and 1 KV head of 8, QSA indexer 2 heads of 8, ``indexer_compress_ratio=2``,
+HyperConnection streams, MoE 4 experts (2 active) + a gated shared expert, router auxiliary loss off (the
+released 1e-3 is an override: ``backward_chunk``), 2 query heads and 1 KV head of 8, QSA indexer 2 heads of 8, ``indexer_compress_ratio=2``,
 ``indexer_budget=4`` (two blocks: positions >= 5 use the score top-k), vocabulary 64, EOS id 2 (random tokens
 hit it: the hash resets its history after an EOS), pad id 0. Backend ``attn="flex"`` (the packed-CP backend the
 model declares; on CPU QSA runs the PyTorch oracle ``gathered_qsa_gqa_attention`` whatever the choice),
@@ -55,6 +55,7 @@ micro-batch (the model rejects more, with or without CP).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from typing import Any, Callable
@@ -70,6 +71,7 @@ from nemo_automodel.components.models.qwen3_8_flash_next.backend import Qwen3_8_
 from nemo_automodel.components.models.qwen3_8_flash_next.config import Qwen3_8_FlashNextConfig
 from nemo_automodel.components.models.qwen3_8_flash_next.engram import Qwen3_8_FlashNextEngramTableConfig
 from nemo_automodel.components.moe.layers import MoE
+from nemo_automodel.components.moe.megatron.moe_utils import MoEAuxLossAutoScaler
 from nemo_automodel.shared.model_utils import iter_transformer_and_mtp_blocks
 
 from examples.automodel.models.deepseek_v41 import (  # noqa: F401  (the shared half of the interface)
@@ -97,9 +99,10 @@ COVERS: dict[str, str] = {
         "PLE n-gram hash over the replicated global_input_ids (EOS and packed-segment resets), local slice",
     "nemo_automodel.components.models.qwen3_8_flash_next.qsa.Qwen3_8_FlashNextQSAIndexer._forward_packed_cp":
         "packed rows: per-document block scoring of the local queries against the gathered keys",
-    "nemo_automodel.components.moe.layers.Gate._compute_aux_loss":
-        "router auxiliary loss with the expert load, scores and token count reduced over the CP mesh",
 }
+# With overrides={"router_aux_loss_coef": 1e-3} (the released value) the CP path also runs
+# nemo_automodel.components.moe.layers.Gate._compute_aux_loss with the expert load, scores and token count
+# reduced over the CP mesh; its gradients are judged soundly only once the harness enters backward_chunk (below).
 FORWARD_ONLY_ON: dict[str, str] = {}
 REQUIRES: dict[str, str] = {}
 
@@ -140,7 +143,7 @@ TINY: dict[str, Any] = dict(
     shared_expert_intermediate_size=8,
     num_experts=4,
     num_experts_per_tok=2,
-    router_aux_loss_coef=1e-3,
+    router_aux_loss_coef=0.0,  # see backward_chunk: the harness's reordered reference counts it once per chunk
     hc_count=2,
     hc_lowrank=4,
     ple_layer_ids=[2],
@@ -256,6 +259,26 @@ def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_toke
     """
     setup_cp(model, mesh)
     return _sharder_shard(model, mesh, batch, padding_token_id=padding_token_id)
+
+
+@contextlib.contextmanager
+def backward_chunk(chunks: int):
+    """Enter around each of ``chunks`` partial backward passes of one loss (for the harness's reordered one-device
+    reference, which backpropagates the loss's gradient in position chunks).
+
+    ``MoEAuxLossAutoScaler`` (the router's auxiliary loss) injects the auxiliary gradient, times its class-wide
+    ``main_loss_backward_scale``, on *every* backward that passes through it, whatever the upstream gradient:
+    ``chunks`` partial passes count it ``chunks`` times (measured: a gradient spread of 1.7e7 float32 ULP on the
+    router weights at ``router_aux_loss_coef=1e-3``, 3.9 ULP with this context). The recipe does the same for
+    its accumulation micro-batches (``base_recipe._set_moe_aux_loss_backward_scale``: ``cp_size / num_batches``).
+    """
+    saved = MoEAuxLossAutoScaler.main_loss_backward_scale
+    base = saved if saved is not None else torch.tensor(1.0)
+    MoEAuxLossAutoScaler.main_loss_backward_scale = base / chunks
+    try:
+        yield
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved
 
 
 def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
