@@ -10,7 +10,8 @@ harness's named smoke cases for the spec. Per case the harness's own judge runs 
 ``docs/real_models.md``); a kind is ``logits``, ``loss`` or ``grad`` (every parameter gradient). Error and spread
 are ULPs of the dtype at the tensor's largest one-device value; ``ratio`` is error / bound (> 1 fails).
 ``--exclude-packed`` leaves out packed batches (to measure the rest of a model whose packed cases fail for a
-diagnosed reason); ``--overrides`` sets config fields of every case. Failing cases are listed with their failing tensors; ``--json`` keeps every case.
+diagnosed reason); ``--overrides`` sets config fields of every case. Failing cases are listed with their
+failing tensors; ``--json`` keeps every case.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="also the harness's named smoke cases")
     parser.add_argument("--exclude-packed", action="store_true")
-    parser.add_argument("--overrides", default="", help="config overrides of every case, e.g. router_aux_loss_coef=1e-3")
+    parser.add_argument("--overrides", default="",
+                        help="config overrides of every case, e.g. router_aux_loss_coef=1e-3")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     overrides = {k: json.loads(v) for k, v in (item.split("=") for item in filter(None, args.overrides.split(",")))}

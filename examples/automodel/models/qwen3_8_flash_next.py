@@ -33,13 +33,14 @@ here, so it reaches across several ranks, with rank 0's zero-width collective an
 Tiny config (``TINY``): hidden 16, 2 decoder layers, both ``full_attention`` (QSA; the GatedDeltaNet layers need
 ``fla`` kernels), PLE on layer 1 (``ple_layer_ids=[2]``, 16 hash heads of width 1, kernel 4, dilation 3), 2
 HyperConnection streams, MoE 4 experts (2 active) + a gated shared expert, router auxiliary loss off (the
-released 1e-3 is an override: ``backward_chunk``), 2 query heads and 1 KV head of 8, QSA indexer 2 heads of 8, ``indexer_compress_ratio=2``,
-``indexer_budget=4`` (two blocks: positions >= 5 use the score top-k), vocabulary 64, EOS id 2 (random tokens
-hit it: the hash resets its history after an EOS), pad id 0. Backend ``attn="flex"`` (the packed-CP backend the
-model declares; on CPU QSA runs the PyTorch oracle ``gathered_qsa_gqa_attention`` whatever the choice),
-``linear="torch"``, ``rms_norm="torch_fp32"``, ``experts="torch"``, ``dispatcher="torch"``.
+released 1e-3 is an override; see ``backward_chunk``), 2 query heads and 1 KV head of 8, QSA indexer 2 heads
+of 8, ``indexer_compress_ratio=2``, ``indexer_budget=4`` (two blocks: positions >= 5 use the score top-k),
+vocabulary 64, EOS id 2 (random tokens hit it: the hash resets its history after an EOS), pad id 0. Backend
+``attn="flex"`` (the packed-CP backend the model declares; on CPU QSA runs the PyTorch oracle
+``gathered_qsa_gqa_attention`` whatever the choice), ``linear="torch"``, ``rms_norm="torch_fp32"``,
+``experts="torch"``, ``dispatcher="torch"``.
 
-Two departures from a released model, both construction only: the PLE table is the framework's single-rank
+Departures from a released model, construction only: the PLE table is the framework's single-rank
 reference table (``process_group=None``) on every rank, not the owner-sharded DTensor table (that needs the
 FSDP parallelizer and an all-to-all over the FSDP mesh, which is not CP), and its 16 hash heads use small prime
 moduli (``TABLE_PRIMES``, offsets their prefix sums: a 320M-row table does not fit), set on the persistent
