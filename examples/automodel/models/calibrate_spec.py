@@ -28,7 +28,7 @@ import time
 def draw_cases(model: str, examples: int, world_sizes: tuple[int, ...], seed: int, admits) -> list[dict]:
     from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
 
-    from cp_harness.cases.strategies import CaseSpace
+    from cp_harness.cases.profiles import CaseSpace
     from cp_harness.checks.real_model import real_model_cases
 
     space = CaseSpace(world_sizes=world_sizes, dtypes=("float32", "bfloat16"), models=(model,))
@@ -68,7 +68,6 @@ def main() -> int:
     from cp_harness.checks.real_model import C, FLOOR, smoke_cases
     from cp_harness.ranks.pool import PoolConfig
     from cp_harness.runner import CaseRunner
-    from cp_harness.usage.model_specs import PRELOAD_ENV
 
     spec = importlib.import_module(args.model)
     admits = declared(spec)
@@ -80,8 +79,8 @@ def main() -> int:
         cases = [c for c in cases if c["batch"]["kind"] != "packed"]
     if overrides:
         cases = [{**c, "overrides": overrides} for c in cases]
-    os.environ[PRELOAD_ENV] = args.model
-    runner = CaseRunner(PoolConfig(world_size=max(sizes), impl="cp_impl", case_timeout=300.0))
+    runner = CaseRunner(PoolConfig(world_size=max(sizes), impl="cp_impl", case_timeout=300.0,
+                                   preload=(args.model,)))
     worst: dict = collections.defaultdict(lambda: {"error": 0.0, "spread": 0.0, "ratio": 0.0, "at": None})
     records, failing, seconds = [], [], []
     try:
@@ -92,15 +91,16 @@ def main() -> int:
             seconds.append((int(case["world_size"]), time.perf_counter() - started))
             record = {"case": case, "ok": report.ok, "problems": report.problems, "tensors": {}}
             for comparison in report.comparisons:
-                if comparison.excess_error is None:
+                verdict = getattr(comparison, "excess", None)
+                if verdict is None:
                     continue
-                bound = C * comparison.baseline_ulp + FLOOR[case["dtype"]]
-                ratio = comparison.excess_error / bound
-                record["tensors"][comparison.name] = [comparison.excess_error, comparison.baseline_ulp, ratio]
+                bound = C * verdict.baseline + FLOOR[case["dtype"]]
+                ratio = verdict.error / bound
+                record["tensors"][comparison.name] = [verdict.error, verdict.baseline, ratio]
                 cell = worst[(case["dtype"], kind(comparison.name))]
-                cell["spread"] = max(cell["spread"], comparison.baseline_ulp)
-                if comparison.excess_error > cell["error"]:
-                    cell["error"], cell["at"] = comparison.excess_error, i
+                cell["spread"] = max(cell["spread"], verdict.baseline)
+                if verdict.error > cell["error"]:
+                    cell["error"], cell["at"] = verdict.error, i
                 cell["ratio"] = max(cell["ratio"], ratio)
             records.append(record)
             if not report.ok:

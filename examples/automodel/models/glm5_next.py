@@ -1,7 +1,8 @@
 """Model spec: nemo-automodel 0.7.0's ``Glm5NextForConditionalGeneration`` (GLM-5.3, text only) at a tiny random
-config, CP the framework's way. Same interface as ``deepseek_v41`` (see that module's docstring); ``forward``,
-the gather, loss, label count, valid positions and padding are imported from it, and ``setup_cp``,
-``make_batch`` (the framework's own batch layouts) from ``qwen3_8_flash_next``.
+config, CP the framework's way. Same interface as ``deepseek_v41`` (see that module's docstring); the gather, loss,
+label count, valid positions and padding are imported from it, and ``shard``/``forward`` (the framework's
+``apply_cp`` on a CP twin, then the recipe's sharder) and ``make_batch`` (the framework's own batch layouts)
+from ``qwen3_8_flash_next``.
 
 Shapes: ``B`` batch rows, ``S`` global sequence in the caller's coordinates, ``S_pad`` that padded to a
 multiple of the CP size, ``S_local = S_pad / cp`` this rank's contiguous shard, ``V`` vocabulary.
@@ -10,9 +11,9 @@ How CP is entered (what ``recipes/llm/train_ft.py`` does):
 
 * parallelisation: ``components/moe/parallelizer.py::apply_cp`` hands the CP mesh to every decoder block's
   ``self_attn.setup_cp_attention`` (DSA keeps ``_cp_mesh`` for its hidden-state gather), to every ``MoE`` and
-  marks the model ``_cp_enabled``. ``apply_cp`` first imports TransformerEngine, unconditionally (absent from
-  this CPU venv); the spec does the same assignments without the import
-  (``qwen3_8_flash_next.setup_cp``), for the mesh of each step, and removes them for one device.
+  marks the model ``_cp_enabled``. The spec runs that function (``model_owned_cp.apply_moe_cp``: a placeholder
+  for the TransformerEngine class it imports only for an ``isinstance`` test) on a CP twin of the model
+  (``model_owned_cp.cp_twin``: same parameters, own modules); the one-device reference runs the untouched model.
 * every step: ``ContextParallelSharder(model, mesh, batch)`` calls the model's ``prepare_model_inputs_for_cp``
   (``cp.shard_batch_for_glm5_next_cp`` with ``shard_primary=False``): labels, positions and ``padding_mask``
   are padded to a multiple of the CP size and sliced contiguously; ``input_ids`` stay global (the forward
@@ -54,8 +55,8 @@ from nemo_automodel.components.models.glm5_next.config import Glm5NextConfig
 from nemo_automodel.components.models.glm5_next.model import Glm5NextForConditionalGeneration
 
 from examples.automodel.models.deepseek_v41 import (  # noqa: F401  (the shared half of the interface)
-    IGNORE_INDEX, forward, gather_logits, local_labels, loss, num_label_tokens, pad_batch, valid_positions)
-from examples.automodel.models.qwen3_8_flash_next import make_batch, setup_cp, shard  # noqa: F401
+    IGNORE_INDEX, gather_logits, local_labels, loss, num_label_tokens, pad_batch, valid_positions)
+from examples.automodel.models.qwen3_8_flash_next import forward, make_batch, shard  # noqa: F401
 
 NAME = "glm5_next"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.glm5_next.model.Glm5NextForConditionalGeneration"

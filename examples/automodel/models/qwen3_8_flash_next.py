@@ -1,6 +1,6 @@
 """Model spec: nemo-automodel 0.7.0's ``Qwen3_8_FlashNextForConditionalGeneration`` (language only) at a tiny
 random config, CP the framework's way. Same interface as ``deepseek_v41`` (see that module's docstring); the
-shared halves (forward, gather, loss, label count, valid positions, padding) are imported from it.
+shared halves (gather, loss, label count, valid positions, padding) are imported from it.
 
 Shapes: ``B`` batch rows, ``S`` global sequence in the caller's coordinates, ``S_pad`` that padded to a
 multiple of ``cp * max(indexer_compress_ratio, 2)``, ``S_local = S_pad / cp`` this rank's contiguous shard,
@@ -8,20 +8,23 @@ multiple of ``cp * max(indexer_compress_ratio, 2)``, ``S_local = S_pad / cp`` th
 
 How CP is entered (what ``recipes/llm/train_ft.py`` does):
 
-* parallelisation: ``components/moe/parallelizer.py::apply_cp`` marks the model ``_cp_enabled``, hands the CP
-  mesh to every ``self_attn.setup_cp_attention`` (QSA stores ``_cp_mesh``) and every ``MoE.cp_mesh`` (with an
-  auxiliary router loss, the router reduces its expert load over CP). ``apply_cp`` imports TransformerEngine first,
-  unconditionally, which this CPU venv does not have; ``setup_cp`` below does the same assignments without
-  that import. Because the harness runs the same model object at CP 1, 2, 3, ``shard`` applies them for the
-  mesh of the step (and removes them for one device: with ``_cp_enabled`` the model refuses a batch without
-  its CP context, as it should).
+* parallelisation: ``components/moe/parallelizer.py::apply_cp`` (run by ``parallelize_model`` at CP > 1) marks
+  the model ``_cp_enabled``, sets ``model.cp_mesh``, hands the CP mesh to every ``self_attn.setup_cp_attention``
+  (QSA stores ``_cp_mesh``) and every ``MoE.cp_mesh`` (with an auxiliary router loss, the router reduces its
+  expert load over CP). The spec runs that function itself (``model_owned_cp.apply_moe_cp``: ``apply_cp``
+  imports TransformerEngine's ``DotProductAttention`` only for an ``isinstance`` test; a placeholder stands in
+  for the call where TE is absent) on a CP twin of the model (``model_owned_cp.cp_twin``: the same
+  ``Parameter`` objects, its own modules), because ``apply_cp`` is permanent and a rank process of the harness
+  also runs the one-device reference on the same model (with ``_cp_enabled`` set, the model refuses a batch
+  without its CP context, as it should).
 * every step: ``ContextParallelSharder(model, mesh, batch)``, which calls the model's
   ``prepare_model_inputs_for_cp`` hook (``cp.shard_batch_for_qwen3_8_flash_next_cp`` with
   ``pad_multiple=indexer_compress_ratio``, contiguous layout), then ``sharder.shard(batch)``. The local batch
   holds ``[B, S_local]`` ``input_ids``/``labels``/``position_ids``/``padding_mask`` and the replicated
   ``_qwen3_8_flash_next_cp_context`` (global raw ids ``[B, S_pad]`` for the PLE hash, global padding mask,
-  local start, packed ``global_cu_seqlens``). One device (``mesh=None``) gets the identity sharder: the
-  model's own forward turns ``seq_lens`` into ``cu_seqlens``.
+  local start, packed ``global_cu_seqlens``), and the twin under ``"_spec_cp_model"`` (``forward`` runs it). One
+  device (``mesh=None``) runs the untouched model through the identity sharder: its own forward turns
+  ``seq_lens`` into ``cu_seqlens``.
 
 The CP machinery this exercises (``COVERS``): QSA main keys/values and the indexer's compressed keys gathered
 in rank order (``qwen3_8_flash_next_cp_all_gather``; on packed rows the indexer gathers raw keys and rotary
@@ -66,18 +69,16 @@ import torch
 
 from nemo_automodel.components.datasets.utils import packed_sequence_thd_collater
 from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
-from nemo_automodel.components.distributed.pipelining.hf_utils import get_text_module
 from nemo_automodel.components.models.qwen3_8_flash_next import model as _qwen_model
 from nemo_automodel.components.models.qwen3_8_flash_next.backend import Qwen3_8_FlashNextBackendConfig
 from nemo_automodel.components.models.qwen3_8_flash_next.config import Qwen3_8_FlashNextConfig
 from nemo_automodel.components.models.qwen3_8_flash_next.engram import Qwen3_8_FlashNextEngramTableConfig
-from nemo_automodel.components.moe.layers import MoE
 from nemo_automodel.components.moe.megatron.moe_utils import MoEAuxLossAutoScaler
-from nemo_automodel.shared.model_utils import iter_transformer_and_mtp_blocks
+from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
 
+from examples.automodel.models import model_owned_cp
 from examples.automodel.models.deepseek_v41 import (  # noqa: F401  (the shared half of the interface)
-    IGNORE_INDEX, forward, gather_logits, local_labels, loss, num_label_tokens, pad_batch, valid_positions)
-from examples.automodel.models.deepseek_v41 import shard as _sharder_shard
+    IGNORE_INDEX, gather_logits, local_labels, loss, num_label_tokens, pad_batch, valid_positions)
 
 NAME = "qwen3_8_flash_next"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.qwen3_8_flash_next.model.Qwen3_8_FlashNextForConditionalGeneration"
@@ -217,49 +218,36 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
     return model.train()
 
 
-_CP_ATTRIBUTES = ("_cp_enabled", "cp_mesh", "_cp_mesh")
-
-
-def setup_cp(model: torch.nn.Module, cp_mesh: Any) -> None:
-    """What ``components/moe/parallelizer.py::apply_cp`` does to this model, without its TransformerEngine import.
-
-    ``apply_cp(model, cp_mesh)`` starts with ``from transformer_engine.pytorch.attention import
-    DotProductAttention`` (absent here), then: ``model._cp_enabled = True`` and the same on the text module,
-    ``model.cp_mesh = cp_mesh``; per decoder block whose ``layer_type`` (default ``"full_attention"``) is a
-    full or sliding attention, ``self_attn.setup_cp_attention(cp_mesh)`` when the attention is not TE's (QSA,
-    DSA and KDA all define it); ``block.moe`` / ``block.mlp`` that is a ``MoE`` gets ``cp_mesh``. Linear
-    attention / mamba layers are not in the configs of these specs and are refused.
-
-    ``cp_mesh=None`` (or of size 1) undoes it: the model as ``parallelize_model`` leaves it without CP.
-    """
-    active = cp_mesh is not None and cp_mesh.size() > 1
-    mesh = cp_mesh if active else None
-    text = get_text_module(model.model if getattr(model, "model", None) is not None else model)
-    for target in (model, text):
-        target._cp_enabled = active
-    model.cp_mesh = mesh
-    for _parent, _name, block in iter_transformer_and_mtp_blocks(model):
-        layer_type = getattr(block, "layer_type", getattr(block, "attention_type", "full_attention"))
-        if layer_type not in ("full_attention", "sliding_attention"):
-            raise NotImplementedError(f"{type(block).__name__} layer type {layer_type!r}: not set up by this spec")
-        self_attn = block.self_attn
-        if not hasattr(self_attn, "setup_cp_attention"):
-            raise NotImplementedError(f"{type(self_attn).__name__} has no setup_cp_attention")
-        self_attn.setup_cp_attention(mesh)
-        moe = block.moe if hasattr(block, "moe") else block.mlp
-        if isinstance(moe, MoE):
-            moe.cp_mesh = mesh
-
-
 def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_token_id: int = 0,
           ) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
-    """``setup_cp(model, mesh)`` then ``ContextParallelSharder(model, mesh, batch)`` and ``shard`` (the recipe).
+    """``ContextParallelSharder(model, mesh, batch)`` then ``shard`` (the recipe's step), on the model's CP twin
+    (the framework's ``apply_cp`` applied) when ``mesh`` has more than one rank.
 
-    Returns ``(ctx_factory, local_batch, sharder)``: ``local_batch`` tensors ``[B, S_local]`` plus the model's
-    CP context; ``ctx_factory`` is the sharder's (a null context: the transport lives in the model).
+    Args:
+        model: From ``build``; never modified.
+        mesh: 1-D ``DeviceMesh`` named ``("cp",)`` or ``None`` (one device).
+        batch: Global batch (``make_batch``); not mutated.
+    Returns:
+        ``(ctx_factory, local_batch, sharder)``: ``local_batch`` tensors ``[B, S_local]``, the model's CP context
+        and, under CP, the twin under ``"_spec_cp_model"``; ``ctx_factory`` is the sharder's (a null context).
     """
-    setup_cp(model, mesh)
-    return _sharder_shard(model, mesh, batch, padding_token_id=padding_token_id)
+    batch = dict(batch)
+    target = model
+    if model_owned_cp.cp_active(mesh):
+        target = model_owned_cp.cp_twin(model, mesh, model_owned_cp.apply_moe_cp)
+    sharder = ContextParallelSharder(target, mesh, batch, padding_token_id=padding_token_id)
+    ctx_factory, local_batch = sharder.shard(batch)
+    if target is not model:
+        local_batch["_spec_cp_model"] = target
+    return ctx_factory, local_batch, sharder
+
+
+def forward(model: torch.nn.Module, local_batch: dict[str, Any]) -> torch.Tensor:
+    """The model (or its CP twin) on this rank's shard, inside ``ctx_factory()``: logits ``[B, S_local, V]``
+    (``filter_forward_kwargs`` on the batch without its labels, as the recipe calls it)."""
+    target = local_batch.get("_spec_cp_model", model)
+    kwargs = {key: value for key, value in local_batch.items() if key not in ("labels", "_spec_cp_model")}
+    return target(**filter_forward_kwargs(target, kwargs)).logits
 
 
 @contextlib.contextmanager

@@ -32,9 +32,9 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 
 from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder  # noqa: E402
-from nemo_automodel.components.moe.layers import MoE  # noqa: E402
 from nemo_automodel.components.utils.model_utils import filter_forward_kwargs  # noqa: E402
 
+from examples.automodel.models.model_owned_cp import apply_moe_cp  # noqa: E402
 from examples.automodel.models import glm5_next as spec  # noqa: E402  (spec.build: the tiny config; spec.make_batch:
 #                                                        the framework's packed_sequence_thd_collater)
 
@@ -59,13 +59,7 @@ def rank_main(rank, store, queue):
     model = spec.build(torch.float32, seed=0).eval()
     batch = spec.make_batch("packed", SEQ_LEN, documents=[DOCUMENTS], seed=1)
     solo = dist.new_group([0])  # collective: both ranks create it
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("cp",))
-    for block in model.model.language_model.layers.values():  # what parallelizer.apply_cp does to this model
-        block.self_attn.setup_cp_attention(mesh)                # (without its TransformerEngine import)
-        if isinstance(block.mlp, MoE):
-            block.mlp.cp_mesh = mesh
-    cp = run(model, batch, mesh)
-    if rank == 0:  # one device: the recipe at cp_size=1 (a size-1 CP mesh); DSA reads _cp_mesh only under CP
+    if rank == 0:  # one device: the recipe at cp_size=1 (a size-1 CP mesh), the model not parallelised
         mesh1 = DeviceMesh.from_group(solo, "cpu", mesh_dim_names=("cp",))
         given = run(model, batch, mesh1)
         doc_ids = torch.zeros(1, SEQ_LEN, dtype=torch.int32)
@@ -74,6 +68,10 @@ def rank_main(rank, store, queue):
             doc_ids[0, start:start + length] = index
             start += length
         with_ids = run(model, {**batch, "_packed_seq_ids": doc_ids}, mesh1)
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("cp",))
+    apply_moe_cp(model, mesh)  # the framework's parallelizer.apply_cp (a placeholder for its TE isinstance class)
+    cp = run(model, batch, mesh)
+    if rank == 0:
         queue.put(tuple(t.numpy() for t in (cp, given, with_ids)) + (sorted(batch),))
     dist.barrier()
     dist.destroy_process_group()

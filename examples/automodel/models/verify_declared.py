@@ -6,9 +6,9 @@ reads the declarations itself (then this script is redundant).
 
 The same rows, draws (Hypothesis, ``--seed``), pool, judge and table as ``verify``
 (``cp_harness.verify.run_verify`` with its own real-model rows), except that a drawn case is dropped, not run,
-when the spec's optional declarations exclude it: ``WORLD_SIZES`` (CP sizes), ``BATCH_KINDS`` (``make_batch``
-kinds) and ``PACKED_MAX_ROWS`` (rows a packed batch may have; Qwen3.8-Flash-Next packs one THD row per
-micro-batch). Exit status as ``verify``'s.
+when the spec's ``PACKED_MAX_ROWS`` excludes it (rows a packed batch may have; Qwen3.8-Flash-Next packs one THD
+row per micro-batch). ``WORLD_SIZES`` and ``BATCH_KINDS`` the harness honours itself; ``declared`` checks them
+too, for the scripts that draw cases on their own. Exit status as ``verify``'s.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import json
 import os
 import sys
 
@@ -46,14 +47,23 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from cp_harness.verify import default_rows, run_verify
+    from cp_harness.verify import VerifySettings, default_rows, result_text, run_verify
 
     admits = declared(importlib.import_module(args.model))
-    rows = [dataclasses.replace(row, strategy=lambda space, s=row.strategy: s(space).filter(admits))
-            for row in default_rows() if row.needs_model]
-    return run_verify(impl=os.environ.get("CP_IMPL", "cp_impl"), world_sizes=tuple(int(n) for n in
-                      args.world_sizes.split(",")), examples=args.examples, backend="gloo", seed=args.seed,
-                      json_path=args.json, rows=rows, model=args.model)
+    rows = [dataclasses.replace(row, spec=dataclasses.replace(
+                row.spec, cases=lambda space, cases=row.spec.cases: cases(space).filter(admits)))
+            for row in default_rows() if row.spec.needs_model]
+    result = run_verify(VerifySettings(impl=os.environ.get("CP_IMPL", "cp_impl"), model=(args.model,),
+                                       world_sizes=tuple(int(n) for n in args.world_sizes.split(",")),
+                                       examples=args.examples, seed=args.seed), rows=rows)
+    if result.cannot_run is not None:
+        print(f"verify_declared: cannot run: {result.cannot_run}", file=sys.stderr)
+        return result.exit_code
+    print(result_text(result))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result.as_dict(), handle, indent=1, default=str)
+    return result.exit_code
 
 
 if __name__ == "__main__":
