@@ -10,8 +10,8 @@ defaults:
 
 - ``WORLD_SIZES``: the CP sizes the tiny config supports (cases at other sizes are not drawn);
 - ``BATCH_KINDS``: the ``make_batch`` kinds it supports, among ``plain``, ``right_padded``, ``packed``;
-- ``BATCH_ROWS``: the batch sizes (rows) it supports (default ``(1, 2)``; e.g. ``(1,)`` for a path that takes one
-  packed row per micro-batch);
+- ``BATCH_ROWS``: the batch sizes (rows) it supports (default ``(1, 2)``), for every kind or per kind
+  (``{"packed": (1,)}`` for a model that packs one physical row per micro-batch);
 - ``COVERS``: framework CP callable (dotted path) -> what this spec's CP path does with it (the coverage table);
 - ``FORWARD_ONLY_ON``: device type -> why gradients cannot be judged there (logits and loss are; the report
   names what was not judged and why);
@@ -83,7 +83,11 @@ class SpecTraits:
     name: str
     world_sizes: tuple[int, ...] | None = None  # None: every size
     batch_kinds: tuple[str, ...] = BATCH_KINDS
-    batch_rows: tuple[int, ...] = (1, 2)
+    batch_rows: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # kind -> rows
+
+    def rows_for(self, kind: str) -> tuple[int, ...]:
+        """The batch sizes a ``kind`` batch may have."""
+        return tuple(self.batch_rows.get(kind, (1, 2)))
     covers: Mapping[str, str] = dataclasses.field(default_factory=dict)
     forward_only_on: Mapping[str, str] = dataclasses.field(default_factory=dict)
     requires: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -153,10 +157,14 @@ def check_spec(name: str, module: types.ModuleType) -> SpecTraits:
     if sizes is not None and (not isinstance(sizes, tuple) or not sizes or
                               any(not isinstance(n, int) or n < 1 for n in sizes)):
         problems.append(f"WORLD_SIZES: {sizes!r}; give a tuple of positive CP sizes, e.g. (1, 2, 3, 4)")
-    rows = getattr(module, "BATCH_ROWS", (1, 2))
-    if not isinstance(rows, tuple) or not rows or any(not isinstance(n, int) or n < 1 for n in rows):
-        problems.append(f"BATCH_ROWS: {rows!r}; give a tuple of positive batch sizes, e.g. (1,)")
-        rows = (1, 2)
+    declared_rows = getattr(module, "BATCH_ROWS", (1, 2))
+    by_kind = declared_rows if isinstance(declared_rows, Mapping) else {k: declared_rows for k in BATCH_KINDS}
+    if not all(k in BATCH_KINDS and isinstance(v, tuple) and v and all(isinstance(n, int) and n >= 1 for n in v)
+               for k, v in by_kind.items()):
+        problems.append(f"BATCH_ROWS: {declared_rows!r}; give a tuple of positive batch sizes, e.g. (1,), or a dict "
+                        f"kind -> tuple, e.g. {{'packed': (1,)}}")
+        by_kind = {}
+    rows = {k: tuple(v) for k, v in by_kind.items()}
     kinds = getattr(module, "BATCH_KINDS", BATCH_KINDS)
     if not isinstance(kinds, tuple) or not kinds or any(k not in BATCH_KINDS for k in kinds):
         problems.append(f"BATCH_KINDS: {kinds!r}; give a tuple among {BATCH_KINDS}")

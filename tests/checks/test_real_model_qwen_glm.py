@@ -29,10 +29,11 @@ FIXTURES = ROOT / "tests" / "fixtures"
 QWEN = "examples.automodel.models.qwen3_8_flash_next"
 GLM = "examples.automodel.models.glm5_next"
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
     reason="the real-model check needs transformers and nemo-automodel (the 'models' extra; scripts/bootstrap.sh "
-           "installs them unless CP_HARNESS_NO_FRAMEWORK=1)")
+           "installs them unless CP_HARNESS_NO_FRAMEWORK=1)"),
+    pytest.mark.xdist_group("real_models")]  # one worker, one shared pool (tests/conftest.py: real_models)
 
 
 def _case(spec: str, dtype: str, world_size: int, **batch) -> dict:
@@ -57,26 +58,9 @@ SMOKE = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_runner():
-    from cp_harness.ranks.pool import PoolConfig
-    from cp_harness.runner import CaseRunner
-
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(FIXTURES), str(ROOT), saved) if p)
-    runner = CaseRunner(PoolConfig(world_size=3, impl="cp_impl", case_timeout=180.0, collective_timeout=60.0,
-                                   preload=(QWEN, GLM)))
-    try:
-        runner.pool.start()
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
-    try:
-        yield runner
-    finally:
-        runner.close()
+@pytest.fixture
+def model_runner(real_models):
+    return real_models
 
 
 @pytest.mark.parametrize("spec", [QWEN, GLM], ids=["qwen3_8_flash_next", "glm5_next"])

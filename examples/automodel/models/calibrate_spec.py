@@ -5,7 +5,7 @@ stopped at), and the worst CP error, reference spread and error / bound are prin
         --model examples.automodel.models.glm5_next --examples 40 --world-sizes 1,2,3
 
 Cases: the real-model rows' own strategy (``cp_harness.checks.real_model.real_model_cases``, as ``verify`` draws
-them with ``--seed``), restricted to what the spec declares (``verify_declared.declared``); ``--smoke`` adds the
+them with ``--seed``), restricted to what the spec declares (``WORLD_SIZES``, ``BATCH_KINDS``, ``BATCH_ROWS``; formerly ``verify_declared.declared``); ``--smoke`` adds the
 harness's named smoke cases for the spec. Per case the harness's own judge runs (``C x spread + floor``,
 ``docs/real_models.md``); a kind is ``logits``, ``loss`` or ``grad`` (every parameter gradient). Error and spread
 are ULPs of the dtype at the tensor's largest one-device value; ``ratio`` is error / bound (> 1 fails).
@@ -62,15 +62,19 @@ def main() -> int:
     args = parser.parse_args()
     overrides = {k: json.loads(v) for k, v in (item.split("=") for item in filter(None, args.overrides.split(",")))}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from verify_declared import declared
-
     from cp_harness.checks.real_model import C, FLOOR, smoke_cases
     from cp_harness.ranks.pool import PoolConfig
     from cp_harness.runner import CaseRunner
 
-    spec = importlib.import_module(args.model)
-    admits = declared(spec)
+    from cp_harness.usage.model_specs import spec_traits
+
+    traits = spec_traits(args.model)
+
+    def admits(case: dict) -> bool:  # what the spec declares (the harness's own draws honour the same)
+        batch = case["batch"]
+        return ((traits.world_sizes is None or int(case["world_size"]) in traits.world_sizes)
+                and batch["kind"] in traits.batch_kinds
+                and int(batch.get("batch_size", 1)) in traits.rows_for(batch["kind"]))
     sizes = tuple(int(n) for n in args.world_sizes.split(","))
     cases = draw_cases(args.model, args.examples, sizes, args.seed, admits)
     if args.smoke:

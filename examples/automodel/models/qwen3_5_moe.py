@@ -60,10 +60,10 @@ interleaves Gated DeltaNet linear-attention layers, whose CP path needs the ``fl
 2 query heads and 1 K/V head of 8 (grouped-query attention: the CP path repeats K/V after the gather), gated
 attention output, mRoPE over half the head (sections ``[1, 1, 0]``, interleaved), MoE on every layer with 4
 routed experts (2 active) plus a gated shared expert, vocabulary 64; a one-block vision tower that text batches
-never run. ``router_aux_loss_coef=0`` (the framework's default is 0.001): the harness's reordered one-device
-reference backpropagates in chunks, and the aux loss's gradient (``MoEAuxLossAutoScaler``, injected whatever the
-upstream gradient) is added once per chunk, which widened the reference spread of the router gradients to 6.6e6
-ULP and with it every gradient's bound (docs/models/qwen3_5_moe.md). Backend ``BackendConfig(attn="sdpa",
+never run. ``router_aux_loss_coef=0.001`` (the framework's default): the auxiliary loss's gradient
+(``MoEAuxLossAutoScaler``, injected whatever the upstream gradient) is judged too; the harness's chunked
+reference counts it once (``cp_harness.usage.model_specs.step``; before that it was added once per chunk and
+widened the router gradients' spread to 6.6e6 ULP, docs/models/qwen3_5_moe.md). Backend ``BackendConfig(attn="sdpa",
 linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")``. The LM head is in the model dtype
 (bfloat16 logits in bfloat16).
 """
@@ -99,6 +99,7 @@ FRAMEWORK_CLASS = "nemo_automodel.components.models.qwen3_5_moe.model.Qwen3_5Moe
 
 WORLD_SIZES: tuple[int, ...] = (1, 2, 3, 4)
 BATCH_KINDS: tuple[str, ...] = ("packed",)
+BATCH_ROWS: tuple[int, ...] = (1,)  # block-diagonal CP needs local_batch_size=1 (the framework raises otherwise)
 # Framework CP callables this spec's CP path runs: each was seen running (a temporary counting wrapper around it
 # during a CP step) at CP 2 in float32 and bfloat16 and at CP 3 in float32.
 COVERS: dict[str, str] = {
@@ -160,7 +161,7 @@ TEXT: dict[str, Any] = dict(
     shared_expert_intermediate_size=8,
     num_experts=4,
     num_experts_per_tok=2,
-    router_aux_loss_coef=0.0,
+    router_aux_loss_coef=0.001,
     rms_norm_eps=1e-6,
     max_position_embeddings=4096,
     pad_token_id=0,

@@ -35,8 +35,8 @@ here, so it reaches across several ranks, with rank 0's zero-width collective an
 
 Tiny config (``TINY``): hidden 16, 2 decoder layers, both ``full_attention`` (QSA; the GatedDeltaNet layers need
 ``fla`` kernels), PLE on layer 1 (``ple_layer_ids=[2]``, 16 hash heads of width 1, kernel 4, dilation 3), 2
-HyperConnection streams, MoE 4 experts (2 active) + a gated shared expert, router auxiliary loss off (the
-released 1e-3 is an override; see ``backward_chunk``), 2 query heads and 1 KV head of 8, QSA indexer 2 heads
+HyperConnection streams, MoE 4 experts (2 active) + a gated shared expert, router auxiliary loss at the
+released 1e-3 (its gradient, injected in the backward, is counted once by the harness's chunked reference), 2 query heads and 1 KV head of 8, QSA indexer 2 heads
 of 8, ``indexer_compress_ratio=2``, ``indexer_budget=4`` (two blocks: positions >= 5 use the score top-k),
 vocabulary 64, EOS id 2 (random tokens hit it: the hash resets its history after an EOS), pad id 0. Backend
 ``attn="flex"`` (the packed-CP backend the model declares; on CPU QSA runs the PyTorch oracle
@@ -85,7 +85,7 @@ FRAMEWORK_CLASS = "nemo_automodel.components.models.qwen3_8_flash_next.model.Qwe
 DTYPES = (torch.float32, torch.bfloat16)
 WORLD_SIZES = (1, 2, 3, 4)
 BATCH_KINDS = ("plain", "right_padded", "packed")
-PACKED_MAX_ROWS = 1  # the model packs one physical row per micro-batch (THD), with or without CP
+BATCH_ROWS = {"packed": (1,)}  # the model packs one physical row per micro-batch (THD), with or without CP
 
 _CP = "nemo_automodel.components.models.qwen3_8_flash_next.cp."
 COVERS: dict[str, str] = {
@@ -102,9 +102,9 @@ COVERS: dict[str, str] = {
     "nemo_automodel.components.models.qwen3_8_flash_next.qsa.Qwen3_8_FlashNextQSAIndexer._forward_packed_cp":
         "packed rows: per-document block scoring of the local queries against the gathered keys",
 }
-# With overrides={"router_aux_loss_coef": 1e-3} (the released value) the CP path also runs
+# With the router's auxiliary loss on (the released 1e-3, the default here) the CP path also runs
 # nemo_automodel.components.moe.layers.Gate._compute_aux_loss with the expert load, scores and token count
-# reduced over the CP mesh; its gradients are judged soundly only once the harness enters backward_chunk (below).
+# reduced over the CP mesh.
 FORWARD_ONLY_ON: dict[str, str] = {}
 REQUIRES: dict[str, str] = {}
 
@@ -145,7 +145,7 @@ TINY: dict[str, Any] = dict(
     shared_expert_intermediate_size=8,
     num_experts=4,
     num_experts_per_tok=2,
-    router_aux_loss_coef=0.0,  # see backward_chunk: the harness's reordered reference counts it once per chunk
+    router_aux_loss_coef=1e-3,  # the released value: the CP path reduces the router's expert load over CP
     hc_count=2,
     hc_lowrank=4,
     ple_layer_ids=[2],
@@ -248,26 +248,6 @@ def forward(model: torch.nn.Module, local_batch: dict[str, Any]) -> torch.Tensor
     target = local_batch.get("_spec_cp_model", model)
     kwargs = {key: value for key, value in local_batch.items() if key not in ("labels", "_spec_cp_model")}
     return target(**filter_forward_kwargs(target, kwargs)).logits
-
-
-@contextlib.contextmanager
-def backward_chunk(chunks: int):
-    """Enter around each of ``chunks`` partial backward passes of one loss (for the harness's reordered one-device
-    reference, which backpropagates the loss's gradient in position chunks).
-
-    ``MoEAuxLossAutoScaler`` (the router's auxiliary loss) injects the auxiliary gradient, times its class-wide
-    ``main_loss_backward_scale``, on *every* backward that passes through it, whatever the upstream gradient:
-    ``chunks`` partial passes count it ``chunks`` times (measured: a gradient spread of 1.7e7 float32 ULP on the
-    router weights at ``router_aux_loss_coef=1e-3``, 3.9 ULP with this context). The recipe does the same for
-    its accumulation micro-batches (``base_recipe._set_moe_aux_loss_backward_scale``: ``cp_size / num_batches``).
-    """
-    saved = MoEAuxLossAutoScaler.main_loss_backward_scale
-    base = saved if saved is not None else torch.tensor(1.0)
-    MoEAuxLossAutoScaler.main_loss_backward_scale = base / chunks
-    try:
-        yield
-    finally:
-        MoEAuxLossAutoScaler.main_loss_backward_scale = saved
 
 
 def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
