@@ -36,7 +36,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from examples.automodel.defects import KNOWN, Failure, load_defects, load_known  # noqa: F401 - load_defects re-exported
+from examples.automodel.defects import KNOWN, Failure, holds, load_defects, load_known  # noqa: F401 - load_defects re-exported
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -183,7 +183,7 @@ def judge(subject: str, report: dict, known: list[dict], backend: str) -> list[d
             continue
         failure = Failure.of_row(row)
         match = next((d for d in known if d["subject"] == subject and d["row"] == row["name"]
-                      and backend in d["backends"]), None)
+                      and backend in d["backends"] and holds(d.get("when"), row.get("failing_case"))), None)
         if match is not None and match["signature"].matches(failure):
             verdicts.append({"subject": subject, "row": row["name"], "defect": match["id"],
                              "why": f"documented {match['classification']} {match['id']}: {match['title']}"})
