@@ -71,8 +71,12 @@ def _run_case(values: dict, text: str) -> int:
     except DeviceError as exc:
         print(f"cannot run: {exc}", file=sys.stderr)
         return 2
+    timeout = values["case_timeout"] or (300.0 if case.get("spec") else 120.0)
     runner = CaseRunner(PoolConfig(world_size=int(case["world_size"]), backend=values["backend"], impl=values["impl"],
-                                   launcher=values["launcher"]), policy=policy_named(values["precision_policy"]))
+                                   launcher=values["launcher"], case_timeout=timeout,
+                                   collective_timeout=max(30.0, timeout / 2),
+                                   preload=(case["spec"],) if case.get("spec") else ()),
+                        policy=policy_named(values["precision_policy"]))
     try:
         report = runner.run(case)
     finally:

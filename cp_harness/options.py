@@ -127,8 +127,9 @@ OPTIONS: tuple[Option, ...] = (
            commands=frozenset({_VERIFY, _CALIBRATE}), metavar="TEXT"),
     Option("shrink_seconds", "--shrink-seconds", "time a failing row may spend shrinking its failure to a small "
            "case", 20.0, float, commands=frozenset({_VERIFY}), metavar="SECONDS"),
-    Option("case_timeout", "--case-timeout", "seconds one case may run on the ranks before they count as hung",
-           120.0, float, plugin=True, metavar="SECONDS"),
+    Option("case_timeout", "--case-timeout", "seconds one case may run on the ranks before they count as hung "
+           "(default 120; 300 for real models: a rank's first case of a model builds and compiles it)", None, float,
+           commands=frozenset({_VERIFY, _RUN_CASE}), plugin=True, metavar="SECONDS"),
     Option("update_golden", "--update-golden", "rewrite golden files whose content changed (see docs/golden.md)",
            False, flag_only=True, plugin=True, plugin_flag="--update-golden"),
     Option("summary_json", "--summary-json", "also write the run summary (and pytest's outcome counts and "

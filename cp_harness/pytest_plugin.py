@@ -208,7 +208,7 @@ def cp_runner(pytestconfig: pytest.Config, cp_world_sizes, cp_impl_selection):
             raise pytest.UsageError(f"--cp-impl {name}: the implementation does not import here: "
                                     f"{type(exc).__name__}: {exc}") from exc
     values = cp_settings(pytestconfig)
-    timeout = values["case_timeout"]
+    timeout = values["case_timeout"] if values["case_timeout"] is not None else 120.0
     from cp_harness.judging.policy import policy_named
     from cp_harness.runner import CaseRunner
 

@@ -50,6 +50,7 @@ from cp_harness.usage import model_specs, spec_contract
 
 C = 4.0
 FLOOR = {"float32": 1024.0, "bfloat16": 8.0}  # ULPs of the dtype at the tensor's largest value (docs/real_models.md)
+GRADIENT_SCALE_FLOOR = 2.0 ** -10  # a gradient's scale is at least this share of the case's largest gradient
 
 
 def _prepare(case: dict):
@@ -153,18 +154,18 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         info["not_judged"][f"the gradients of all {count} parameters on {ctx.device.type}"] = forward_only
     arrays = {run: {q: _np(t) for q, t in tensors.items()} for run, tensors in runs.items()}
     if not all(r["ok"] for r in _judged(case, _np(valid), arrays).values()):
-        runs.update(_explaining_runs(spec, model, batch, ctx.cp_size, backward, info))
+        runs.update(_explaining_runs(spec, model, batch, case["batch"]["kind"], ctx.cp_size, backward, info))
     return info, _to_wire(valid, runs)
 
 
-def _explaining_runs(spec, model, batch: dict, cp_size: int, backward: bool, info: dict) -> dict:
+def _explaining_runs(spec, model, batch: dict, kind: str, cp_size: int, backward: bool, info: dict) -> dict:
     """The one-device runs that may explain a failure without a CP defect (``EXPLANATIONS``), on rank 0:
     ``PADDED`` where the CP padded length exceeds the batch's, ``KERNELS`` where the spec has ``cp_kernels``
     and CP > 1, ``PADDED_KERNELS`` where both. Logits ``[B, S, V]`` (padded runs cut back to ``S``). Records
     ``padded_len``, ``kernels`` (what the spec's context names) and ``kernels_error`` (the kernel runs raised:
     not run) in ``info``."""
     seq_len = batch["input_ids"].shape[1]
-    padded_len = _padded_length(spec, model, batch, cp_size)
+    padded_len = _padded_length(spec, model, batch, cp_size, kind)
     padded_batch = spec.pad_batch(batch, padded_len) if padded_len is not None else None
 
     def one_device(inputs: dict, kernels: bool) -> dict[Quantity, torch.Tensor]:
@@ -195,32 +196,44 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.float().numpy() if t.dtype != torch.bool else t.numpy()
 
 
-def _padded_length(spec, model, batch: dict, cp_size: int) -> int | None:
-    if cp_size <= 1 or batch.get("seq_lens") is not None or not all(
+def _padded_length(spec, model, batch: dict, cp_size: int, kind: str) -> int | None:
+    """The CP padded length of an unpacked batch (``None``: not padded, a packed batch, or no padding support)."""
+    if cp_size <= 1 or kind == "packed" or batch.get("seq_lens") is not None or not all(
             hasattr(spec, f) for f in ("pad_batch", "cp_padded_length")):
         return None
     length = int(spec.cp_padded_length(model, batch["input_ids"].shape[1], cp_size))
     return length if length > batch["input_ids"].shape[1] else None
 
 
+def _scale_floors(ref: dict[Quantity, np.ndarray]):
+    """``floor(q)``: the least scale tensor ``q`` is judged at. A gradient is judged at no less than
+    GRADIENT_SCALE_FLOOR of the case's largest gradient: one that is mathematically zero (a query path reaching
+    one key) is computed as rounding noise of its terms, and judged against that noise alone any other rounding
+    reads as 2^23 ULP (the miniature models use the family's scale)."""
+    largest = max((float(np.abs(a).max()) for q, a in ref.items() if q.kind == "grad" and a.size), default=0.0)
+    return lambda q: largest * GRADIENT_SCALE_FLOOR if q.kind == "grad" else 0.0
+
+
 def _judged(case: dict, valid: np.ndarray, runs: dict[Run, dict[Quantity, np.ndarray]],
             against: Run = Run.REFERENCE) -> dict[Quantity, dict]:
     """Every tensor of the CP run judged against the one-device run ``against`` (``REFERENCE``, or one of
-    ``EXPLANATIONS``, whose spread is taken as the plain runs'). The reference spread of a tensor is the worst spread of its
-    kind in the case (logits, loss, all parameter gradients): one small tensor's own spread can be zero by
-    chance."""
+    ``EXPLANATIONS``, whose spread is taken as the plain runs'). The reference spread of a tensor is the worst
+    spread of its kind in the case (logits, loss, all parameter gradients): one small tensor's own spread can be
+    zero by chance."""
     dtype = case["dtype"]
     ref, other = runs[Run.REFERENCE], runs[Run.REORDERED]
+    floor = _scale_floors(ref)
 
     def mask(q: Quantity):
         return valid if q.kind == "logits" else None
 
-    own = {q: model_specs.judge_tensor(other[q], ref[q], ref[q], dtype, C, FLOOR[dtype], mask(q)) for q in runs[Run.CP]}
+    own = {q: model_specs.judge_tensor(other[q], ref[q], ref[q], dtype, C, FLOOR[dtype], mask(q), scale_floor=floor(q))
+           for q in runs[Run.CP]}
     spread: dict[str, float] = {}
     for q, verdict in own.items():
         spread[q.kind] = max(spread.get(q.kind, 0.0), verdict["error"])
     return {q: model_specs.judge_tensor(runs[Run.CP][q], runs[against][q], other[q], dtype, C, FLOOR[dtype], mask(q),
-                                        spread[q.kind])
+                                        spread[q.kind], scale_floor=floor(q))
             for q in runs[Run.CP]}
 
 
@@ -264,11 +277,12 @@ def _explained(case: dict, valid: np.ndarray, runs: dict[Run, dict[Quantity, np.
     dtype = case["dtype"]
     against = {run: _judged(case, valid, runs, against=run) for run in EXPLANATIONS if run in runs}
     explained: dict[Quantity, Run] = {}
+    floor = _scale_floors(runs[Run.REFERENCE])
     for q in failing:
-        for run, verdicts in against.items():
+        for run, verdicts in against.items():  # the run against the plain one, judged as CP is
             moved = model_specs.judge_tensor(runs[run][q], runs[Run.REFERENCE][q], runs[Run.REORDERED][q],
                                              dtype, C, FLOOR[dtype], valid if q.kind == "logits" else None,
-                                             judged[q]["spread"])
+                                             judged[q]["spread"], scale_floor=floor(q))
             if verdicts[q]["ok"] and not moved["ok"]:
                 explained[q] = run
                 break
@@ -339,10 +353,11 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
 
 
 @st.composite
-def _batches(draw, kinds: tuple[str, ...] = spec_contract.BATCH_KINDS) -> dict:
+def _batches(draw, kinds: tuple[str, ...] = spec_contract.BATCH_KINDS, rows_for=lambda kind: (1, 2)) -> dict:
     kind = draw(st.sampled_from(kinds))
     seq_len = draw(st.integers(2, 24))
-    rows = draw(st.integers(1, 2))
+    counts = tuple(rows_for(kind))
+    rows = draw(st.integers(1, 2)) if counts == (1, 2) else draw(st.sampled_from(counts))
     batch = {"kind": kind, "seq_len": seq_len, "batch_size": rows, "seed": draw(st.integers(0, 999))}
     if kind == "right_padded":
         batch["pad"] = draw(st.integers(1, seq_len - 2)) if seq_len >= 3 else 0
@@ -411,7 +426,7 @@ def real_model_cases(dtype: str):
         runnable, _ = _runnable(models, dtype)
         spec = draw(st.sampled_from(runnable)) if runnable else draw(st.nothing())
         traits = model_specs.spec_traits(spec)
-        batch = draw(_batches(traits.batch_kinds))
+        batch = draw(_batches(traits.batch_kinds, traits.rows_for))
         sizes = (space if space is not None else current_space()).size_draws  # the profile's weights
         allowed = [n for n in sizes if traits.world_sizes is None or n in traits.world_sizes]
         size = draw(st.sampled_from(allowed)) if allowed else draw(st.nothing())

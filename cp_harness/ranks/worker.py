@@ -179,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         # subgroup per CP size, eager setup opens sum(n*(n-1)/2) connections (43,680 at 64 ranks), took 23-40 s
         # on 2 cores and failed the start when one rank's share outlasted the collective timeout.
         os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        # One compile cache per rank: ranks compiling the same kernel at once into one folder loaded each other's
+        # half-written files ("file too short", "invalid ELF header"; the real models' MoE kernels).
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{os.environ['TORCHINDUCTOR_CACHE_DIR']}-rank{local_rank}"
     dist.init_process_group(args.backend, timeout=timeout, device_id=device if args.backend == "nccl" else None)
 
     # One subgroup and mesh per CP size; new_group is collective, so every rank creates all of them.

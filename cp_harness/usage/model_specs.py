@@ -115,10 +115,19 @@ def step(spec: types.ModuleType, model: torch.nn.Module, mesh: Any, batch: dict,
             (upstream,) = torch.autograd.grad(value, logits, retain_graph=True)
             bounds = np.linspace(0, logits.shape[1], split + 1).round().astype(int)
             parts = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+            # What every backward through the logits adds whatever the upstream gradient (an auxiliary loss injected
+            # in the backward, e.g. a router's load-balancing loss): counted once, as in the plain run, not per chunk.
+            params = [p for p in model.parameters() if p.requires_grad]
+            constant = torch.autograd.grad(logits, params, grad_outputs=torch.zeros_like(logits), retain_graph=True,
+                                           allow_unused=True)
             for i, (a, b) in enumerate(parts):
                 chunk = torch.zeros_like(upstream)
                 chunk[:, a:b] = upstream[:, a:b]
                 logits.backward(chunk, retain_graph=i < len(parts) - 1)
+            with torch.no_grad():
+                for parameter, extra in zip(params, constant):
+                    if extra is not None and parameter.grad is not None and len(parts) > 1:
+                        parameter.grad.sub_(extra, alpha=len(parts) - 1)
         total = value.detach().float().clone()
     full = spec.gather_logits(sharder, logits.detach())
     grads = {}
@@ -156,13 +165,15 @@ def normwise(actual: np.ndarray, expected: np.ndarray, scale: float, unit: float
 
 
 def judge_tensor(cp: np.ndarray, ref: np.ndarray, other: np.ndarray, dtype: str, c: float, floor: float,
-                 mask: np.ndarray | None = None, spread: float | None = None) -> dict[str, Any]:
+                 mask: np.ndarray | None = None, spread: float | None = None,
+                 scale_floor: float = 0.0) -> dict[str, Any]:
     """CP ``cp`` against the one-device ``ref``; ``other`` is the reordered one-device run (the spread).
 
     ``mask`` (broadcast over trailing dimensions) selects the compared elements. Returns the errors in ULPs
     of ``dtype`` at the tensor's largest reference value, the bound ``c x spread + floor``, ``ok``, how many
     elements exceed the element-wise bound, and the worst element. ``spread``: the reference spread to scale
     the bound with (default: this tensor's own; the check passes the worst over the tensor's class).
+    ``scale_floor``: the least scale the ULPs are measured at (the tensor's largest value, or this if larger).
     """
     cp, ref, other = (np.asarray(x, dtype=np.float64) for x in (cp, ref, other))
     if cp.shape != ref.shape:
@@ -171,7 +182,7 @@ def judge_tensor(cp: np.ndarray, ref: np.ndarray, other: np.ndarray, dtype: str,
         m = np.broadcast_to(mask.reshape(mask.shape + (1,) * (ref.ndim - mask.ndim)), ref.shape)
         cp, ref, other = (np.where(m, x, 0.0) for x in (cp, ref, other))
     unit = ulp_unit(dtype)
-    scale = float(np.abs(ref).max()) if ref.size else 0.0
+    scale = max(float(np.abs(ref).max()) if ref.size else 0.0, float(scale_floor))
     error, diff = normwise(cp, ref, scale, unit)
     own_spread, _ = normwise(other, ref, scale, unit)
     spread = own_spread if spread is None else spread

@@ -10,6 +10,8 @@ defaults:
 
 - ``WORLD_SIZES``: the CP sizes the tiny config supports (cases at other sizes are not drawn);
 - ``BATCH_KINDS``: the ``make_batch`` kinds it supports, among ``plain``, ``right_padded``, ``packed``;
+- ``BATCH_ROWS``: the batch sizes (rows) it supports (default ``(1, 2)``), for every kind or per kind
+  (``{"packed": (1,)}`` for a model that packs one physical row per micro-batch);
 - ``COVERS``: framework CP callable (dotted path) -> what this spec's CP path does with it (the coverage table);
 - ``FORWARD_ONLY_ON``: device type -> why gradients cannot be judged there (logits and loss are; the report
   names what was not judged and why);
@@ -78,7 +80,7 @@ REQUIRED_FUNCTIONS: dict[str, int] = {"build": 2, "shard": 3, "forward": 2, "gat
 # ``local_labels(local_batch)`` this rank's labels; ``pad_batch(batch, length)`` and
 # ``cp_padded_length(model, seq_len, cp_size)`` the padding check; ``cp_kernels(model)`` the kernel check: a
 # context manager inside which ``model``'s one-device forward uses the kernels its CP path uses, without CP (its
-# value, a str, names them; its docstring says exactly what changes inside it; docs/real_models.md).
+# value, a str, names them; its docstring says exactly what changes inside it; docs/extending.md, docs/real_models.md).
 OPTIONAL_FUNCTIONS: dict[str, int] = {"local_labels": 1, "pad_batch": 2, "cp_padded_length": 3, "cp_kernels": 1}
 REQUIRED_ATTRIBUTES = ("NAME", "DTYPES")
 
@@ -90,6 +92,11 @@ class SpecTraits:
     name: str
     world_sizes: tuple[int, ...] | None = None  # None: every size
     batch_kinds: tuple[str, ...] = BATCH_KINDS
+    batch_rows: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # kind -> rows
+
+    def rows_for(self, kind: str) -> tuple[int, ...]:
+        """The batch sizes a ``kind`` batch may have."""
+        return tuple(self.batch_rows.get(kind, (1, 2)))
     covers: Mapping[str, str] = dataclasses.field(default_factory=dict)
     forward_only_on: Mapping[str, str] = dataclasses.field(default_factory=dict)
     requires: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -159,6 +166,14 @@ def check_spec(name: str, module: types.ModuleType) -> SpecTraits:
     if sizes is not None and (not isinstance(sizes, tuple) or not sizes or
                               any(not isinstance(n, int) or n < 1 for n in sizes)):
         problems.append(f"WORLD_SIZES: {sizes!r}; give a tuple of positive CP sizes, e.g. (1, 2, 3, 4)")
+    declared_rows = getattr(module, "BATCH_ROWS", (1, 2))
+    by_kind = declared_rows if isinstance(declared_rows, Mapping) else {k: declared_rows for k in BATCH_KINDS}
+    if not all(k in BATCH_KINDS and isinstance(v, tuple) and v and all(isinstance(n, int) and n >= 1 for n in v)
+               for k, v in by_kind.items()):
+        problems.append(f"BATCH_ROWS: {declared_rows!r}; give a tuple of positive batch sizes, e.g. (1,), or a dict "
+                        f"kind -> tuple, e.g. {{'packed': (1,)}}")
+        by_kind = {}
+    rows = {k: tuple(v) for k, v in by_kind.items()}
     kinds = getattr(module, "BATCH_KINDS", BATCH_KINDS)
     if not isinstance(kinds, tuple) or not kinds or any(k not in BATCH_KINDS for k in kinds):
         problems.append(f"BATCH_KINDS: {kinds!r}; give a tuple among {BATCH_KINDS}")
@@ -170,6 +185,7 @@ def check_spec(name: str, module: types.ModuleType) -> SpecTraits:
     if problems:
         raise SpecError(f"model spec {name!r} does not meet the spec contract "
                         f"(cp_harness.usage.spec_contract.ModelSpec, docs/extending.md):\n  " + "\n  ".join(problems))
-    return SpecTraits(name=name, world_sizes=sizes, batch_kinds=kinds, covers=dict(getattr(module, "COVERS", {})),
+    return SpecTraits(name=name, world_sizes=sizes, batch_kinds=kinds, batch_rows=rows,
+                      covers=dict(getattr(module, "COVERS", {})),
                       forward_only_on=dict(getattr(module, "FORWARD_ONLY_ON", {})),
                       requires=dict(getattr(module, "REQUIRES", {})), dtypes=tuple(names[d] for d in dtypes))

@@ -40,6 +40,13 @@ class VerifySettings:
     launcher: str | None = None
     error_dir: str | None = None
     shrink_seconds: float = SHRINK_SECONDS
+    case_timeout: float | None = None  # None: 120 s, 300 s with model specs (a rank's first case builds the model)
+
+    @property
+    def resolved_case_timeout(self) -> float:
+        if self.case_timeout is not None:
+            return float(self.case_timeout)
+        return 300.0 if self.model else 120.0
 
     @classmethod
     def from_options(cls, values: Mapping[str, Any]) -> "VerifySettings":

@@ -93,7 +93,8 @@ def run_verify(settings: VerifySettings, *, rows: list[Row] | None = None, pool:
     space = CaseSpace(world_sizes=tuple(s.world_sizes), dtypes=drawn, impls=impl_names(s.impl), models=s.model)
     if pool is None:
         runner = CaseRunner(PoolConfig(world_size=ranks, backend=s.backend, impl=s.impl, launcher=s.launcher,
-                                       preload=s.model), policy=s.policy)
+                                       preload=s.model, case_timeout=s.resolved_case_timeout,
+                                       collective_timeout=max(30.0, s.resolved_case_timeout / 2)), policy=s.policy)
     else:  # the pool's own selection stays; every case names its implementation
         runner = CaseRunner(pool.config, pool=pool, policy=s.policy)
         chosen = [_naming_impl(row, s.impl) for row in chosen]

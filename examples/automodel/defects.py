@@ -4,7 +4,9 @@ failing row must show to count as a documented defect rather than a new finding.
 A defect is ``{"id", "title", "classification", "doc", "repro", "backends", "signature", "rows": [...]}``; each row
 ``{"adapter" | "spec", "row", "why", "case"}`` names the subject (an adapter of ``examples.automodel`` or a model spec
 of ``examples.automodel.models``), the verify row label, why the defect reaches that row, and a case of the row that
-fails while the defect is there (replayed by ``scripts/real_clients``). A signature is one of:
+fails while the defect is there (replayed by ``scripts/real_clients``); an optional ``"when"`` (``{"batch.kind":
+"packed"}``: dotted case keys and the values they must hold) restricts the entry to the failing cases it describes,
+so that a defect of one batch kind never covers another kind's failure. A signature is one of:
 
 - ``{"kind": "gradients"}``: the forward is right, every failing tensor is a gradient, no problem (no rank raised);
 - ``{"kind": "tensors", "names": [...]}``: every failing tensor's name starts with one of ``names``, no problem;
@@ -102,6 +104,21 @@ def signature_of(data: Any, where: str) -> Signature:
                      f"[...]}} or {{'kind': 'problem', 'contains': [...]}}")
 
 
+def holds(when: dict | None, case: dict | None) -> bool:
+    """Whether ``case`` has every dotted key of ``when`` with its value (no ``when``: any case)."""
+    if not when:
+        return True
+    if case is None:
+        return False
+    for dotted, want in when.items():
+        value: Any = case
+        for key in dotted.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if value != want:
+            return False
+    return True
+
+
 def subject_of(row: dict) -> str:
     """``"adapter:<name>"`` or ``"spec:<name>"``: what a documented row is about."""
     return next(f"{key}:{row[key]}" for key in SUBJECTS if key in row)
@@ -125,10 +142,10 @@ def load_defects(path: Path = KNOWN) -> list[dict]:
             if missing:
                 raise ValueError(f"{path}: defect {defect['id']} rows[{j}] has no {', '.join(missing)}")
             for backend in defect["backends"]:
-                key = (subject_of(row), row["row"], backend)
+                key = (subject_of(row), row["row"], backend, json.dumps(row.get("when"), sort_keys=True))
                 if key in seen:
                     raise ValueError(f"{path}: {key[0]} / {row['row']} ({backend}) is listed by both {seen[key]} and "
-                                     f"{defect['id']}: a row has one documented cause")
+                                     f"{defect['id']}: a row has one documented cause (per 'when')")
                 seen[key] = defect["id"]
     return defects
 

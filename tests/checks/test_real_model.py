@@ -28,34 +28,18 @@ JUDGES = ("spec:deepseek_v41", "spec:kimi_linear")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
 SPEC = "examples.automodel.models.deepseek_v41"
-KIMI = "examples.automodel.models.kimi_linear"  # forward-only on CPU, has cp_kernels (kernel sensitivity)
+KIMI = "examples.automodel.models.kimi_linear"  # forward-only on CPU; has cp_kernels (kernel sensitivity)
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
     reason="the real-model check needs transformers and nemo-automodel (the 'models' extra; scripts/bootstrap.sh "
-           "installs them unless CP_HARNESS_NO_FRAMEWORK=1)")
+           "installs them unless CP_HARNESS_NO_FRAMEWORK=1)"),
+    pytest.mark.xdist_group("real_models")]  # one worker, one shared pool (tests/conftest.py: real_models)
 
 
-@pytest.fixture(scope="module")
-def model_runner():
-    from cp_harness.ranks.pool import PoolConfig
-    from cp_harness.runner import CaseRunner
-
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(FIXTURES), str(ROOT), saved) if p)
-    runner = CaseRunner(PoolConfig(world_size=3, impl="cp_impl", case_timeout=120.0, collective_timeout=60.0,
-                                   preload=(SPEC, KIMI)))
-    try:
-        runner.pool.start()
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
-    try:
-        yield runner
-    finally:
-        runner.close()
+@pytest.fixture
+def model_runner(real_models):
+    return real_models
 
 
 def test_smoke_cp2_cp3_both_dtypes(model_runner):

@@ -9,9 +9,10 @@ import importlib.util
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
-    reason="the coverage table reads the framework and its model specs (the 'models' extra)")
+    reason="the coverage table reads the framework and its model specs (the 'models' extra)"),
+    pytest.mark.xdist_group("real_models")]  # the worker that already imported the models (tests/conftest.py)
 
 
 def _summary(**outcomes) -> dict:

@@ -1,16 +1,36 @@
 """Model spec: nemo-automodel 0.7.0's ``DeepseekV4ForCausalLM`` at a tiny random config (same interface as
-``deepseek_v41``: see that module's docstring; shard/forward/gather_logits/loss/batches are shared).
+``deepseek_v41``: see that module's docstring; shard, forward, loss and unpacked batches are that module's;
+packed batches and the one-device gather are this module's).
 
 Tiny config: hidden 16, 4 layers with compress ratios ``[0, 4, 4, 0]`` (sliding window only, compressed with
 the indexer, compressed, sliding window only), hash routing in layer 0, MoE 4 experts (2 active) + 1 shared,
 2 heads of 8, vocabulary 64, window 4, no MTP or vision. Eager CPU backend as for V4.1.
 
-Status (float32 and bfloat16, CP 2 and 3 against one rank): unpacked batches (plain, odd length, right
-padded) match (float32: logits <= 1e-6, gradients <= 1e-7). Packed batches do NOT compare yet: the CP
-sharder packs by ``seq_lens``, but on one rank (identity sharder) ``DeepseekV4ForCausalLM.forward`` takes
-``seq_lens`` into ``**attn_kwargs`` and ignores it, so the baseline attends across documents (CP 2 and CP 3
-agree with each other, and differ from the baseline by the same 1.5-2.4 in logits). V4's one-device packed
-format (THD ``qkv_format``/``cu_seqlens``) is not wired into ``make_batch`` here.
+How it enters CP (``recipes/llm/train_ft.py``): ``ContextParallelSharder(model, mesh, batch)`` calls the model's
+``prepare_model_inputs_for_cp``, whose sharder is ``make_dsv4_contiguous_shard_cp_batch_and_ctx`` (pad multiple
+``dsv4_cp_local_seq_multiple`` = 8 here); packed rows are first rebuilt by ``_repad_dsv4_packed_batch`` (every
+document padded to that multiple, so each starts on a compressor window), then ``shard_batch_contiguous`` keeps one
+contiguous slice per rank and the forward gets the CP group as ``_dsv4_cp_group``; attention, the compressor and
+the indexer all-gather K/V, compressed keys and window metadata (``dsv4_cp_all_gather``, differentiable; its
+backward returns each rank its slice of the summed gradient). No parallelizer step is needed: the router's aux
+loss is off (``aux_loss_coeff=0``), so ``apply_cp``'s MoE mesh changes nothing. The recipe admits CP with packing
+only with ``attn="tilelang"`` (a GPU kernel, never run here); the eager attention stands in for it on CPU with the
+same masks and gathered tensors.
+
+Packed batches (``make_batch("packed")``) are what the default THD packing feeds the model
+(``packed_sequence_thd_collater``: ``qkv_format="thd"``, ``seq_lens``, ``seq_lens_padded``, document-local
+``position_ids``); on one device the model builds its packed mask and document ids from ``seq_lens_padded`` only
+when ``qkv_format == "thd"``, which ``deepseek_v41.make_batch`` does not set (its one-device baseline attended
+across documents).
+
+Status (float32 and bfloat16, CP 2 and 3 against one rank, ``docs/models/deepseek_v4.md``): unpacked batches
+(plain, odd length, right padded) and packed rows whose documents all start on a compressor window (a multiple of
+4 here) or are too short to fill one match. Packed rows with a longer document that starts elsewhere do not: a
+finding, not a CP error. One device pools windows of 4 *global* positions, so a window that straddles two
+documents is dropped and a misaligned document's windows are shifted; CP repads every document to the window
+(like every document alone), so one-device and CP training of the same packed data differ
+(``repro_deepseek_v4_packed_windows.py``, exit 1 while it shows). Packing with
+``packed_sequence.pad_to_multiple_of=4`` makes them agree.
 """
 
 from __future__ import annotations
@@ -24,9 +44,11 @@ from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.deepseek_v4.config import DeepseekV4Config
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
+from nemo_automodel.components.datasets.utils import pack_features_for_thd, packed_sequence_thd_collater
+
+from examples.automodel.models import deepseek_v41 as _v41
 from examples.automodel.models.deepseek_v41 import (  # noqa: F401  (the shared half of the interface)
-    BACKEND, BATCH_KEYS, DTYPES, IGNORE_INDEX, forward, gather_logits, local_labels, loss, make_batch,
-    num_label_tokens, pad_batch, shard, valid_positions)
+    BACKEND, DTYPES, IGNORE_INDEX, forward, local_labels, loss, num_label_tokens, pad_batch, shard, valid_positions)
 
 NAME = "deepseek_v4"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.deepseek_v4.model.DeepseekV4ForCausalLM"
@@ -63,3 +85,100 @@ def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
         return seq_len
     divisor = cp_size * max(dsv4_cp_local_seq_multiple(model.config), 2)
     return seq_len + (-seq_len) % divisor
+
+
+WORLD_SIZES: tuple[int, ...] = (1, 2, 3, 4)
+BATCH_KINDS: tuple[str, ...] = ("plain", "right_padded", "packed")
+# Framework CP callables this spec's CP path runs: each was seen running (a temporary counting wrapper around it
+# during a CP step) at CP 2 in float32; "packed" / "unpacked" name the only batches that reach it.
+COVERS: dict[str, str] = {
+    "nemo_automodel.components.models.deepseek_v4.model.DeepseekV4ForCausalLM.prepare_model_inputs_for_cp":
+        "the model's CP hook: its contiguous sharder with the compress-ratio pad multiple",
+    "nemo_automodel.components.models.deepseek_v4.cp.make_dsv4_contiguous_shard_cp_batch_and_ctx":
+        "the sharder: packed rows repadded, then contiguous slices, the CP group handed to the forward",
+    "nemo_automodel.components.models.deepseek_v4.cp._repad_dsv4_packed_batch":
+        "packed: every document padded to the per-rank multiple (window-aligned), the position map",
+    "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_contiguous":
+        "pads to CP x multiple and keeps one contiguous slice per rank",
+    "nemo_automodel.components.distributed.context_parallel.sharder.contiguous_local_indices":
+        "this rank's global positions (the sharder's index map)",
+    "nemo_automodel.components.models.deepseek_v4.cp.dsv4_cp_all_gather":
+        "K/V, compressed keys and indexer keys all-gathered (differentiable)",
+    "nemo_automodel.components.models.deepseek_v4.cp.dsv4_cp_all_gather_metadata":
+        "positions, document ids, padding and window metadata all-gathered",
+    "nemo_automodel.components.models.deepseek_v4.cp.build_dsv4_cp_packed_causal_padding_mask":
+        "packed: local-query / global-key mask by document, position, padding and window",
+    "nemo_automodel.components.models.deepseek_v4.cp.build_dsv4_cp_causal_padding_mask":
+        "unpacked: local-query / global-key causal, padding and sliding-window mask",
+    "nemo_automodel.components.models.deepseek_v4.layers._overlap_transform_with_cp":
+        "the ratio-4 compressor's previous-window overlap across rank boundaries",
+    "nemo_automodel.components.distributed.context_parallel.sharder.gather_token_tensor_by_indices":
+        "gather_logits: the logits back to global order (differentiable all-gather)",
+}
+
+BATCH_KEYS: dict[str, dict[str, str]] = {
+    "required": _v41.BATCH_KEYS["required"],
+    "optional": {
+        **_v41.BATCH_KEYS["optional"],
+        "position_ids": "[B, S] int64; unpacked rows 0..S-1; packed rows restart at 0 per document and count on "
+                        "through the trailing pack padding (the THD packer's layout)",
+        "seq_lens_padded": "[B, D] int64 physical span per packed document; the last one includes the row's "
+                           "trailing padding (-1000: absent)",
+        "qkv_format": '"thd" on packed batches (the THD collator\'s marker; the one-device path reads '
+                      "seq_lens_padded only when it is set)",
+    },
+    "produced_by_sharder": _v41.BATCH_KEYS["produced_by_sharder"],
+}
+
+
+def gather_logits(sharder, local_logits: torch.Tensor) -> torch.Tensor:
+    """Local logits ``[B, S_local, V]`` -> ``[B, S, V]`` in the caller's coordinates.
+
+    One device on a packed (THD) batch: the model's own CP hook runs at CP 1 (``supports_thd``), leaves every tensor
+    as given and reports no layout, so the logits are already in the caller's coordinates. Otherwise
+    ``deepseek_v41.gather_logits``.
+    """
+    mesh = getattr(sharder, "_cp_mesh", None)
+    if sharder.shard_layout is None and (mesh is None or mesh.size() <= 1):
+        return local_logits
+    return _v41.gather_logits(sharder, local_logits)
+
+
+def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, vocab: int = 64,
+               documents: list[list[int]] | None = None, pad: int = 0, pad_id: int = 0) -> dict[str, Any]:
+    """An example batch with shifted labels; unpacked kinds are ``deepseek_v41.make_batch``'s.
+
+    ``"packed"``: what the framework's default THD packing feeds the model (``packed_sequence.packing_strategy:
+    thd``, ``collate_fn: packed_sequence_thd_collater``, as in its DeepSeek V4 packed example config): each row's
+    documents (``documents[row]`` lengths, labels shifted within each document, -100 on a document's last token)
+    concatenated by ``pack_features_for_thd``, then padded to ``seq_len`` the way the THD packer pads a pack
+    (``datasets/llm/packed_sequence.py _pad_pack``: pad tokens, labels -100, positions counting on from the last
+    document's, the padding added to the last document's ``seq_lens_padded``), collated by
+    ``packed_sequence_thd_collater``: ``input_ids``, ``labels``, ``position_ids`` ``[B, S]``, ``seq_lens``,
+    ``seq_lens_padded`` ``[B, D]`` (-1000 where a row has fewer documents), ``qkv_format="thd"``.
+    """
+    if kind != "packed":
+        return _v41.make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad, pad_id=pad_id)
+    if documents is None or len(documents) != batch_size:
+        raise ValueError("packed batches need one list of document lengths per row")
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, vocab, (batch_size, seq_len), generator=generator)
+    records = []
+    for row, lengths in enumerate(documents):
+        if sum(lengths) > seq_len or not lengths or min(lengths) < 1:
+            raise ValueError(f"documents {lengths} do not fit a row of {seq_len}")
+        features, start = [], 0
+        for length in lengths:
+            ids = tokens[row, start:start + length].tolist()
+            features.append({"input_ids": ids, "labels": ids[1:] + [IGNORE_INDEX]})
+            start += length
+        record = pack_features_for_thd(features)
+        extra = seq_len - len(record["input_ids"])
+        if extra:  # the THD packer's trailing pack padding (_pad_pack)
+            last = record["position_ids"][-1]
+            record["input_ids"] += [pad_id] * extra
+            record["labels"] += [IGNORE_INDEX] * extra
+            record["position_ids"] += [min(last + 1 + i, seq_len - 1) for i in range(extra)]
+            record["seq_lens_padded"][-1] += extra
+        records.append(record)
+    return packed_sequence_thd_collater(records)
