@@ -53,10 +53,16 @@ FLOOR = {"float32": 1024.0, "bfloat16": 8.0}  # ULPs of the dtype at the tensor'
 GRADIENT_SCALE_FLOOR = 2.0 ** -10  # a gradient's scale is at least this share of the case's largest gradient
 
 
-def _prepare(case: dict):
+def _prepare(case: dict, device: torch.device):
+    """The spec, its model and the case's global batch, on the rank's ``device`` (a spec builds on the CPU; on an
+    ``nccl`` pool the model and batch move to the rank's GPU here; never run on a GPU so far)."""
     spec = model_specs.load_spec(case["spec"])
     model = model_specs.cached_model(case["spec"], case["dtype"], int(case.get("seed", 0)), case.get("overrides"))
-    return spec, model, model_specs.make_batch(spec, case["batch"])
+    if next(model.parameters()).device != device:
+        model.to(device)
+    batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+             for k, v in model_specs.make_batch(spec, case["batch"]).items()}
+    return spec, model, batch
 
 
 def _agree_ready(ctx, error: BaseException | None) -> None:
@@ -134,7 +140,7 @@ def _from_wire(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[Run, dic
 def _rank(case: dict, ctx) -> tuple[dict, dict]:
     error = None
     try:
-        spec, model, batch = _prepare(case)
+        spec, model, batch = _prepare(case, ctx.device)
     except Exception as exc:  # noqa: BLE001 - reported by every rank of the case, naming this one
         error = exc
     _agree_ready(ctx, error)

@@ -111,14 +111,14 @@ def default_command_tests(subject: str) -> list[str]:
 
 
 def nightly_runs(subject: str) -> bool:
-    """Whether the nightly GPU workflow runs ``subject`` (every adapter through ``real_clients --backend nccl``,
-    a spec through its ``verify --model`` line)."""
+    """Whether the nightly GPU workflow runs ``subject``: ``real_clients --backend nccl`` runs every adapter and
+    spec, a ``verify --model`` line its spec."""
     path = ROOT / ".github" / "workflows" / "nightly.yml"
     text = path.read_text() if path.is_file() else ""
     kind, name = subject.split(":", 1)
-    if kind == "adapter":
-        return bool(re.search(r"real_clients[^\n]*--backend nccl", text))
-    return f"--model examples.automodel.models.{name}" in text
+    if re.search(r"real_clients[^\n]*--backend nccl", text):
+        return True
+    return kind == "spec" and re.search(rf"--model examples\.automodel\.models\.{re.escape(name)}(?![\w])", text) is not None
 
 
 @dataclasses.dataclass
