@@ -66,12 +66,16 @@ def _run_case(values: dict, text: str) -> int:
     if not isinstance(case, dict) or "check" not in case or "world_size" not in case:
         print("case must be a JSON object with at least 'check' and 'world_size'", file=sys.stderr)
         return 2
+    from cp_harness.cases.meshes import MeshLayout, ranks_needed
+
     try:
-        check_backend(values["backend"], int(case["world_size"]))
-    except DeviceError as exc:
+        MeshLayout.of(case)
+        ranks = ranks_needed(case)  # a case on a world mesh needs every rank of the mesh
+        check_backend(values["backend"], ranks)
+    except (DeviceError, ValueError) as exc:
         print(f"cannot run: {exc}", file=sys.stderr)
         return 2
-    runner = CaseRunner(PoolConfig(world_size=int(case["world_size"]), backend=values["backend"], impl=values["impl"],
+    runner = CaseRunner(PoolConfig(world_size=ranks, backend=values["backend"], impl=values["impl"],
                                    launcher=values["launcher"]), policy=policy_named(values["precision_policy"]))
     try:
         report = runner.run(case)

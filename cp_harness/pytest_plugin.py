@@ -191,9 +191,11 @@ def _skip_case(reason: str) -> None:
 def _within(ranks: int):
     """Admission of a pool of ``ranks``: a case that needs more is skipped, saying why."""
     def admit(case: dict) -> None:
-        n = int(case["world_size"])
+        from cp_harness.cases.meshes import ranks_needed
+
+        n = ranks_needed(case)
         if n > ranks:
-            _skip_case(f"case needs {n} CP ranks; this run's pool has {ranks} (--cp-world-sizes)")
+            _skip_case(f"case needs {n} ranks; this run's pool has {ranks} (--cp-world-sizes)")
     return admit
 
 
