@@ -252,16 +252,19 @@ MESH_DIMS = (("dp", "cp"), ("cp", "dp"), ("dp_shard", "cp", "tp"), ("dp_replicat
 
 
 @st.composite
-def mesh_layouts(draw, cp_size: int, space: CaseSpace | None = None) -> dict:
+def mesh_layouts(draw, cp_size: int, space: CaseSpace | None = None, min_groups: int = 1) -> dict:
     """A ``mesh_layout`` (``cp_harness.cases.meshes``) with a ``cp`` dimension of ``cp_size`` that fits the space's
     pool: two or three dimensions, CP inner or outer, mostly more than one CP group (a world larger than the CP
     group), over the first ranks of the pool, its last ones, or ranks spread over it; all groups run the case,
-    or one of them."""
+    or one of them. ``min_groups``: at least that many CP groups (nothing is drawn when they do not fit)."""
     pool = _resolved(space).pool_ranks
     room = max(pool // cp_size, 1)  # CP groups that fit
+    if min_groups > room:
+        return draw(st.nothing())
     dims = draw(st.sampled_from(MESH_DIMS))
     # Several groups two times in three (when they fit): what a CP group beside others gets wrong.
-    groups = draw(st.sampled_from((1,) + tuple(g for g in (2, 2, 3, 4) if g <= room)) if room > 1 else st.just(1))
+    counts = tuple(g for g in (1, 2, 2, 3, 4) if min_groups <= g <= room)
+    groups = draw(st.sampled_from(counts)) if len(counts) > 1 else counts[0]
     others = [d for d in dims if d != "cp"]
     sizes = {d: 1 for d in others}
     free = [d for d in others if d != "tp"] or others  # tp stays 1

@@ -80,17 +80,22 @@ def identity_cases(draw, space=None) -> dict:
     return draw(with_mesh_layout(case, space))
 
 
-def _on_meshes(sources, space):
-    """The sources' own cases, each on a drawn world mesh."""
-    return st.one_of(*(row.cases(space) for row in sources)).flatmap(lambda case: with_mesh_layout(case, space))
-
-
 def _rows_of(*checks_) -> tuple:
     return tuple(row for check in checks_ for row in check.rows)
 
 
 _FUNCTION_SOURCES = _rows_of(GATHER_SEQUENCE, GATHER_TOKENS, CONVOLUTION_HISTORY, SHIFTED_CP_LOSS)
 _MODEL_SOURCES = _rows_of(SHARDER_ROUNDTRIP) + tuple(r for r in MODEL.rows if "float64" in r.dtypes)
+
+
+def function_cases(space=None):
+    """A case of the gathers, the halo or the shifted loss (their own verify rows' strategies), no mesh yet."""
+    return st.one_of(*(row.cases(space) for row in _FUNCTION_SOURCES))
+
+
+def _on_meshes(sources, space):
+    """The sources' own cases, each on a drawn world mesh."""
+    return st.one_of(*(row.cases(space) for row in sources)).flatmap(lambda case: with_mesh_layout(case, space))
 
 
 def _layout(dims, shape, ranks=None, run=None) -> dict:
