@@ -210,13 +210,12 @@ def cp_runner(pytestconfig: pytest.Config, cp_world_sizes, cp_impl_selection):
             raise pytest.UsageError(f"--cp-impl {name}: the implementation does not import here: "
                                     f"{type(exc).__name__}: {exc}") from exc
     values = cp_settings(pytestconfig)
-    timeout = values["case_timeout"]
+    timeout = values["case_timeout"] or 120.0
     from cp_harness.judging.policy import policy_named
     from cp_harness.runner import CaseRunner
 
     runner = CaseRunner(PoolConfig(world_size=max(cp_world_sizes), backend=values["backend"], preload=tuple(values["model_specs"]),
-                                   impl=cp_impl_selection, case_timeout=timeout,
-                                   launcher=values["launcher"],
+                                   impl=cp_impl_selection, **{**options.pool_options(values), "case_timeout": timeout},
                                    collective_timeout=max(10.0, timeout / 2)),
                         admit=_within(max(cp_world_sizes)),
                         policy=policy_named(values["precision_policy"]), error_dir=values["error_dir"])

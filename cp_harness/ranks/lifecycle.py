@@ -124,6 +124,8 @@ class RankProcesses:
     def node_command(self, node: int, *, local: bool = True) -> list[str]:
         """The command that starts node ``node``'s ranks (``local=False``: as the user runs it on that node)."""
         cfg = self.config
+        if self._listen is None:
+            self._addresses()
         worker = self.worker_args(local=local)
         if self.launcher == "fork":
             return [cfg.python, *worker, f"--ranks={cfg.world_size}"]
@@ -140,6 +142,8 @@ class RankProcesses:
 
     def remote_commands(self) -> dict[int, str]:
         """For each node this process does not start: the command to run on it (printed for the user)."""
+        if self._listen is None:
+            self._addresses()
         return {node: shlex.join(self.node_command(node, local=False)) for node in range(self.config.nnodes)
                 if node not in self.config.local_nodes and self.launcher == "torchrun"}
 
