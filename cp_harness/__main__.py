@@ -6,7 +6,8 @@ Commands:
   warm rank pool and prints a table; exit status 1 on any failure.
 - ``run-case CASE_JSON``: runs one case (as printed by a failing test) and prints its report.
 - ``node``: on another node of a pool across nodes, starts that node's torchrun agent with the command
-  ``verify --node-rank K`` prints (the same options give the same command; ``docs/meshes.md``).
+  ``verify --node-rank K`` prints (the same options give the same command), or, with ``--launcher external``,
+  becomes one rank of an ``srun`` task (``docs/meshes.md``).
 - ``golden ...``: golden files (``cp_harness.golden``).
 - ``bench ...``: benchmarks (``cp_harness.bench``).
 """
@@ -44,13 +45,15 @@ def _node(values: dict, print_only: bool) -> int:
     from cp_harness.ranks.outputs import PoolConfig
 
     pool = options.pool_options(values)
-    if pool.get("node_rank") is None or pool.get("nnodes", 1) < 2:
-        print("node: give --nnodes N (> 1) and --node-rank K of this node", file=sys.stderr)
+    external = values.get("launcher") == "external"  # srun: every task becomes one rank
+    if not external and (pool.get("node_rank") is None or pool.get("nnodes", 1) < 2):
+        print("node: give --nnodes N (> 1) and --node-rank K of this node, or --launcher external (one rank per "
+              "srun task)", file=sys.stderr)
         return 2
     try:
         config = PoolConfig(world_size=max(values["world_sizes"]), backend=values["backend"], impl=values["impl"],
                             preload=tuple(values["model_specs"]), **pool)
-        command = RankProcesses(config).node_command(config.node_rank, local=False)
+        command = RankProcesses(config).node_command(config.node_rank or 0, local=False)
     except ValueError as exc:
         print(f"node: {exc}", file=sys.stderr)
         return 2

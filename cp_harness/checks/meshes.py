@@ -43,7 +43,7 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
     mine = torch.tensor([dist.get_rank()], dtype=torch.int64, device=ctx.device)
     out = torch.empty(int(mesh.size()), dtype=torch.int64, device=ctx.device)
     if int(mesh.size()) > 1:
-        dist.all_gather_into_tensor(out, mine, group=group)
+        dist.all_gather_single(out, mine, group=group)
     else:
         out.copy_(mine)
     return info, {"gathered": out}

@@ -40,6 +40,20 @@ def _free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie has exited (only its exit status waits for its parent)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
 def _split(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -127,6 +141,8 @@ class RankProcesses:
         if self._listen is None:
             self._addresses()
         worker = self.worker_args(local=local)
+        if self.launcher == "external":  # one rank, as srun starts each task (its environment says which)
+            return ["python", *worker]
         if self.launcher == "fork":
             return [cfg.python, *worker, f"--ranks={cfg.world_size}"]
         if cfg.nnodes == 1:
@@ -271,6 +287,10 @@ class RankProcesses:
                     proc.wait(timeout=5 if self.socks else 0.1)
                 except subprocess.TimeoutExpired:
                     pass
+        if graceful and not self.agents and self.socks:  # ranks started elsewhere: they leave on the message
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and any(_alive(pid) for pid in self._local_pids()):
+                time.sleep(0.1)
         self._kill_tree()
         for sock in self.socks.values():
             sock.close()
@@ -293,14 +313,16 @@ class RankProcesses:
                     # the launcher may be gone while a rank lingers in the same session: sweep it too.
                 except subprocess.TimeoutExpired:
                     continue
-        here = socket.gethostname()
-        for rank, pid in self._pids.items():
-            if self.hello.get(rank, {}).get("host", here) != here:
-                continue  # a rank on another node: it leaves when its connection closes
+        for pid in self._local_pids():
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def _local_pids(self) -> list[int]:
+        """The ranks' process ids on this machine (a rank on another node leaves when its connection closes)."""
+        here = socket.gethostname()
+        return [pid for rank, pid in self._pids.items() if self.hello.get(rank, {}).get("host", here) == here]
 
     def cleanup_workdir(self) -> None:
         if self._workdir is not None:

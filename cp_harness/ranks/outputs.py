@@ -127,7 +127,7 @@ class PoolConfig:
     def start_timeout_text(self) -> str:
         """How the start's deadline was set, for the message of a start that fails."""
         if self.start_timeout is not None:
-            return f"start timeout {self.start_seconds:.0f} s"
+            return f"start timeout {self.start_seconds:g} s"
         return (f"start timeout {self.start_seconds:.0f} s = {START_BASE_S:.0f} s + {START_PER_RANK_S:.0f} s x "
                 f"{self.world_size} ranks")
 

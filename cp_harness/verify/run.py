@@ -84,7 +84,9 @@ def run_verify(settings: VerifySettings, *, rows: list[Row] | None = None, pool:
         result.cannot_run = (f"the given pool has {pool.config.world_size} ranks, world sizes {list(s.world_sizes)} "
                              f"need {ranks}")
         return result
-    problem = _preflight(s.impl, s.backend, ranks) or _preflight_models(s.model)
+    # Each node gives its own ranks their GPUs (nccl): this machine needs one node's share.
+    here = ranks // int(s.pool.get("nnodes", 1)) if s.pool.get("launcher", s.launcher) != "external" else 0
+    problem = _preflight(s.impl, s.backend, max(here, 1)) or _preflight_models(s.model)
     if problem:
         result.cannot_run = problem
         return result

@@ -80,3 +80,44 @@ def test_a_killed_agent_fails_the_case_naming_its_node_and_the_pool_starts_again
     # Every agent runs here: the next case starts both again.
     CaseRunner(pool.config, pool=pool).check(POOL_SELFTEST.case(world_size=4, seed=1))
     assert pool.starts == starts + 1 and set(pool.agents.values()).isdisjoint(agents.values())
+
+
+def test_ranks_started_elsewhere_by_srun_connect_to_the_pool_that_listens(tmp_path):
+    """``--launcher external``: the pool starts nothing and listens; each task ``srun`` starts runs the command
+    ``python -m cp_harness node --launcher external`` gives, with SLURM's environment (played here: SLURM_PROCID,
+    SLURM_NTASKS, SLURM_NODEID for two tasks on two "nodes"), and becomes one rank. A real ``srun`` has never
+    run this (``scripts/slurm/verify_two_nodes.sbatch``)."""
+    import shlex
+    import socket
+    import subprocess
+    import sys
+
+    def free() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    listen, store = f"127.0.0.1:{free()}", free()
+    printed = subprocess.run([sys.executable, "-m", "cp_harness", "node", "--launcher", "external", "--listen", listen,
+                              "--nnodes", "2", "--world-sizes", "2", "--print-only"],
+                             capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0, printed.stderr
+    argv = shlex.split(printed.stdout)
+    assert argv[:3] == ["python", "-m", "cp_harness.ranks.worker"] and f"--connect={listen}" in argv, argv
+    runner = CaseRunner(PoolConfig(world_size=2, launcher="external", nnodes=2, listen=listen, case_timeout=30,
+                                   collective_timeout=10, log_dir=str(tmp_path)))
+    tasks = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_NODEID=str(rank),
+                   SLURM_NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store))
+        tasks.append(subprocess.Popen([sys.executable, *argv[1:]], env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+    try:
+        runner.check(MESH_IDENTITY.case(world_size=2, seed=0))
+        assert {r: (h["launcher"], h["node"]) for r, h in runner.pool.hello.items()} == {0: ("slurm", 0),
+                                                                                        1: ("slurm", 1)}
+    finally:
+        runner.close()
+        codes = [task.wait(timeout=30) for task in tasks]
+    assert codes == [0, 0], codes  # they left on the pool's shutdown message
