@@ -72,10 +72,9 @@ class CaseSpace:
     impls: tuple[str, ...] = ()
     favour_small: bool = False
     models: tuple[str, ...] = ()  # model spec modules the real-model rows draw (``--model`` / ``--cp-model``)
-    # The pool the cases run on: its ranks (None: the largest CP size) and nodes; a world mesh
+    # The ranks of the pool the cases run on (None: the largest CP size); a world mesh
     # (``cp_harness.cases.meshes``) is drawn to fit it.
     pool_size: int | None = None
-    nnodes: int = 1
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.dtypes) - set(ALL_DTYPES))

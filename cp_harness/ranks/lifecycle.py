@@ -257,10 +257,9 @@ class RankProcesses:
 
     def _start_failure(self, exited: dict[int, int]) -> str:
         cfg = self.config
-        names = {"fork": "fork", "torchrun": "torchrun", "external": "external"}
         lines = [start_timeout_report(
             world=cfg.world_size, ready=sorted(self.socks), progress=self.progress, exited=exited,
-            timeout_text=cfg.start_timeout_text, launcher=names[self.launcher], nodes=cfg.nnodes,
+            timeout_text=cfg.start_timeout_text, launcher=self.launcher, nodes=cfg.nnodes,
             last_lines={r: self.rank_log_tail(r, 1) for r in range(cfg.world_size) if r not in self.socks},
             now=time.monotonic())]
         lines.append(start_failure_report(exits_in_log(self.log_tail(1 << 24)), self.rank_errors()))

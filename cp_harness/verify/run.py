@@ -92,10 +92,8 @@ def run_verify(settings: VerifySettings, *, rows: list[Row] | None = None, pool:
         return result
     drawn = ((tuple(d for d in s.dtypes if d != "layout") or FLOAT_DTYPES) if s.dtypes is not None
              else FLOAT_DTYPES + VALUE_DTYPES)
-    used = pool.config if pool is not None else None
     space = CaseSpace(world_sizes=tuple(s.world_sizes), dtypes=drawn, impls=impl_names(s.impl), models=s.model,
-                      pool_size=used.world_size if used is not None else ranks,
-                      nnodes=used.nnodes if used is not None else int(s.pool.get("nnodes", 1)))
+                      pool_size=pool.config.world_size if pool is not None else ranks)
     if pool is None:
         try:
             config = PoolConfig(world_size=ranks, backend=s.backend, impl=s.impl, launcher=s.launcher,

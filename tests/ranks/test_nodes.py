@@ -121,3 +121,18 @@ def test_ranks_started_elsewhere_by_srun_connect_to_the_pool_that_listens(tmp_pa
         runner.close()
         codes = [task.wait(timeout=30) for task in tasks]
     assert codes == [0, 0], codes  # they left on the pool's shutdown message
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--nnodes", "3", "--world-sizes", "4"], "nnodes=3: the 4 ranks must split evenly over the nodes"),
+    (["--nnodes", "2", "--node-rank", "1", "--world-sizes", "4"], "give --listen HOST:PORT"),
+    (["--nnodes", "2", "--node-rank", "1", "--world-sizes", "4", "--listen", "127.0.0.1:29999"],
+     "give --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "2", "--launcher", "fork", "--world-sizes", "4"], "launcher fork starts ranks on this machine only"),
+])
+def test_a_node_layout_that_cannot_work_stops_verify_before_any_rank_starts(capsys, args, says):
+    from cp_harness.__main__ import main
+
+    assert main(["verify", *args, "--examples", "1"]) == 2
+    err = capsys.readouterr().err
+    assert says in err, err
