@@ -5,6 +5,9 @@ Commands:
 - ``verify``: the main job. Checks an implementation against the oracles on a
   warm rank pool and prints a table; exit status 1 on any failure.
 - ``run-case CASE_JSON``: runs one case (as printed by a failing test) and prints its report.
+- ``node``: on another node of a pool across nodes, starts that node's torchrun agent with the command
+  ``verify --node-rank K`` prints (the same options give the same command), or, with ``--launcher external``,
+  becomes one rank of an ``srun`` task (``docs/meshes.md``).
 - ``golden ...``: golden files (``cp_harness.golden``).
 - ``bench ...``: benchmarks (``cp_harness.bench``).
 """
@@ -28,7 +31,36 @@ def build_parser() -> argparse.ArgumentParser:
     run_case = sub.add_parser("run-case", help="run one case description and print its report")
     options.add_cli_options(run_case, "run-case")
     run_case.add_argument("case", help="the case as JSON (the 'case:' line of a failure)")
+    node = sub.add_parser("node", help="start one node's torchrun agent of a pool across nodes")
+    options.add_cli_options(node, "node")
+    node.add_argument("--print-only", action="store_true", help="print the command instead of running it")
     return parser
+
+
+def _node(values: dict, print_only: bool) -> int:
+    import os
+    import shlex
+
+    from cp_harness.ranks.lifecycle import RankProcesses
+    from cp_harness.ranks.outputs import PoolConfig
+
+    pool = options.pool_options(values)
+    external = values.get("launcher") == "external"  # srun: every task becomes one rank
+    if not external and (pool.get("node_rank") is None or pool.get("nnodes", 1) < 2):
+        print("node: give --nnodes N (> 1) and --node-rank K of this node, or --launcher external (one rank per "
+              "srun task)", file=sys.stderr)
+        return 2
+    try:
+        config = PoolConfig(world_size=max(values["world_sizes"]), backend=values["backend"], impl=values["impl"],
+                            preload=tuple(values["model_specs"]), **pool)
+        command = RankProcesses(config).node_command(config.node_rank or 0, local=False)
+    except ValueError as exc:
+        print(f"node: {exc}", file=sys.stderr)
+        return 2
+    if print_only:
+        print(shlex.join(command))
+        return 0
+    os.execvp(sys.executable, [sys.executable, *command[1:]])  # this process becomes the node's agent
 
 
 def _verify(values: dict) -> int:
@@ -66,13 +98,17 @@ def _run_case(values: dict, text: str) -> int:
     if not isinstance(case, dict) or "check" not in case or "world_size" not in case:
         print("case must be a JSON object with at least 'check' and 'world_size'", file=sys.stderr)
         return 2
+    from cp_harness.cases.meshes import MeshLayout, ranks_needed
+
     try:
-        check_backend(values["backend"], int(case["world_size"]))
-    except DeviceError as exc:
+        MeshLayout.of(case)
+        ranks = ranks_needed(case)  # a case on a world mesh needs every rank of the mesh
+        check_backend(values["backend"], ranks)
+    except (DeviceError, ValueError) as exc:
         print(f"cannot run: {exc}", file=sys.stderr)
         return 2
     timeout = values["case_timeout"] or (300.0 if case.get("spec") else 120.0)
-    runner = CaseRunner(PoolConfig(world_size=int(case["world_size"]), backend=values["backend"], impl=values["impl"],
+    runner = CaseRunner(PoolConfig(world_size=ranks, backend=values["backend"], impl=values["impl"],
                                    launcher=values["launcher"], case_timeout=timeout,
                                    collective_timeout=max(30.0, timeout / 2),
                                    preload=(case["spec"],) if case.get("spec") else ()),
@@ -101,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         return _verify(values)
     if args.command == "run-case":
         return _run_case(values, args.case)
+    if args.command == "node":
+        return _node(values, args.print_only)
     return 2
 
 

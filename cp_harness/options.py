@@ -4,7 +4,7 @@ gives its default. Both entry points build their options from ``OPTIONS`` and re
 at the boundary (``resolve``); nothing inside the package reads an environment variable for its configuration.
 
 An option says which entry points take it: ``commands`` (the CLI subcommands: ``verify``, ``run-case``,
-``calibrate``) and ``plugin`` (pytest, as ``--cp-<name>`` unless ``plugin_flag`` says otherwise).
+``calibrate``, ``node``) and ``plugin`` (pytest, as ``--cp-<name>`` unless ``plugin_flag`` says otherwise).
 """
 
 from __future__ import annotations
@@ -51,6 +51,23 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def _address(text: str) -> str:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r}: give HOST:PORT, e.g. node0.cluster:29400")
+    return text
+
+
+def _node_rank(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a node rank 0..nnodes-1")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Option:
     """One setting. ``dest``: its name in the parsed settings; ``flag``: the CLI flag; ``parse``: text -> value
@@ -88,28 +105,44 @@ class Option:
         return kwargs
 
 
-_VERIFY, _RUN_CASE, _CALIBRATE = "verify", "run-case", "calibrate"
+_VERIFY, _RUN_CASE, _CALIBRATE, _NODE = "verify", "run-case", "calibrate", "node"
 _ALL = frozenset({_VERIFY, _RUN_CASE, _CALIBRATE})
+_POOL = frozenset({_VERIFY, _NODE})  # where the ranks run (docs/meshes.md: a pool across nodes)
 
 OPTIONS: tuple[Option, ...] = (
     Option("impl", "--impl", "module exposing inkling2 and mistral_large4 (default: $CP_IMPL, else cp_impl); "
            "MODULE,MODULE,... judges several in one run (each sharder-using case draws one; the first is the "
-           "primary one)", DEFAULT_IMPL, commands=_ALL | {"golden", "bench"}, plugin=True, env="CP_IMPL",
+           "primary one)", DEFAULT_IMPL, commands=_ALL | {"golden", "bench", _NODE}, plugin=True, env="CP_IMPL",
            metavar="MODULE"),
     Option("world_sizes", "--world-sizes", "CP sizes the cases use, e.g. 1,2,3,4,8 (the pool starts max ranks)",
-           "1,2,3,4,8", _world_sizes, commands=frozenset({_VERIFY, _CALIBRATE}), plugin=True, metavar="SIZES"),
+           "1,2,3,4,8", _world_sizes, commands=frozenset({_VERIFY, _CALIBRATE, _NODE}), plugin=True, metavar="SIZES"),
     Option("backend", "--backend", "process-group backend of the ranks: gloo on CPU, nccl with one GPU per rank",
-           "gloo", choices=("gloo", "nccl"), commands=_ALL, plugin=True),
+           "gloo", choices=("gloo", "nccl"), commands=_ALL | {_NODE}, plugin=True),
     Option("launcher", "--launcher", "how the ranks start: forked from one process that imported torch and the "
-           "implementation (default for gloo), or by torchrun (default for nccl; use it if importing the "
-           "implementation starts threads)", None, choices=("fork", "torchrun"), commands=_ALL, plugin=True),
+           "implementation (default for gloo on one node), by torchrun (default for nccl and for --nnodes > 1; use it "
+           "if importing the implementation starts threads), or external: started elsewhere (srun), they connect to "
+           "--listen", None, choices=("fork", "torchrun", "external"), commands=_ALL | {_NODE}, plugin=True),
+    Option("nnodes", "--nnodes", "nodes the ranks are spread over (torchrun agents with the c10d rendezvous, or srun); "
+           "the largest world size is split evenly", 1, _positive, commands=_POOL, plugin=True, metavar="N"),
+    Option("node_rank", "--node-rank", "start only this node's torchrun agent here and print the command for the "
+           "others (default with --nnodes > 1: every node's agent on this machine)", None, _node_rank,
+           commands=_POOL, plugin=True, metavar="K"),
+    Option("rdzv_endpoint", "--rdzv-endpoint", "the c10d rendezvous of the torchrun agents (default: this machine, a "
+           "free port; required when other nodes start their own agent)", None, _address, commands=_POOL, plugin=True,
+           metavar="HOST:PORT"),
+    Option("listen", "--listen", "the address this process accepts the ranks on (default 127.0.0.1, a free port; "
+           "required when ranks start elsewhere: an address of this machine every node reaches)", None, _address,
+           commands=_POOL, plugin=True, metavar="HOST:PORT"),
+    Option("rank_order", "--rank-order", "blocked: the launcher's numbering (node k holds a block of ranks); cyclic: "
+           "rank r on node r %% nnodes, so that CP groups interleave the nodes", "blocked",
+           choices=("blocked", "cyclic"), commands=_POOL, plugin=True),
     Option("precision_policy", "--precision-policy", "strict: every bfloat16/float16 sum accumulates in float32 and "
            "rounds once (the contract); payload: partial sums may stay in the payload's precision, as a backend's "
            "reduce-scatter does, within N-1 ULPs (cp_harness/judging/policy.py)", "strict",
            choices=("strict", "payload"), commands=frozenset({_VERIFY, _RUN_CASE}), plugin=True),
     Option("model_specs", "--model", "model spec module(s), comma-separated: the real-model rows (the framework's own CP "
            "path against the same model on one device); the ranks import them once, before they are forked",
-           (), _names, commands=frozenset({_VERIFY}), plugin=True, metavar="MODULE"),
+           (), _names, commands=frozenset({_VERIFY, _NODE}), plugin=True, metavar="MODULE"),
     Option("error_dir", "--error-maps", "where failing cases write error-map PNGs (default: "
            "$CP_HARNESS_ERROR_MAP_DIR, else <temp>/cp-harness-error-maps)", None, commands=_ALL, plugin=True,
            env="CP_HARNESS_ERROR_MAP_DIR", metavar="DIR"),
@@ -129,7 +162,7 @@ OPTIONS: tuple[Option, ...] = (
            "case", 20.0, float, commands=frozenset({_VERIFY}), metavar="SECONDS"),
     Option("case_timeout", "--case-timeout", "seconds one case may run on the ranks before they count as hung "
            "(default 120; 300 for real models: a rank's first case of a model builds and compiles it)", None, float,
-           commands=frozenset({_VERIFY, _RUN_CASE}), plugin=True, metavar="SECONDS"),
+           commands=_POOL | {_RUN_CASE}, plugin=True, metavar="SECONDS"),
     Option("update_golden", "--update-golden", "rewrite golden files whose content changed (see docs/golden.md)",
            False, flag_only=True, plugin=True, plugin_flag="--update-golden"),
     Option("summary_json", "--summary-json", "also write the run summary (and pytest's outcome counts and "
@@ -180,3 +213,12 @@ def from_pytest(config, environ: Mapping[str, str] | None = None) -> dict[str, A
     given = {o.dest: config.getoption(f"cp_{o.dest}") for o in OPTIONS if o.plugin}
     return resolve(given, environ)
 
+
+
+def pool_options(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``PoolConfig`` fields the resolved options set (how the ranks start and where), for every entry point."""
+    out = {key: values[key] for key in ("launcher", "nnodes", "node_rank", "rdzv_endpoint", "listen", "rank_order")
+           if values.get(key) is not None}
+    if values.get("case_timeout") is not None:
+        out["case_timeout"] = float(values["case_timeout"])
+    return out

@@ -191,9 +191,11 @@ def _skip_case(reason: str) -> None:
 def _within(ranks: int):
     """Admission of a pool of ``ranks``: a case that needs more is skipped, saying why."""
     def admit(case: dict) -> None:
-        n = int(case["world_size"])
+        from cp_harness.cases.meshes import ranks_needed
+
+        n = ranks_needed(case)
         if n > ranks:
-            _skip_case(f"case needs {n} CP ranks; this run's pool has {ranks} (--cp-world-sizes)")
+            _skip_case(f"case needs {n} ranks; this run's pool has {ranks} (--cp-world-sizes)")
     return admit
 
 
@@ -213,8 +215,7 @@ def cp_runner(pytestconfig: pytest.Config, cp_world_sizes, cp_impl_selection):
     from cp_harness.runner import CaseRunner
 
     runner = CaseRunner(PoolConfig(world_size=max(cp_world_sizes), backend=values["backend"], preload=tuple(values["model_specs"]),
-                                   impl=cp_impl_selection, case_timeout=timeout,
-                                   launcher=values["launcher"],
+                                   impl=cp_impl_selection, **{**options.pool_options(values), "case_timeout": timeout},
                                    collective_timeout=max(10.0, timeout / 2)),
                         admit=_within(max(cp_world_sizes)),
                         policy=policy_named(values["precision_policy"]), error_dir=values["error_dir"])

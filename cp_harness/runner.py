@@ -24,7 +24,8 @@ from cp_harness import checks
 from cp_harness.judging import excess
 from cp_harness.cases.descriptions import canonical, payload_dtype
 from cp_harness.judging.policy import STRICT, JudgingPolicy
-from cp_harness.judging.verdicts import CaseReport
+from cp_harness.judging.verdicts import CaseReport, merge_groups
+from cp_harness.cases import meshes
 from cp_harness.cases.implementation import case_impl, primary_impl
 from cp_harness.judging.render import failure_message
 from cp_harness.ranks.pool import PoolConfig, RankFailure, RankPool, Ticket
@@ -32,6 +33,17 @@ from cp_harness.ranks.pool import PoolConfig, RankFailure, RankPool, Ticket
 
 def _baseline_of(case: dict) -> dict | None:
     return checks.check_of(case).baseline_case(case)
+
+
+def per_group(outputs: list, layout: "meshes.MeshLayout | None") -> list[list]:
+    """The outputs of each CP group that ran a case, each in CP rank order with ``rank`` its CP rank (what a
+    check's ``evaluate`` reads); today's case: the one group of all outputs, as they are."""
+    if layout is None:
+        return [outputs]
+    by_group: dict[int, list] = {}
+    for o in outputs:
+        by_group.setdefault(o.group, []).append(dataclasses.replace(o, rank=o.cp_rank))
+    return [sorted(by_group.get(g, []), key=lambda o: o.rank) for g in layout.running()]
 
 
 @dataclasses.dataclass(eq=False)
@@ -247,21 +259,43 @@ class CaseRunner:
         except RankFailure as exc:
             self.tally.failures += 1
             report = CaseReport(case=job.case)
-            report.problem(f"rank {exc.rank} {exc.kind}: {exc}", rank=exc.rank, kind=f"rank {exc.kind}")
+            layout = meshes.MeshLayout.of(job.case)
+            where = f" ({layout.describe(exc.rank)})" if layout is not None and exc.rank is not None else ""
+            report.problem(f"rank {exc.rank}{where} {exc.kind}: {exc}", rank=exc.rank, kind=f"rank {exc.kind}")
+            if layout is not None:
+                self._compare_with_prefix_mesh(report, timeout=timeout)
             return report
         if job.expect_error is not None:
             raise job.expect_error
         started = time.perf_counter()
-        report = checks.evaluate(job.case, outputs, job.expected, policy=self.policy)
-        self.tally.add_not_judged(report)
+        layout = meshes.MeshLayout.of(job.case)
+        groups = per_group(outputs, layout)
+        reports = [checks.evaluate(job.case, group, job.expected, policy=self.policy) for group in groups]
         compared = time.perf_counter()
-        if excess:
-            self.judge_excess(report, timeout=timeout)
+        for part in reports:
+            self.tally.add_not_judged(part)
+            if excess:
+                self.judge_excess(part, timeout=timeout)
+        report = reports[0] if layout is None else merge_groups(
+            job.case, [(layout.group_label(g), part) for g, part in zip(layout.running(), reports)])
+        if layout is not None and not report.ok:
+            self._compare_with_prefix_mesh(report, timeout=timeout)
         if not report.ok:
             self.tally.failures += 1
         report.timing = {**job.ticket.timing, "oracle": job.oracle_seconds, "compare": compared - started,
                          "excess": time.perf_counter() - compared}
         return report
+
+    def _compare_with_prefix_mesh(self, report: CaseReport, *, timeout: float | None) -> None:
+        """A case failed on a world mesh: run it again on today's mesh over ranks ``0..N-1``; when it passes there,
+        say so (what differs is where the CP group is: a global rank taken for a CP rank, or another group)."""
+        twin = meshes.without_layout(report.case)
+        other = self._judge(self._submit(twin, timeout=timeout, excess=True, count=False), timeout=timeout)
+        if other.ok:
+            report.problem(f"the same case passes on a one-dimensional mesh over ranks 0..{int(twin['world_size']) - 1} "
+                           f"(where a CP rank is its global rank): the implementation mistakes a global rank for a CP "
+                           f"rank (dist.get_rank(), a peer addressed by CP rank) or communicates outside "
+                           f"mesh['cp']'s group; the problems above say where", kind="mesh finding")
 
     def run(self, case: dict, *, timeout: float | None = None) -> CaseReport:
         """Run and evaluate ``case``; a rank fault becomes a failed report naming the rank.

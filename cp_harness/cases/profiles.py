@@ -72,6 +72,9 @@ class CaseSpace:
     impls: tuple[str, ...] = ()
     favour_small: bool = False
     models: tuple[str, ...] = ()  # model spec modules the real-model rows draw (``--model`` / ``--cp-model``)
+    # The ranks of the pool the cases run on (None: the largest CP size); a world mesh
+    # (``cp_harness.cases.meshes``) is drawn to fit it.
+    pool_size: int | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.dtypes) - set(ALL_DTYPES))
@@ -79,6 +82,11 @@ class CaseSpace:
             raise ValueError(f"dtypes {unknown or list(self.dtypes)}: choose among {list(ALL_DTYPES)}")
         if not self.world_sizes or any(int(n) < 1 for n in self.world_sizes):
             raise ValueError(f"world sizes {list(self.world_sizes)}: give positive CP sizes")
+
+    @property
+    def pool_ranks(self) -> int:
+        """The ranks of the pool the space's cases run on."""
+        return self.pool_size if self.pool_size is not None else max(self.world_sizes)
 
     @property
     def size_draws(self) -> tuple[int, ...]:

@@ -2,8 +2,9 @@
 
 Small composable families over the case space (``cp_harness.cases.profiles.CaseSpace``: CP sizes, dtypes,
 implementations, passed to every strategy or read from the loaded case-space profile), payload
-dtypes, layouts (packed THD rows, padded BSHD rows) and images placed on real
-tokens. Each check's own strategy, which yields a complete case description
+dtypes, layouts (packed THD rows, padded BSHD rows), images placed on real
+tokens, and world meshes as training builds them (``mesh_layouts``, ``with_mesh_layout``: the extra
+``mesh_layout`` key of ``cp_harness.cases.meshes``; a case drawn without it is today's case). Each check's own strategy, which yields a complete case description
 (``cp_harness.cases.descriptions``), lives in the check's module and is built
 from these. The tensors themselves are not drawn: each case carries a seed and
 is rebuilt deterministically on every rank, so what Hypothesis shrinks is the
@@ -16,7 +17,7 @@ import dataclasses
 
 from hypothesis import strategies as st
 
-from cp_harness.cases import profiles
+from cp_harness.cases import meshes, profiles
 from cp_harness.cases.descriptions import PATCH_SIZE, spec_layout
 from cp_harness.cases.profiles import (  # noqa: F401 - the case space's vocabulary, used with the strategies
     ALL_DTYPES, CI_FULL_WEIGHT_MAX_SIZE, DEFAULT_WORLD_SIZES, FLOAT_DTYPES, VALUE_DTYPES, CaseSpace)
@@ -242,3 +243,54 @@ def mistral_image(draw, spec: dict, cp_size: int | None = None) -> dict:
     if first < n:
         spans.append([row, start + offset + first, n - first])
     return dict(spec, images={"height": h, "width": w, "spans": spans})
+
+
+# World meshes of training: CP inner and outer, data-parallel replicas beside it, a tensor-parallel dimension
+# of size 1 (a CP module must not care), pipeline stages.
+MESH_DIMS = (("dp", "cp"), ("cp", "dp"), ("dp_shard", "cp", "tp"), ("dp_replicate", "dp_shard", "cp"),
+             ("pp", "cp", "dp"), ("cp", "tp"))
+
+
+@st.composite
+def mesh_layouts(draw, cp_size: int, space: CaseSpace | None = None, min_groups: int = 1) -> dict:
+    """A ``mesh_layout`` (``cp_harness.cases.meshes``) with a ``cp`` dimension of ``cp_size`` that fits the space's
+    pool: two or three dimensions, CP inner or outer, mostly more than one CP group (a world larger than the CP
+    group), over the first ranks of the pool, its last ones, or ranks spread over it; all groups run the case,
+    or one of them. ``min_groups``: at least that many CP groups (nothing is drawn when they do not fit)."""
+    pool = _resolved(space).pool_ranks
+    room = max(pool // cp_size, 1)  # CP groups that fit
+    if min_groups > room:
+        return draw(st.nothing())
+    dims = draw(st.sampled_from(MESH_DIMS))
+    # Several groups two times in three (when they fit): what a CP group beside others gets wrong.
+    counts = tuple(g for g in (1, 2, 2, 3, 4) if min_groups <= g <= room)
+    groups = draw(st.sampled_from(counts)) if len(counts) > 1 else counts[0]
+    others = [d for d in dims if d != "cp"]
+    sizes = {d: 1 for d in others}
+    free = [d for d in others if d != "tp"] or others  # tp stays 1
+    if len(free) == 2 and groups % 2 == 0 and draw(st.booleans()):
+        sizes[free[0]], sizes[free[1]] = 2, groups // 2
+    else:
+        sizes[free[-1]] = groups
+    shape = [cp_size if d == "cp" else sizes[d] for d in dims]
+    size = cp_size * groups
+    where = draw(st.sampled_from(("first", "last", "spread")) if size < pool else st.just("first"))
+    if where == "first":
+        ranks = list(range(size))
+    elif where == "last":
+        ranks = list(range(pool - size, pool))
+    else:
+        ranks = sorted(draw(st.lists(st.integers(0, pool - 1), min_size=size, max_size=size, unique=True)))
+    layout = {"dims": list(dims), "shape": shape, "ranks": ranks}
+    if groups > 1 and draw(st.sampled_from((False, False, True))):
+        layout["run"] = [draw(st.integers(0, groups - 1))]
+    return layout
+
+
+@st.composite
+def with_mesh_layout(draw, case: dict, space: CaseSpace | None = None) -> dict:
+    """``case`` on a drawn world mesh (``mesh_layouts``): it runs on ``world_mesh["cp"]`` of every CP group that
+    runs it, instead of a one-dimensional mesh over ranks ``0..N-1`` (a case asking for no mesh gets one)."""
+    case = {k: v for k, v in case.items() if k != "mesh"}
+    case[meshes.KEY] = draw(mesh_layouts(int(case["world_size"]), space))
+    return case

@@ -27,6 +27,8 @@ module, loaded with ``pkgutil``):
 * ``real_model`` -- a real framework model through a model spec: its own CP path against the same model on
   one device, within a bound scaled by a measured reference spread; padding sensitivity told apart.
 * ``malformed`` -- ``malformed``: every entry of the malformed-input catalogue raises a clear error on every rank.
+* ``meshes`` -- ``mesh_identity`` (the pool hands each rank the right ``world_mesh["cp"]``) and the verify rows
+  that run the other checks' cases on world meshes of two and three dimensions (``cp_harness.cases.meshes``).
 * ``pool_selftest``, ``meter_selftest``, ``bench_memory`` -- cases that test the
   harness itself (faults, the communication meter, per-rank memory).
 * ``_token_layout`` -- shared by the checks: rank outputs in global order, the
@@ -48,6 +50,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
+from cp_harness.cases import meshes
 from cp_harness.judging.budgets import Budget
 from cp_harness.judging.policy import STRICT, JudgingPolicy
 from cp_harness.judging.verdicts import CaseReport
@@ -56,7 +59,10 @@ from cp_harness.checks._token_layout import NotShardedLikeTokens
 
 @dataclasses.dataclass
 class RankContext:
-    """What a rank knows while it runs a case: its CP rank, the CP size, the mesh (``None`` when the case asks for no mesh), its device, the implementation under test."""
+    """What a rank knows while it runs a case: its CP rank (``rank``: its place in its CP group, not its global
+    rank), the CP size, the CP mesh (``world_mesh["cp"]`` for a case with a ``mesh_layout``; ``None`` when the
+    case asks for no mesh), its device, the implementation under test, its global rank and its CP group's index
+    (``cp_harness.cases.meshes``)."""
 
     rank: int
     cp_size: int
@@ -64,6 +70,8 @@ class RankContext:
     device: torch.device
     backend: str
     impl: Any
+    global_rank: int | None = None
+    group: int | None = None
 
     def mesh_for(self, case: dict):
         """The mesh argument the case wants the implementation to receive."""
@@ -176,7 +184,7 @@ class Check:
         """The one-rank run an arithmetic multi-rank ``case`` is judged against (``None``: none)."""
         if not self.arithmetic or int(case.get("world_size", 1)) <= 1:
             return None
-        base = {k: v for k, v in case.items() if k != "mesh"}
+        base = {k: v for k, v in case.items() if k not in ("mesh", meshes.KEY)}  # one rank: no mesh at all
         base["world_size"] = 1
         base.update(self.one_rank_changes(case))
         return base

@@ -4,7 +4,8 @@
 ``"raise"`` (``case["fault_rank"]`` raises before the collective), ``"exit"``
 (it exits abruptly), ``"hang"`` (it sleeps instead of joining the collective,
 so its peers wait inside one), ``"wrong_shape"`` (it returns a tensor of the
-wrong shape).
+wrong shape), ``"leak"`` (every rank all-reduces on the default group instead of the CP mesh's: on a world
+mesh the communication meter must refuse it, ``cp_harness.instruments.leaks``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         time.sleep(float(case.get("hang_seconds", 3600)))
     value = torch.tensor([float(ctx.rank)], device=ctx.device)
     mesh = ctx.mesh_for(case)
+    if mode == "leak":
+        dist.all_reduce(torch.zeros(1, device=ctx.device))  # the default group: every pool rank
     if mesh is not None and ctx.cp_size > 1:
         dist.all_reduce(value, group=mesh.get_group())
     out = torch.full((2 if fault and mode == "wrong_shape" else 1,), value.item())

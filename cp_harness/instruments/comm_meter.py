@@ -62,6 +62,13 @@ operator the meter has no byte rule for, or a call whose group it cannot
 resolve, is recorded as **unaccounted**: ``sent`` and ``recv`` are ``None``
 and ``unaccounted`` says why. Such traffic is never counted as zero bytes,
 and ``cp_harness.judging.comm_minimum`` refuses to turn it into a ratio.
+
+**Leaks.** ``recording(allowed=ranks)`` also confines the block to those global ranks (the rank's CP group):
+a collective on a process group with a member outside them, or a point-to-point message to or from a peer
+outside them, raises ``CommLeak`` before it reaches the backend, naming the op, the group's ranks and the
+peer. On a world mesh that is the common CP bug (a collective on the default group or another dimension's
+group, a peer addressed by its CP rank as if it were a global rank); raising instead of running keeps the
+call from hanging or from meeting another CP group's traffic.
 """
 
 from __future__ import annotations
@@ -74,6 +81,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+
+from cp_harness.instruments.leaks import CommLeak, UnknownGroup, leak  # noqa: F401 - CommLeak: raised here
+from cp_harness.instruments.leaks import process_group as _process_group
 
 # Namespaces whose operators communicate; every operator in them is hooked, and one without a byte rule
 # is recorded as unaccounted. The legacy ``c10d_functional`` ops are left out: they decompose
@@ -115,12 +125,11 @@ class CollectiveCall:
 
 _CALL_FIELDS = tuple(f.name for f in dataclasses.fields(CollectiveCall))
 _calls: list[CollectiveCall] | None = None
+_allowed: frozenset[int] | None = None  # global ranks the recorded block may reach (None: any)
 _installed = False
 _local = threading.local()  # .inside: a communication op is running (its inner calls are part of it)
 
 
-class UnknownGroup(Exception):
-    """The meter cannot tell which process group a call ran on."""
 
 
 # ------------------------------------------------------------------ byte rules
@@ -134,21 +143,9 @@ def _dtype(t: torch.Tensor) -> str:
 
 def _group(a: dict) -> tuple[int, int]:
     """``(size, rank in group)`` of the call's process group (argument ``process_group`` or ``group_name``)."""
-    pg = a.get("process_group")
+    pg = _process_group(a)
     try:
-        if pg is None:
-            name = a.get("group_name")
-            if isinstance(name, dist.ProcessGroup):
-                pg = name
-            elif isinstance(name, str):
-                pg = dist.distributed_c10d._resolve_process_group(name)
-            else:
-                raise UnknownGroup(f"group_name is {type(name).__name__}")
-        elif not isinstance(pg, dist.ProcessGroup):
-            pg = dist.ProcessGroup.unbox(pg)
         return int(pg.size()), int(pg.rank())
-    except UnknownGroup:
-        raise
     except Exception as exc:  # noqa: BLE001 - any failure to resolve makes the call unaccounted
         raise UnknownGroup(f"{type(exc).__name__}: {exc}") from exc
 
@@ -364,6 +361,9 @@ def _kernel(name: str, op, arg_names: list[str], keyset, *args, **kwargs):
     named = _named_arguments(arg_names, args, kwargs)
     if not _on_meta(named):
         calls.extend(account(name, named))
+        found = leak(name, named, _allowed) if _allowed is not None else None
+        if found is not None:
+            raise CommLeak(f"communication leak: {found}")
     # A collective may be built on another one (a functional collective on a ProcessGroup method): the
     # inner op is part of the outer call, not a second collective.
     _local.inside = True
@@ -405,20 +405,22 @@ def install() -> None:
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[CollectiveCall]]:
+def recording(allowed=None) -> Iterator[list[CollectiveCall]]:
     """Record every communication call this process issues inside the block into the yielded list.
 
     The hooks are process-wide: calls from any thread (autograd's backward threads, threads the
-    caller starts) are recorded. A nested block records into its own list only.
+    caller starts) are recorded. A nested block records into its own list only. ``allowed``: the global
+    ranks the block may reach (the rank's CP group); a call that would reach another raises ``CommLeak``.
     """
-    global _calls
+    global _calls, _allowed
     if not _installed:
         install()
     previous, _calls = _calls, []
+    outer, _allowed = _allowed, (frozenset(int(r) for r in allowed) if allowed is not None else _allowed)
     try:
         yield _calls
     finally:
-        _calls = previous
+        _calls, _allowed = previous, outer
 
 
 def unaccounted(calls: list[CollectiveCall] | list[dict]) -> list[str]:

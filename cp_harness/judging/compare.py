@@ -156,6 +156,9 @@ class Comparison:
     max_abs: float = 0.0
     rank: int | None = None  # the tensor of this rank (None: a global tensor)
     gradient: bool = False  # the tensor is a gradient (what a backward returned)
+    # On a world mesh (cp_harness.cases.meshes): the CP group whose tensor this is ("CP group 1 (global ranks
+    # [2, 3]) of dp x cp = 2 x 2"); ``rank`` is then a CP rank of that group. None: today's mesh over 0..N-1.
+    group: str | None = None
     worst_index: tuple[int, ...] | None = None
     worst_actual: float | None = None
     worst_expected: float | None = None
@@ -180,6 +183,8 @@ class Comparison:
         data["ok"] = self.ok
         data["shape"] = list(self.shape)
         data["worst_index"] = list(self.worst_index) if self.worst_index is not None else None
+        if self.group is None:  # reports of cases without a mesh_layout read as they always have
+            del data["group"]
         return data
 
 

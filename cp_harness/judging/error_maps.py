@@ -258,7 +258,8 @@ def write_error_maps(report, directory: str | None = None) -> list[str]:
         if comp.error_map is None or comp.grid is None:
             continue
         os.makedirs(directory, exist_ok=True)
-        name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{case_id(report.case)}-{comp.name}")[:120] + ".png"
+        group = "-" + comp.group.split(" (")[0] if comp.group else ""  # "CP group 1 (...)": one map per group
+        name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{case_id(report.case)}{group}-{comp.name}")[:120] + ".png"
         path = os.path.join(directory, name)
         unit = comp.error_map_unit or ("error (ULP)" if comp.arithmetic else "absolute difference")
         segments = comp.grid.segments(comp.error_map.shape[1]) if comp.grid.owners is not None else None

@@ -33,7 +33,7 @@ def describe_location(loc: dict[str, Any]) -> str:
 
 
 def _head(c: Comparison) -> str:
-    return (f"{c.name} [{c.kind}, {c.dtype}, shape {list(c.shape)}]: "
+    return (f"{c.name}{f' on {c.group}' if c.group else ''} [{c.kind}, {c.dtype}, shape {list(c.shape)}]: "
             f"{c.mismatched} of {c.compared} elements differ")
 
 

@@ -82,3 +82,22 @@ class CaseReport:
 
     def failures(self) -> list[Comparison]:
         return [c for c in self.comparisons if not c.ok]
+
+
+def merge_groups(case: dict, reports: list[tuple[str, CaseReport]]) -> CaseReport:
+    """One report for a case that ran on several CP groups at once (``cp_harness.cases.meshes``), from each
+    group's own report, ``(label, report)`` in group order: every comparison, tagged with its group, and every
+    problem, headed by its group. ``comm`` is the first group's (every group runs the same case, so the
+    communication judged against the case's minimum is one group's); ``called`` and ``not_judged`` are the
+    union."""
+    merged = CaseReport(case=case)
+    for label, report in reports:
+        for comparison in report.comparisons:
+            comparison.group = label
+            merged.comparisons.append(comparison)
+        merged.problems += [dataclasses.replace(p, message=f"{label}: {p.message}") for p in report.problems]
+        merged.called |= report.called
+        merged.not_judged.update(report.not_judged)
+    if reports:
+        merged.comm, merged.info = reports[0][1].comm, reports[0][1].info
+    return merged

@@ -47,6 +47,58 @@ def start_failure_report(exits: Sequence[tuple[int, int]], rank_errors: Mapping[
                f"(rank {rank} left no traceback{': out of memory?' if code == -9 else ''})\n"))
 
 
+def rank_ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` as ``0-2, 5, 7-8``."""
+    out, ranks = [], sorted(ranks)
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+START_LINES = 16  # ranks a start failure lists one by one (the rest are counted)
+
+
+def start_timeout_report(*, world: int, ready: Sequence[int], progress: Mapping[int, dict],
+                         exited: Mapping[int, int], timeout_text: str, launcher: str, nodes: int,
+                         last_lines: Mapping[int, str | None], now: float) -> str:
+    """Why a pool did not come up: which timeout fired (or which launcher ended), the ranks that never
+    connected and the last line each wrote, and for every rank that connected but was not ready, the step of
+    its start it was at (``progress``: its last phase message, with ``at`` its arrival time)."""
+    if exited:
+        which = ", ".join(f"node {n}: {code}" if nodes > 1 else str(code) for n, code in sorted(exited.items()))
+        head = (f"rank pool did not start: the {launcher} launcher exited (exit code {which}) with {len(ready)} of "
+                f"{world} ranks ready.")
+    else:
+        head = f"rank pool did not start: the pool's {timeout_text} fired with {len(ready)} of {world} ranks ready."
+    lines = [head]
+    never = [r for r in range(world) if r not in progress and r not in ready]
+    if never:
+        lines.append(f"ranks that never connected: {rank_ranges(never)}")
+        shown = [r for r in never if last_lines.get(r)][:START_LINES]
+        lines += [f"  rank {r}'s last line: {last_lines[r]}" for r in shown]
+        quiet = [r for r in never if last_lines.get(r) is None]
+        if quiet and len(quiet) == len(never):
+            lines.append("  (no rank log here: ranks started elsewhere, or their launcher never started them)")
+    waiting = [r for r in sorted(progress) if r not in ready]
+    if waiting:
+        lines.append(f"ranks connected but not ready: {rank_ranges(waiting)}")
+        for r in waiting[:START_LINES]:
+            p = progress[r]
+            where = f", node {p.get('node')} on {p.get('host')}" if nodes > 1 else ""
+            since = f", {now - p['at']:.0f} s ago" if "at" in p else ""
+            last = last_lines.get(r)
+            lines.append(f"  rank {r} (pid {p.get('pid')}{where}): {p.get('what')}{since}"
+                         + (f"; its last line: {last}" if last else ""))
+        if len(waiting) > START_LINES:
+            lines.append(f"  ... and {len(waiting) - START_LINES} more ranks")
+    return "\n".join(lines) + "\n"
+
+
 def looks_like_timeout(message: str | None) -> bool:
     """Whether a rank's error is a consequence of a peer's failure (it gave up waiting, or lost the peer)."""
     text = (message or "").lower()
@@ -69,8 +121,9 @@ def diagnose(case: dict, *, timeout: float, replies: Mapping[int, RankOutput], u
              launcher: str = "fork", send_error: tuple[int, str] | None = None,
              closed: tuple[int, str] | None = None, off_protocol: tuple[int, str] | None = None,
              launcher_exit: int | None = None, exits: Sequence[tuple[int, int]] = (), log: str = "",
-             stacks: Mapping[int, str] | None = None, rank_errors: Mapping[int, str] | None = None
-             ) -> RankFailure | None:
+             stacks: Mapping[int, str] | None = None, rank_errors: Mapping[int, str] | None = None,
+             lost: tuple[int, str] | None = None, where: str = "",
+             rank_logs: Mapping[int, str | None] | None = None) -> RankFailure | None:
     """The failure of ``case`` from what the pool observed, or ``None`` when every rank answered normally.
 
     ``replies``: rank -> its decoded reply, in the order they arrived. ``unanswered``: ranks that sent no
@@ -81,11 +134,19 @@ def diagnose(case: dict, *, timeout: float, replies: Mapping[int, RankOutput], u
     of the ranks the launcher saw exit, first first (``exits_in_log``; a negative code is a signal).
     ``log``: the tail of the launcher's log. ``stacks``: rank -> its stack dump (stuck ranks only).
     ``rank_errors``: rank -> the traceback a forked rank left when it ended with an exception.
+    ``lost``: ``(rank, why)`` when a rank said its launcher is gone (a lost node) and exited. ``where``: lines
+    saying where the case's ranks are (CP groups of a world mesh, nodes), added to the message. ``rank_logs``:
+    rank -> the last lines of its own log (shown for a rank that exited without a traceback).
     """
     outputs = list(replies.values())
+    if lost is not None:
+        rank, why = lost
+        ended = f"; launcher exit code {launcher_exit}" if launcher_exit is not None else ""
+        return _failure(case, f"rank {rank} exited while running the case: {why}{ended}. Its node is lost; its "
+                              f"peers cannot finish the case.", rank=rank, kind="exited", outputs=outputs, where=where)
     if send_error is not None:
         rank, message = send_error
-        return _failure(case, message, rank=rank, kind="exited", outputs=[])
+        return _failure(case, message, rank=rank, kind="exited", outputs=[], where=where)
     if closed is not None:
         rank, error = closed
         # The fork launcher ends the other ranks when one exits, so the first closed connection may be a rank
@@ -97,14 +158,16 @@ def diagnose(case: dict, *, timeout: float, replies: Mapping[int, RankOutput], u
         left = (rank_errors or {}).get(culprit)
         told = (f"--- traceback of rank {culprit} ---\n{own.traceback}\n"
                 if own is not None and not own.ok and own.traceback else
-                f"--- traceback of rank {culprit} ---\n{left}" if left else "")
+                f"--- traceback of rank {culprit} ---\n{left}" if left else
+                f"--- last lines of rank {culprit} ---\n{(rank_logs or {})[culprit]}\n"
+                if (rank_logs or {}).get(culprit) else "")
         return _failure(case, f"rank {culprit} exited while running the case ({error}{seen}; "
                               f"{launcher} exit code {launcher_exit}).\n{told}"
                               f"{launcher} log tail:\n{log}",
-                        rank=culprit, kind="exited", outputs=outputs)
+                        rank=culprit, kind="exited", outputs=outputs, where=where)
     if off_protocol is not None:
         rank, message = off_protocol
-        return _failure(case, message, rank=rank, kind="protocol", outputs=outputs)
+        return _failure(case, message, rank=rank, kind="protocol", outputs=outputs, where=where)
     errors = sorted((o for o in outputs if not o.ok), key=lambda o: o.seconds)
     stuck = sorted(unanswered)
     if not stuck and not errors:
@@ -119,16 +182,17 @@ def diagnose(case: dict, *, timeout: float, replies: Mapping[int, RankOutput], u
                               + (f"ranks {stuck} then did not answer (waiting in a collective for it).\n"
                                  if stuck else "")
                               + f"--- traceback of rank {root.rank} ---\n{root.traceback}{dumps}",
-                        rank=root.rank, kind="raised", outputs=outputs)
+                        rank=root.rank, kind="raised", outputs=outputs, where=where)
     if stuck:
         return _failure(case, f"ranks {stuck} did not answer within {timeout:.1f} s (hung)"
                               + (f"; ranks {followers} timed out in a collective waiting for them" if followers else "")
                               + f"; ranks {sorted(set(replies) - set(followers))} answered normally.\n{dumps}",
-                        rank=stuck[0], kind="hung", outputs=outputs)
+                        rank=stuck[0], kind="hung", outputs=outputs, where=where)
     first = errors[0]
     return _failure(case, f"rank {first.rank} raised {first.error_type}: {first.message}\n{first.traceback}",
-                    rank=first.rank, kind="raised", outputs=outputs)
+                    rank=first.rank, kind="raised", outputs=outputs, where=where)
 
 
-def _failure(case: dict, message: str, *, rank: int | None, kind: str, outputs: list[RankOutput]) -> RankFailure:
-    return RankFailure(f"{message}\ncase: {case}", rank=rank, kind=kind, case=case, outputs=outputs)
+def _failure(case: dict, message: str, *, rank: int | None, kind: str, outputs: list[RankOutput],
+             where: str = "") -> RankFailure:
+    return RankFailure(f"{message}\n{where}case: {case}", rank=rank, kind=kind, case=case, outputs=outputs)

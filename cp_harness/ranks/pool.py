@@ -1,12 +1,15 @@
 """The persistent rank pool: ranks started once, fed one case at a time.
 
 The ranks are forked by one launcher process after it imported torch and the
-implementations (``launcher="fork"``, the default with gloo), or started by
-``torchrun`` (``launcher="torchrun"``, the default with nccl); see
-``cp_harness.ranks.worker``.
+implementations (``launcher="fork"``, the default with gloo), started by
+``torchrun`` (``launcher="torchrun"``, the default with nccl or several nodes:
+one agent per node, c10d rendezvous), or elsewhere (``launcher="external"``,
+e.g. ``srun``: the pool only listens); see ``cp_harness.ranks.worker``.
 
 ``RankPool.run(case)`` sends a case description (a small JSON dict) to ranks
-``0..case["world_size"]-1`` and returns their ``RankOutput``s, or raises
+``0..case["world_size"]-1`` (or, for a case with a ``mesh_layout``, to the ranks
+of the CP groups that run it, after asking every rank to build its world mesh;
+``cp_harness.cases.meshes``) and returns their ``RankOutput``s, or raises
 ``RankFailure`` saying which rank failed, on which case, and how (its
 traceback, its exit, or the stack it was stuck in). After a failure that may
 have left ranks inside a collective, the pool is torn down and the next
@@ -22,10 +25,10 @@ from __future__ import annotations
 import socket
 
 from cp_harness.ranks.lifecycle import RankProcesses
-from cp_harness.ranks.outputs import PoolConfig, RankFailure, RankOutput
+from cp_harness.ranks.outputs import PoolConfig, PoolLost, RankFailure, RankOutput
 from cp_harness.ranks.tickets import Ticket, TicketQueue
 
-__all__ = ["PoolConfig", "RankFailure", "RankOutput", "RankPool", "Ticket"]
+__all__ = ["PoolConfig", "PoolLost", "RankFailure", "RankOutput", "RankPool", "Ticket"]
 
 
 class RankPool:
@@ -94,8 +97,17 @@ class RankPool:
 
     @property
     def launcher_pid(self) -> int | None:
-        """Process id of the launcher (torchrun, or the process that forked the ranks)."""
+        """Process id of the launcher (torchrun, or the process that forked the ranks; node 0's of several)."""
         return self._processes.launcher_pid
+
+    @property
+    def agents(self) -> dict[int, int]:
+        """Node -> process id of its launcher, for the nodes this process started."""
+        return {node: proc.pid for node, proc in self._processes.agents.items()}
+
+    def remote_commands(self) -> dict[int, str]:
+        """Node -> the command to run on it, for every node this process does not start (``node_rank`` given)."""
+        return self._processes.remote_commands()
 
     @property
     def _socks(self) -> dict[int, socket.socket]:
@@ -104,7 +116,8 @@ class RankPool:
 
     # ------------------------------------------------------------------ running cases
     def run(self, case: dict, *, timeout: float | None = None) -> list[RankOutput]:
-        """Run ``case`` on ranks ``0..case["world_size"]-1``; returns their outputs in rank order.
+        """Run ``case`` on its ranks (``0..case["world_size"]-1``, or its CP groups); returns their outputs in pool
+        rank order (``RankOutput.rank``; on a world mesh ``cp_rank`` and ``group`` say where each rank is).
 
         Raises ``RankFailure`` (and restarts the pool on the next call) when a
         rank raises unexpectedly, exits, hangs past ``timeout`` seconds

@@ -17,10 +17,11 @@ import select
 import time
 from typing import Any
 
+from cp_harness.cases import meshes
 from cp_harness.ranks import wire
 from cp_harness.ranks.diagnosis import diagnose, exits_in_log
 from cp_harness.ranks.lifecycle import RankProcesses
-from cp_harness.ranks.outputs import OffProtocol, RankFailure, RankOutput, decode_reply, run_request
+from cp_harness.ranks.outputs import OffProtocol, RankFailure, RankOutput, decode_reply, mesh_request, run_request
 
 RAISED_GRACE = 5.0  # seconds the peers of a rank that raised get to answer (capped by the case timeout)
 
@@ -31,12 +32,17 @@ class Ticket:
 
     ``outputs`` or ``error`` once ``done``; ``sends``: how many times it was sent (more than once when a
     case before it failed and the pool was restarted); ``timing``: ranks/transport seconds once collected.
+    ``ranks``: the pool ranks it goes to (a case's, ``cp_harness.cases.meshes.case_ranks``). A ticket with a
+    ``mesh`` key is the pool's own request to build that mesh on every rank, for the case ``needed_by``.
     """
 
     case: dict
     timeout: float
     seq: int
     pool: Any = dataclasses.field(repr=False)
+    ranks: tuple[int, ...] = ()
+    mesh: str | None = None
+    needed_by: "Ticket | None" = dataclasses.field(default=None, repr=False)
     case_id: int | None = None
     generation: int | None = None
     sends: int = 0
@@ -59,9 +65,10 @@ class TicketQueue:
         # When each rank finished its last collected case (monotonic), for the start ``_free_generation``.
         self._rank_free: dict[int, float] = {}
         self._free_generation: int | None = None
+        self._meshes: dict[int, set[str]] = {}  # start -> the meshes requested from its ranks
 
     def __len__(self) -> int:
-        return len(self._inflight)
+        return sum(1 for t in self._inflight if t.mesh is None)
 
     def drop_all(self) -> None:
         """Forget every case in flight (the pool is closing): collecting them raises ``RuntimeError``."""
@@ -73,10 +80,12 @@ class TicketQueue:
     def submit(self, case: dict, timeout: float) -> Ticket:
         world = self.processes.config.world_size
         n = int(case["world_size"])
-        if not 1 <= n <= world:
-            raise ValueError(f"case world_size={n}; this pool has {world} ranks "
-                             f"(start it with a larger PoolConfig.world_size)")
-        ticket = Ticket(case=case, timeout=timeout, seq=next(self._tickets), pool=self.owner)
+        meshes.MeshLayout.of(case, pool_size=world)  # MeshLayoutError (a ValueError) naming the field
+        if not 1 <= n <= world or meshes.ranks_needed(case) > world:
+            raise ValueError(f"case world_size={n} needs {meshes.ranks_needed(case)} ranks; this pool has {world} "
+                             f"ranks (start it with a larger PoolConfig.world_size)")
+        ticket = Ticket(case=case, timeout=timeout, seq=next(self._tickets), pool=self.owner,
+                        ranks=tuple(meshes.case_ranks(case)))
         self._inflight.append(ticket)
         try:
             self._ensure_sent()
@@ -114,15 +123,34 @@ class TicketQueue:
                 return
             self.processes.start()
         for ticket in unsent:
-            self._send(ticket)
+            if ticket.mesh is not None:  # a request of a pool that is gone: the case asks the new one again
+                self._inflight.remove(ticket)
+        for ticket in unsent:
+            if ticket.mesh is None:
+                self._send(ticket)
 
     def _send(self, ticket: Ticket) -> None:
+        """Send ``ticket`` to its ranks; first, when the live pool was not asked for its case's mesh yet, the
+        request to build it, to every rank (building a mesh creates process groups: all ranks, same order)."""
+        generation = self.processes.generation
+        key = meshes.mesh_key(ticket.case)
+        asked = self._meshes.setdefault(generation, set())
+        self._meshes = {generation: asked}  # an earlier start's meshes went with its ranks
+        if key != f"prefix:{self.processes.config.world_size}" and key not in asked:
+            asked.add(key)
+            build = Ticket(case={"mesh": key}, timeout=ticket.timeout, seq=ticket.seq, pool=self.owner,
+                           ranks=tuple(range(self.processes.config.world_size)), mesh=key, needed_by=ticket)
+            self._inflight.insert(self._inflight.index(ticket), build)
+            self._transmit(build, mesh_request)
+        self._transmit(ticket, run_request)
+
+    def _transmit(self, ticket: Ticket, request) -> None:
         ticket.case_id = next(self._case_ids)
         ticket.generation = self.processes.generation
         ticket.send_error = None
         ticket.sends += 1
-        data = wire.encode(run_request(ticket.case_id, ticket.case))
-        for rank in range(int(ticket.case["world_size"])):
+        data = wire.encode(request(ticket.case_id, ticket.mesh if ticket.mesh is not None else ticket.case))
+        for rank in ticket.ranks:
             try:
                 self.processes.socks[rank].sendall(data)
             except OSError as exc:
@@ -134,15 +162,15 @@ class TicketQueue:
         """Wait for the oldest case in flight; record its outputs or its ``RankFailure`` on the ticket."""
         procs = self.processes
         case, timeout = ticket.case, ticket.timeout
-        n = int(case["world_size"])
-        evidence = dict(case=case, timeout=timeout, launcher=procs.launcher)
+        evidence = dict(case=case if ticket.needed_by is None else ticket.needed_by.case, timeout=timeout,
+                        launcher=procs.launcher, where=self._where(ticket))
         if ticket.send_error is not None:
             return self._fail(ticket, diagnose(**evidence, replies={}, send_error=ticket.send_error))
         outputs: dict[int, RankOutput] = {}
         collect_started = time.monotonic()
         deadline = collect_started + timeout
         grace_deadline = None
-        pending = set(range(n))
+        pending = set(ticket.ranks)
         while pending:
             limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
             remaining = limit - time.monotonic()
@@ -159,7 +187,10 @@ class TicketQueue:
                     return self._fail(ticket, diagnose(
                         **evidence, replies=outputs, closed=(rank, str(exc)), launcher_exit=code,
                         exits=exits_in_log(procs.log_tail(1 << 20)), log=procs.log_tail(),
-                        rank_errors=procs.rank_errors()))
+                        rank_errors=procs.rank_errors(), rank_logs={r: procs.rank_log_tail(r) for r in ticket.ranks}))
+                if body.get("op") == "lost":  # the rank's launcher is gone (a lost node): it exits now
+                    return self._fail(ticket, diagnose(**evidence, replies=outputs, lost=(rank, body.get("reason")),
+                                                       launcher_exit=procs.wait_exit() if procs.exited_agents() else None))
                 try:
                     outputs[rank] = decode_reply(body, arrays, rank=rank, case_id=ticket.case_id,
                                                  received_at=time.monotonic())
@@ -174,11 +205,28 @@ class TicketQueue:
                            stacks=procs.dump_stacks(stuck) if stuck else {})
         if failure is not None:
             return self._fail(ticket, failure)
-        ticket.outputs = [outputs[r] for r in range(n)]
+        ticket.outputs = [outputs[r] for r in ticket.ranks]
         ticket.timing = self._timing(ticket, collect_started)
         ticket.done = True
         self._inflight.popleft()
         return None
+
+    def _where(self, ticket: Ticket) -> str:
+        """Where a ticket's ranks are, for a failure message: its CP groups (on a world mesh) and nodes."""
+        lines = []
+        layout = meshes.MeshLayout.of(ticket.case) if ticket.mesh is None else None
+        if layout is not None:
+            lines.append("on " + "; ".join(layout.group_label(g) for g in layout.running())
+                         + " (CP rank i of a group is its i-th global rank)")
+        elif ticket.mesh is not None:
+            lines.append(f"while every rank built the mesh {ticket.mesh} for the next case")
+        nodes = {r: self.processes.where(r) for r in ticket.ranks}
+        if any(nodes.values()):
+            by_node: dict[str, list[int]] = {}
+            for r, node in nodes.items():
+                by_node.setdefault(node, []).append(r)
+            lines.append("ranks by node: " + "; ".join(f"{node}: ranks {rs}" for node, rs in by_node.items()))
+        return "".join(line + "\n" for line in lines if line)
 
     def _timing(self, ticket: Ticket, collect_started: float) -> dict[str, float]:
         """Where a collected case's time went, from the ranks' clocks and ours (both ``time.monotonic``, one machine).
@@ -200,12 +248,17 @@ class TicketQueue:
             there = max(o.started_at - free, 0.0)
             back = max(o.received_at - max(o.finished_at, collect_started), 0.0)
             transport = max(transport, there + back)
-            self._rank_free[o.rank] = o.finished_at
+            self._rank_free[o.rank] = o.finished_at  # o.rank: the pool rank (the CP rank is o.cp_rank)
         return {"ranks": ranks, "transport": transport}
 
     def _fail(self, ticket: Ticket, failure: RankFailure) -> None:
-        """Fail ``ticket`` (the oldest in flight) and tear the pool down; the cases behind it are sent again later."""
+        """Fail ``ticket`` (the oldest in flight) and tear the pool down; the cases behind it are sent again later.
+        A mesh request fails the case it was for (the same request would fail again on a fresh pool)."""
         self.processes.shutdown(graceful=False)
         ticket.error = failure
         ticket.done = True
         self._inflight.popleft()
+        case = ticket.needed_by
+        if case is not None and case in self._inflight:
+            self._inflight.remove(case)
+            case.error, case.done = failure, True

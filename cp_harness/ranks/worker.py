@@ -1,7 +1,6 @@
 """One rank of the persistent pool (see ``cp_harness.ranks.pool``), and the launcher that starts them.
 
-Ranks are started one of two ways, both with torchrun's environment
-(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``):
+Ranks are started one of three ways, each with its launcher's environment (``cp_harness.ranks.startup``):
 
 - ``--ranks N`` (the default launcher for gloo): this process imports torch,
   the checks, the implementations and the model specs named in
@@ -10,24 +9,31 @@ Ranks are started one of two ways, both with torchrun's environment
   (what torchrun's monitor does). A rank then costs no import of its own:
   8 ranks cost one Python start-up, not 9.
 - under ``torchrun`` (``PoolConfig(launcher="torchrun")``; the default for
-  nccl, and the fresh-torchrun baseline of ``cp_harness bench``).
+  nccl, and the fresh-torchrun baseline of ``cp_harness bench``), on one node
+  or several (``--nnodes``, c10d rendezvous);
+- under ``srun`` (SLURM's environment; ``PoolConfig(launcher="external")``: the pool only listens).
 
-Each rank joins the process group once, builds a CP mesh for every world size
-``1..WORLD_SIZE`` (subgroups of ranks ``0..n-1``), connects to the test
-process and then runs one case per request. A case of world size ``n`` is
-sent to ranks ``0..n-1`` only; the others wait for the next request.
+Each rank connects to the test process first and says what it is doing at each
+step of its start; it then joins the process group (its store waits
+``--start-timeout`` for every rank), loads the implementation and says hello.
+Then it runs one request at a time: a case (sent only to the case's ranks), or
+a mesh to build (sent to every rank: building a mesh creates process groups,
+which every rank of the default group must do, in the same order). A case
+runs on today's CP mesh over ranks ``0..n-1`` or on ``world_mesh["cp"]`` of the
+world mesh its ``mesh_layout`` names; its communication is confined to its CP
+group (``cp_harness.instruments.leaks``).
 
 Every wait is bounded: collectives by the process-group timeout, the wait for
-the next request by ``--idle-timeout``; a closed connection ends the rank.
+the next request by ``--idle-timeout``; a closed connection ends the rank, and
+so does the loss of its launcher.
 On ``SIGUSR1`` a rank writes the stacks of all its threads to
 ``<stack-dir>/rank<r>.stack`` so that the test process can show where a hung
-rank was.
+rank was; its output goes to ``<stack-dir>/rank<r>.log``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import faulthandler
 import os
 import signal
@@ -49,7 +55,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--preload", default="", help="model spec modules (comma-separated) the launcher imports once")
     parser.add_argument("--ranks", type=int, default=None,
                         help="start this many ranks by forking this process after its imports (without it: one rank, "
-                             "started by torchrun)")
+                             "started by torchrun or srun)")
+    parser.add_argument("--start-timeout", type=float, default=180.0,
+                        help="seconds the store waits for every rank to join (the pool grows it with the rank count)")
+    parser.add_argument("--rank-order", default="blocked", choices=("blocked", "cyclic"),
+                        help="blocked: the launcher's ranks; cyclic: rank r on node r %% nnodes")
     return parser.parse_args(argv)
 
 
@@ -149,18 +159,22 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    if args.ranks is not None and "RANK" not in os.environ:
+    forked = args.ranks is not None
+    if forked and "RANK" not in os.environ:
         return launch(args, argv)
-    rank = int(os.environ["RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    from cp_harness.ranks import startup
+
+    place = startup.placement(forked, args.rank_order)
+    rank = place.rank
+    startup.own_log(args.stack_dir, rank)
     if args.stack_dir:
         stack_file = open(os.path.join(args.stack_dir, f"rank{rank}.stack"), "w")  # noqa: SIM115 - lives as long as the rank
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    phases = startup.Phases(args.connect, place, args.start_timeout)
+    startup.watch_launcher(phases)
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
 
     from cp_harness.instruments import comm_meter as comm
     from cp_harness.instruments import coverage
@@ -169,11 +183,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     if args.backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(place.local_rank)
+        device = torch.device("cuda", place.local_rank)
     else:
         device = torch.device("cpu")
-    timeout = datetime.timedelta(seconds=args.collective_timeout)
     if args.backend == "gloo":
         # Connect gloo pairs when a collective first uses them, not a full mesh per group at the start: with a
         # subgroup per CP size, eager setup opens sum(n*(n-1)/2) connections (43,680 at 64 ranks), took 23-40 s
@@ -182,17 +195,17 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         # One compile cache per rank: ranks compiling the same kernel at once into one folder loaded each other's
         # half-written files ("file too short", "invalid ELF header"; the real models' MoE kernels).
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{os.environ['TORCHINDUCTOR_CACHE_DIR']}-rank{local_rank}"
-    dist.init_process_group(args.backend, timeout=timeout, device_id=device if args.backend == "nccl" else None)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{os.environ['TORCHINDUCTOR_CACHE_DIR']}-rank{place.local_rank}"
+    phases.say(f"joining the process group ({args.backend}; store at {os.environ.get('MASTER_ADDR')}:"
+               f"{os.environ.get('MASTER_PORT')}, waiting up to {args.start_timeout:.0f} s for {place.world_size} ranks)")
+    startup.join(args.backend, place, start_timeout=args.start_timeout, collective_timeout=args.collective_timeout,
+                 device=device if args.backend == "nccl" else None)
+    meshes = startup.MeshBook(rank, place.world_size, device.type, args.collective_timeout)
 
-    # One subgroup and mesh per CP size; new_group is collective, so every rank creates all of them.
-    meshes = {}
-    for n in range(1, world_size + 1):
-        group = dist.group.WORLD if n == world_size else dist.new_group(list(range(n)), timeout=timeout)
-        if rank < n:
-            meshes[n] = DeviceMesh.from_group(group, device.type, mesh_dim_names=("cp",))
+    phases.say(f"in the process group; loading {args.impl}")
     from cp_harness.checks import load_checks
     from cp_harness.cases.implementation import case_impl, impl_names, load_impl
+    from cp_harness.cases.meshes import mesh_key
 
     # Every one imports, or the rank stops here; calls through the documented API are recorded per case.
     impls = {name: coverage.instrument(load_impl(name)) for name in impl_names(args.impl)}
@@ -200,12 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     # After the implementations and the checks are imported: operators they define are hooked too.
     comm.install()
 
-    host, port = args.connect.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=args.collective_timeout)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    wire.send(sock, {"op": "hello", "rank": rank, "world_size": world_size, "pid": os.getpid(),
-                     "backend": args.backend, "device": str(device), "torch": torch.__version__, "impl": args.impl,
-                     "launcher": "fork" if args.ranks is not None else "torchrun"})
+    phases.send({"op": "hello", **place.identity(), "backend": args.backend, "device": str(device),
+                 "torch": torch.__version__, "impl": args.impl})
+    sock = phases.sock
     exit_code = 0
     while True:
         try:
@@ -214,34 +224,40 @@ def main(argv: list[str] | None = None) -> int:
             break  # the test process went away or stayed silent too long: nothing left to do
         if body.get("op") == "shutdown":
             break
-        if body.get("op") != "run":
+        if body.get("op") not in ("run", "mesh"):
             continue
         taken = time.monotonic()  # for the pool's transport figures (same clock as the test process)
-        case = body["case"]
-        cp_size = int(case["world_size"])
         started = time.perf_counter()
+        info: dict = {}
+        tensors: dict = {}
+        reply: dict = {"op": "result", "case_id": body["case_id"], "rank": rank}
         try:
-            name = case_impl(case, args.impl)
-            if name not in impls:  # a case naming another module (run-case): loaded on first use
-                impls[name] = coverage.instrument(load_impl(name))
-                comm.install()  # hooks operators the new module defined
-            context = RankContext(rank=rank, cp_size=cp_size, mesh=meshes[cp_size], device=device,
-                                  backend=args.backend, impl=impls[name])
-            with comm.recording() as calls, coverage.recording() as called:
-                info, tensors = run_on_rank(case, context)
-            reply = {"op": "result", "case_id": body["case_id"], "rank": rank, "ok": True, "info": info,
-                     "comm": [c.as_dict() for c in calls], "called": sorted(called),
-                     "seconds": time.perf_counter() - started}
+            if body["op"] == "mesh":  # every pool rank, in the same order: it creates process groups
+                info = meshes.layout(body["layout"]) if "layout" in body else meshes.prefix(int(body["prefix"])) or {}
+                reply.update(ok=True, info=info, comm=[], called=[])
+            else:
+                case = body["case"]
+                name = case_impl(case, args.impl)
+                if name not in impls:  # a case naming another module (run-case): loaded on first use
+                    impls[name] = coverage.instrument(load_impl(name))
+                    comm.install()  # hooks operators the new module defined
+                held = meshes.get(mesh_key(case))
+                context = RankContext(rank=held.cp_rank, cp_size=int(case["world_size"]), mesh=held.cp_mesh,
+                                      device=device, backend=args.backend, impl=impls[name], global_rank=rank,
+                                      group=held.group)
+                with comm.recording(allowed=held.members) as calls, coverage.recording() as called:
+                    info, tensors = run_on_rank(case, context)
+                reply.update(ok=True, info=info, comm=[c.as_dict() for c in calls], called=sorted(called),
+                             cp_rank=held.cp_rank, group=held.group)
         except BaseException as exc:  # noqa: BLE001 - everything is reported, SystemExit included
             tensors = {}
-            reply = {"op": "result", "case_id": body["case_id"], "rank": rank, "ok": False,
-                     "error_type": type(exc).__name__, "message": str(exc),
-                     "traceback": traceback.format_exc(), "seconds": time.perf_counter() - started}
+            reply.update(ok=False, error_type=type(exc).__name__, message=str(exc), traceback=traceback.format_exc())
             if isinstance(exc, SystemExit):
                 exit_code = int(exc.code or 0) if isinstance(exc.code, int) else 1
+        reply["seconds"] = time.perf_counter() - started
         reply["t_start"], reply["t_end"] = taken, time.monotonic()
         try:
-            wire.send(sock, reply, tensors)
+            phases.send(reply, tensors)
         except OSError:
             break
         if exit_code:

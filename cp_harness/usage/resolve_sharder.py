@@ -39,8 +39,17 @@ from cp_harness.cases.descriptions import PAD_ID
 __all__ = ["Sharded", "hook_sharder", "local_token_indices", "padded_seq_len", "resolve_sharder", "sharded"]
 
 
+def world_mesh_of(mesh: Any) -> Any:
+    """The world mesh whose ``"cp"`` dimension ``mesh`` is (``world_mesh["cp"]``, ``cp_harness.cases.meshes``): what
+    the framework resolves a sharder with; ``mesh`` itself when it is not a slice of a larger mesh."""
+    root = getattr(mesh, "_get_root_mesh", None)
+    world = root() if callable(root) else mesh
+    return world if world is not mesh and "cp" in tuple(getattr(world, "mesh_dim_names", None) or ()) else mesh
+
+
 def resolve_sharder(returned: Any, mesh: Any, *, padding_token_id: int = PAD_ID, loss_mask: torch.Tensor | None = None):
-    """The framework's resolution of a hook's unresolved sharder for a CP ``mesh`` (``None``: one rank).
+    """The framework's resolution of a hook's unresolved sharder for a CP ``mesh`` (``None``: one rank): with the
+    world mesh ``mesh`` was sliced from, as a training step does (the sharder takes ``device_mesh["cp"]``).
 
     Returned wrapped in ``coverage.RecordingSharder`` (its verbs record that they ran; it is the sharder otherwise).
     """
@@ -49,7 +58,7 @@ def resolve_sharder(returned: Any, mesh: Any, *, padding_token_id: int = PAD_ID,
             raise TypeError(f"the hook's cp_sharder ({type(returned).__name__}) has no {attr!r}: it must follow the "
                             "ContextParallelSharder contract (shard_batch, local_token_global_indices, shard, "
                             "shard_token_tensor, gather_token_tensor)")
-    resolved = type(returned)(device_mesh=mesh, shard_batch=returned.shard_batch,
+    resolved = type(returned)(device_mesh=world_mesh_of(mesh), shard_batch=returned.shard_batch,
                               local_token_global_indices=returned.local_token_global_indices,
                               padding_token_id=padding_token_id, loss_mask=loss_mask)
     return coverage.RecordingSharder(resolved)

@@ -47,6 +47,8 @@ class VerifySettings:
         if self.case_timeout is not None:
             return float(self.case_timeout)
         return 300.0 if self.model else 120.0
+    # Where the ranks run (``cp_harness.ranks.outputs.PoolConfig``): nodes, the rendezvous, this process's address.
+    pool: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_options(cls, values: Mapping[str, Any]) -> "VerifySettings":
@@ -57,6 +59,9 @@ class VerifySettings:
             kept["policy"] = policy_named(values["precision_policy"])
         kept["model"] = tuple(values.get("model_specs") or ())
         kept["rows"] = tuple(values.get("rows") or ())
+        from cp_harness.options import pool_options
+
+        kept["pool"] = {k: v for k, v in pool_options(values).items() if k != "launcher"}
         return cls(**kept)
 
 
@@ -104,6 +109,7 @@ class VerifyResult:
             "ok": not self.failed_rows,
             "impl": s.impl, "model": list(s.model), "backend": s.backend, "world_sizes": list(s.world_sizes),
             "seed": s.seed, "precision_policy": s.policy.name,
+            "nodes": dict(s.pool, nnodes=int(s.pool.get("nnodes", 1))),
             "examples_per_row": s.examples,
             "examples": sum(r.tally.examples for r in self.rows),
             "seconds": round(self.seconds, 3),
@@ -159,7 +165,9 @@ def result_text(result: VerifyResult) -> str:
     """What the command prints after the run: the header, the table, the counts, each failure, the notes."""
     s = result.settings
     subject = f"model spec(s) {', '.join(s.model)}" if s.model else f"implementation {s.impl!r}"
-    lines = [f"cp_harness verify: {subject}, backend {s.backend}, world sizes {list(s.world_sizes)}, "
+    nodes = int(s.pool.get("nnodes", 1))
+    where = f", {nodes} nodes (rank order {s.pool.get('rank_order', 'blocked')})" if nodes > 1 else ""
+    lines = [f"cp_harness verify: {subject}, backend {s.backend}, world sizes {list(s.world_sizes)}{where}, "
              f"seed {s.seed}, {s.examples} examples per row, precision policy {s.policy.name}",
              format_table(result.rows)]
     total = sum(r.tally.examples for r in result.rows)

@@ -84,17 +84,26 @@ def run_verify(settings: VerifySettings, *, rows: list[Row] | None = None, pool:
         result.cannot_run = (f"the given pool has {pool.config.world_size} ranks, world sizes {list(s.world_sizes)} "
                              f"need {ranks}")
         return result
-    problem = _preflight(s.impl, s.backend, ranks) or _preflight_models(s.model)
+    # Each node gives its own ranks their GPUs (nccl): this machine needs one node's share.
+    here = ranks // int(s.pool.get("nnodes", 1)) if s.pool.get("launcher", s.launcher) != "external" else 0
+    problem = _preflight(s.impl, s.backend, max(here, 1)) or _preflight_models(s.model)
     if problem:
         result.cannot_run = problem
         return result
     drawn = ((tuple(d for d in s.dtypes if d != "layout") or FLOAT_DTYPES) if s.dtypes is not None
              else FLOAT_DTYPES + VALUE_DTYPES)
-    space = CaseSpace(world_sizes=tuple(s.world_sizes), dtypes=drawn, impls=impl_names(s.impl), models=s.model)
+    space = CaseSpace(world_sizes=tuple(s.world_sizes), dtypes=drawn, impls=impl_names(s.impl), models=s.model,
+                      pool_size=pool.config.world_size if pool is not None else ranks)
     if pool is None:
-        runner = CaseRunner(PoolConfig(world_size=ranks, backend=s.backend, impl=s.impl, launcher=s.launcher,
-                                       preload=s.model, case_timeout=s.resolved_case_timeout,
-                                       collective_timeout=max(30.0, s.resolved_case_timeout / 2)), policy=s.policy)
+        try:
+            config = PoolConfig(world_size=ranks, backend=s.backend, impl=s.impl, launcher=s.launcher,
+                                preload=s.model,
+                                **{**s.pool, "case_timeout": s.resolved_case_timeout},
+                                collective_timeout=max(30.0, s.resolved_case_timeout / 2))
+        except ValueError as exc:  # a node layout that cannot be: nothing started
+            result.cannot_run = str(exc)
+            return result
+        runner = CaseRunner(config, policy=s.policy)
     else:  # the pool's own selection stays; every case names its implementation
         runner = CaseRunner(pool.config, pool=pool, policy=s.policy)
         chosen = [_naming_impl(row, s.impl) for row in chosen]
@@ -102,8 +111,13 @@ def run_verify(settings: VerifySettings, *, rows: list[Row] | None = None, pool:
     progress = Progress(total=s.examples * len(chosen), stream=progress_stream)
     started = time.perf_counter()
     try:
-        progress.note(f"cp_harness verify: starting {ranks} ranks ({s.backend}) for implementation {s.impl!r} ...")
+        config = runner.pool.config
+        nodes = f" on {config.nnodes} nodes" if config.nnodes > 1 else ""
+        progress.note(f"cp_harness verify: starting {ranks} ranks ({s.backend}){nodes} for implementation "
+                      f"{s.impl!r} ...")
         try:
+            for node, command in runner.pool.remote_commands().items():
+                progress.note(f"cp_harness verify: start node {node} with: {command}")
             runner.pool.start()
         except Exception as exc:  # noqa: BLE001
             result.cannot_run = f"the rank pool did not start: {exc}"

@@ -10,6 +10,7 @@ from typing import Any
 from hypothesis import example, given, seed as hypothesis_seed
 
 from cp_harness.cases.descriptions import canonical
+from cp_harness.cases.meshes import ranks_needed
 from cp_harness.cases.profiles import CaseSpace, command_settings
 from cp_harness.instruments import coverage
 from cp_harness.judging.error_maps import write_error_maps
@@ -62,7 +63,7 @@ def run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed:
         raise AssertionError(report_text(report))  # one raise site: Hypothesis tells failures apart by where they rise
 
     for case in row.spec.explicit:
-        if int(case["world_size"]) <= max(space.world_sizes):
+        if ranks_needed(case) <= space.pool_ranks:
             property_ = example(case=case)(property_)
     try:
         property_()

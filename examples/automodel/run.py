@@ -148,6 +148,7 @@ def run_spec(spec: str, args, json_path: Path) -> int:
 def replay(defect: dict, backend: str, pool=None) -> tuple[bool, str]:
     """Run a documented row's case again (``defect``: an entry of ``load_known``); ``(fails with its signature,
     account)``. ``pool``: a warm ``RankPool`` of at least the case's world size to run it on (else one is started)."""
+    from cp_harness.cases.meshes import ranks_needed
     from cp_harness.ranks.pool import PoolConfig
     from cp_harness.runner import CaseRunner
 
@@ -157,7 +158,7 @@ def replay(defect: dict, backend: str, pool=None) -> tuple[bool, str]:
     if pool is not None:
         runner = CaseRunner(pool.config, pool=pool)
     else:
-        runner = CaseRunner(PoolConfig(world_size=int(case["world_size"]), backend=backend,
+        runner = CaseRunner(PoolConfig(world_size=ranks_needed(case), backend=backend,
                                        impl=case.get("impl", "cp_impl"),
                                        preload=(case["spec"],) if "spec" in case else ()))
     try:
@@ -196,22 +197,23 @@ def judge(subject: str, report: dict, known: list[dict], backend: str) -> list[d
 
 def _replay_all(rows: list[dict], backend: str, pool=None) -> list[dict]:
     """Replay every documented row's case on one pool (``pool``, else one of the largest world size needed)."""
+    from cp_harness.cases.meshes import ranks_needed
     from cp_harness.ranks.pool import PoolConfig, RankPool
 
     if not rows:
         return []
     own = None
     if pool is None:
-        size = max(int(r["case"]["world_size"]) for r in rows)
+        size = max(ranks_needed(r["case"]) for r in rows)  # a case on a world mesh needs all of the mesh's ranks
         specs = tuple(sorted({r["case"]["spec"] for r in rows if "spec" in r["case"]}))
         own = pool = RankPool(PoolConfig(world_size=size, backend=backend, impl="cp_impl", preload=specs))
     out = []
     try:
         for row in rows:
             entry = {"defect": row["id"], "subject": row["subject"], "row": row["row"]}
-            if int(row["case"]["world_size"]) > pool.config.world_size:
+            if ranks_needed(row["case"]) > pool.config.world_size:
                 out.append({**entry, "reproduced": False,
-                            "account": f"not replayed: its case needs {row['case']['world_size']} ranks, the pool "
+                            "account": f"not replayed: its case needs {ranks_needed(row['case'])} ranks, the pool "
                                        f"has {pool.config.world_size}"})
                 continue
             reproduced, account = replay(row, backend, pool=pool)

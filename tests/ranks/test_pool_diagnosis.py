@@ -180,3 +180,26 @@ def test_a_rank_that_exited_without_replying_shows_the_traceback_it_left():
     failure = diagnose(CASE, timeout=TIMEOUT, replies={}, closed=(0, "connection closed by peer"), launcher_exit=1,
                        exits=exits_in_log(log), log=log, rank_errors={3: "Traceback\nValueError: left behind\n"})
     assert failure.rank == 3 and "--- traceback of rank 3 ---\nTraceback\nValueError: left behind" in str(failure)
+
+
+def test_a_start_that_times_out_names_the_missing_ranks_and_where_the_others_got_to():
+    from cp_harness.ranks.diagnosis import rank_ranges, start_timeout_report
+
+    assert rank_ranges([0, 1, 2, 5, 7, 8, 9]) == "0-2, 5, 7-9"
+    progress = {r: {"what": "joining the process group (gloo; store at 127.0.0.1:5000, waiting up to 252 s for 64 "
+                            "ranks)", "pid": 100 + r, "node": 0, "host": "h", "at": 10.0} for r in range(48)}
+    ready = list(range(40))
+    text = start_timeout_report(world=64, ready=ready, progress=progress, exited={},
+                                timeout_text="start timeout 252 s = 60 s + 3 s x 64 ranks", launcher="fork", nodes=1,
+                                last_lines={r: f"line of rank {r}" for r in range(40, 60)}, now=40.0)
+    assert text.startswith("rank pool did not start: the pool's start timeout 252 s = 60 s + 3 s x 64 ranks fired "
+                           "with 40 of 64 ranks ready."), text
+    assert "ranks that never connected: 48-63\n" in text and "  rank 48's last line: line of rank 48" in text, text
+    assert "rank 60's last line" not in text  # no log: nothing invented
+    assert "ranks connected but not ready: 40-47" in text, text
+    assert "  rank 41 (pid 141): joining the process group (gloo; store at 127.0.0.1:5000" in text, text
+    assert "30 s ago; its last line: line of rank 41" in text, text
+    gone = start_timeout_report(world=4, ready=[], progress={}, exited={1: -9}, timeout_text="start timeout 72 s",
+                                launcher="torchrun", nodes=2, last_lines={}, now=0.0)
+    assert gone.startswith("rank pool did not start: the torchrun launcher exited (exit code node 1: -9)"), gone
+    assert "ranks that never connected: 0-3" in gone and "no rank log here" in gone, gone

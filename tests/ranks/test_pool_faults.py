@@ -259,3 +259,28 @@ def test_a_rank_that_fails_at_start_is_named_with_its_own_traceback(tmp_path, mo
     while (left := processes_mentioning(str(tmp_path))) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"the failed start left processes behind: {left}"
+
+
+def test_a_pool_that_does_not_come_up_names_the_timeout_that_fired_and_where_each_rank_stopped(tmp_path, monkeypatch):
+    """Rank 1 of four never finishes loading the implementation: the pool's start timeout fires, and the error says
+    so (not a store's or a collective's), lists the ranks that are not ready, what each was doing and the last line
+    it wrote (its own log), and leaves no process behind."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(FIXTURES), os.environ.get("PYTHONPATH")) if p))
+    pool = RankPool(PoolConfig(world_size=4, impl="fault_start_hang", collective_timeout=COLLECTIVE_TIMEOUT,
+                               start_timeout=9.0, log_dir=str(tmp_path)))
+    try:
+        with pytest.raises(RuntimeError) as failure:
+            pool.start()
+        message = str(failure.value)
+    finally:
+        pool.close()
+    head = message.split("fork log tail:")[0]
+    assert head.startswith("rank pool did not start: the pool's start timeout 9 s fired with 3 of 4 ranks ready"), message
+    assert "ranks that never connected" not in head, message
+    assert "ranks connected but not ready: 1\n" in head, message
+    assert "rank 1 (pid " in head and "in the process group; loading fault_start_hang" in head, message
+    assert "its last line: fault_start_hang: rank 1 stops here, loading mistral_large4" in head, message
+    deadline = time.monotonic() + 10
+    while (left := processes_mentioning(str(tmp_path))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"the failed start left processes behind: {left}"
