@@ -4,7 +4,7 @@ gives its default. Both entry points build their options from ``OPTIONS`` and re
 at the boundary (``resolve``); nothing inside the package reads an environment variable for its configuration.
 
 An option says which entry points take it: ``commands`` (the CLI subcommands: ``verify``, ``run-case``,
-``calibrate``) and ``plugin`` (pytest, as ``--cp-<name>`` unless ``plugin_flag`` says otherwise).
+``repro``, ``calibrate``) and ``plugin`` (pytest, as ``--cp-<name>`` unless ``plugin_flag`` says otherwise).
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ class Option:
         return kwargs
 
 
-_VERIFY, _RUN_CASE, _CALIBRATE = "verify", "run-case", "calibrate"
-_ALL = frozenset({_VERIFY, _RUN_CASE, _CALIBRATE})
+_VERIFY, _RUN_CASE, _CALIBRATE, _REPRO = "verify", "run-case", "calibrate", "repro"
+_ALL = frozenset({_VERIFY, _RUN_CASE, _CALIBRATE, _REPRO})
 
 OPTIONS: tuple[Option, ...] = (
     Option("impl", "--impl", "module exposing inkling2 and mistral_large4 (default: $CP_IMPL, else cp_impl); "
@@ -106,13 +106,16 @@ OPTIONS: tuple[Option, ...] = (
     Option("precision_policy", "--precision-policy", "strict: every bfloat16/float16 sum accumulates in float32 and "
            "rounds once (the contract); payload: partial sums may stay in the payload's precision, as a backend's "
            "reduce-scatter does, within N-1 ULPs (cp_harness/judging/policy.py)", "strict",
-           choices=("strict", "payload"), commands=frozenset({_VERIFY, _RUN_CASE}), plugin=True),
+           choices=("strict", "payload"), commands=frozenset({_VERIFY, _RUN_CASE, _REPRO}), plugin=True),
     Option("model_specs", "--model", "model spec module(s), comma-separated: the real-model rows (the framework's own CP "
            "path against the same model on one device); the ranks import them once, before they are forked",
            (), _names, commands=frozenset({_VERIFY}), plugin=True, metavar="MODULE"),
     Option("error_dir", "--error-maps", "where failing cases write error-map PNGs (default: "
            "$CP_HARNESS_ERROR_MAP_DIR, else <temp>/cp-harness-error-maps)", None, commands=_ALL, plugin=True,
            env="CP_HARNESS_ERROR_MAP_DIR", metavar="DIR"),
+    Option("export_repros", "--export-repros", "write a standalone repro (one script, torch, numpy and the code under "
+           "test only, with its .npz) for every failing case into DIR; the report names each script "
+           "(cp_harness/repro)", None, commands=frozenset({_VERIFY}), plugin=True, metavar="DIR"),
     Option("examples", "--examples", "generated examples per row", 25, _positive,
            commands=frozenset({_VERIFY, _CALIBRATE})),
     Option("seed", "--seed", "seed of the example generator: same seed, same cases", 0, int,

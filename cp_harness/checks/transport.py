@@ -27,11 +27,12 @@ from hypothesis import strategies as st
 from cp_harness.cases.descriptions import accumulate, build_batch, dtype_of, random_tensor, upstream_values
 from cp_harness.cases.strategies import (FLOAT_DTYPES, VALUE_DTYPES, as_space, payload_dtypes, seeds, with_impl,
                                          with_payload, world_sizes)
-from cp_harness.checks import GoldenContents, VerifyRow, register
+from cp_harness.checks import GoldenContents, Repro, VerifyRow, register
 from cp_harness.checks._token_layout import judge_token_layout, stack_ranks
 from cp_harness.judging import comm_minimum
 from cp_harness.judging.compare import TokenGrid, compare_exact, compare_ulp
 from cp_harness.judging.verdicts import CaseReport
+from cp_harness.repro import calls
 from cp_harness.usage.resolve_sharder import hook_sharder, layout_report, sharded
 
 _INT_DTYPES = {"int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
@@ -191,6 +192,59 @@ def _history_evaluate(case: dict, outputs: list, expected: dict, policy) -> Case
     return report
 
 
+# ------------------------------------------------------------------------------------ standalone repros
+def _payload_budget(case: dict, policy, expected: dict):
+    dtype = dtype_of(case)
+    if not (policy.payload_sums and dtype in (torch.bfloat16, torch.float16) and expected["terms"] > 1):
+        return None
+    return (float(expected["terms"] - 1), 1.0, str(dtype).replace("torch.", ""), expected["magnitude"])
+
+
+def _gather_repro(seq_dim: int, function: str):
+    def call(xs, upstream, output, grads, budget, differentiable: str, origin: str, mesh: bool = True):
+        n, L = len(xs), xs[0].shape[seq_dim]
+        return calls.CallCase(
+            function, ['inputs["value"]', "mesh", differentiable], [{"value": x} for x in xs],
+            [calls.Expectation("output", axis=seq_dim)] + ([calls.Expectation("grad value", budget, axis=seq_dim)] if grads else []),
+            [{"output": output, **({"grad value": grads[r]} if grads else {})} for r in range(n)], calls.WHAT[function],
+            origin, ("value",) if grads else (), upstream if grads else None,
+            [{"output": torch.arange(n * L), "grad value": torch.arange(r * L, (r + 1) * L)} for r in range(n)], mesh=mesh)
+
+    def plan(request):
+        case = request.case
+        expected, n, L = _gather_expect(seq_dim)(case), int(case["world_size"]), list(case["shape"])[seq_dim]
+        value, diff = expected["value"], expected["differentiable"]
+        grads = [expected["total"].narrow(seq_dim, r * L, L) for r in range(n)] if diff else None
+        upstream = [upstream_gradient(case, r, value.shape) for r in range(n)] if diff else None
+        return calls.plan(call([value.narrow(seq_dim, r * L, L) for r in range(n)], upstream, value, grads,
+                               _payload_budget(case, request.policy, expected), repr(diff), "drawn from the case's seed",
+                               case.get("mesh") != "none"), request.subject(function), request.name, request.case_text)
+
+    def recorded(rec):
+        xs = [inputs[0] for inputs in rec.inputs]
+        output, grads, budget = calls.gathered(xs, rec.upstream, seq_dim)
+        return call(xs, rec.upstream, output, grads, budget, rec.others.get("2", "True"),
+                    "recorded on the ranks where the model run made this call")
+    return Repro(plan=plan, replays={function: recorded})
+
+
+def _history_plan(request):
+    case = request.case
+    expected, n, (B, L, C), h = _history_expect(case), int(case["world_size"]), case["shape"], int(case["width"]) - 1
+    value, padded, diff = expected["value"], expected["padded"], expected["grad_total"] is not None
+    grads = [{"grad x": expected["grad_total"][:, h + r * L:h + (r + 1) * L]} if diff else {} for r in range(n)]
+    call = calls.CallCase(
+        "inkling2.convolution_history", ['inputs["x"]', "mesh", str(h + 1)], [{"x": value[:, r * L:(r + 1) * L]} for r in range(n)],
+        [calls.Expectation("output", axis=1)]
+        + ([calls.Expectation("grad x", _payload_budget(case, request.policy, expected), axis=1)] if diff else []),
+        [{"output": padded[:, r * L:r * L + L + h], **grads[r]} for r in range(n)], calls.WHAT["inkling2.convolution_history"],
+        "drawn from the case's seed", ("x",) if diff else (),
+        [upstream_gradient(case, r, (B, L + h, C)) for r in range(n)] if diff else None,
+        [{"output": torch.arange(r * L - h, (r + 1) * L), "grad x": torch.arange(r * L, (r + 1) * L)} for r in range(n)],
+        mesh=case.get("mesh") != "none")
+    return calls.plan(call, request.subject("inkling2.convolution_history"), request.name, request.case_text)
+
+
 # ------------------------------------------------------------------------------------ strategies
 PAYLOADS = FLOAT_DTYPES + VALUE_DTYPES
 
@@ -304,7 +358,7 @@ GATHER_SEQUENCE = register(
         rank_axis=_grad_axis(1)),
     rows=(VerifyRow("inkling2.gather_sequence", lambda space: gather_cases(space, check="gather_sequence"),
                     ("inkling2.gather_sequence",), PAYLOADS, position=0),),
-    examples=GATHER_SEQUENCE_EXAMPLES)
+    examples=GATHER_SEQUENCE_EXAMPLES, repro=_gather_repro(1, "inkling2.gather_sequence"))
 # The gate suite's named explicit examples of this check (regressions that must stay).
 GATHER_TOKENS_EXAMPLES = {
     "n3-float32-seed2": {"check": "gather_tokens", "world_size": 3, "seed": 2, "dtype": "float32", "shape": [2, 5],
@@ -329,7 +383,7 @@ GATHER_TOKENS = register(
         oracle_arrays=_gather_arrays, rank_axis=_grad_axis(0)),
     rows=(VerifyRow("mistral_large4.gather_tokens", lambda space: gather_cases(space, check="gather_tokens"),
                     ("mistral_large4.gather_tokens",), PAYLOADS, position=4),),
-    examples=GATHER_TOKENS_EXAMPLES)
+    examples=GATHER_TOKENS_EXAMPLES, repro=_gather_repro(0, "mistral_large4.gather_tokens"))
 # The gate suite's named explicit examples of this check (regressions that must stay).
 CONVOLUTION_HISTORY_EXAMPLES = {
     # history spans every earlier rank
@@ -362,7 +416,7 @@ CONVOLUTION_HISTORY = register(
         oracle_arrays=_history_arrays, token_arrays=frozenset({"expected_grad"}), rank_axis=_grad_axis(1)),
     rows=(VerifyRow("inkling2.convolution_history", history_cases, ("inkling2.convolution_history",), PAYLOADS,
                     position=1),),
-    examples=CONVOLUTION_HISTORY_EXAMPLES)
+    examples=CONVOLUTION_HISTORY_EXAMPLES, repro=Repro(plan=_history_plan))
 
 
 

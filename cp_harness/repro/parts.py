@@ -1,0 +1,118 @@
+"""What every exported script holds, written as the functions the script holds: ``script.py`` copies their source.
+
+Starting the ranks (``main``, ``launch``, ``rank_main``, ``leave``), reading the arrays beside the script
+(``load_arrays``, ``tensor``) and comparing one tensor with what the contract expects, saying where the first
+difference is (``differs``). Nothing in the harness calls them: they run inside a script, where the names
+below (``WORLD``, ``ARRAYS``, ...) are its constants and ``options`` / ``run_rank`` its family's functions. They
+import only the standard library, torch and numpy; the placeholders here are never written into a script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import io
+import os
+import socket
+import sys
+import traceback
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+# The script's constants (placeholders: script.py writes each script's own).
+WORLD, MESH, TIMEOUT, ARRAYS, SHA256 = 1, True, 120, "", ""
+WIDENED: dict[str, str] = {}
+
+
+def options(parser: argparse.ArgumentParser) -> None:  # the family's (placeholder)
+    raise NotImplementedError
+
+
+def run_rank(rank: int, args, mesh, device) -> bool:  # the family's (placeholder)
+    raise NotImplementedError
+
+
+def main(argv=None) -> int:
+    """Start ``WORLD`` ranks in one process group on a free port; exit 0 when every rank found what the contract
+    expects, 1 otherwise (a rank that raised included)."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").strip().splitlines()[0])
+    options(parser)
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="nccl: one GPU per rank")
+    parser.add_argument("--start-method", choices=("spawn", "fork"), default="spawn", help="fork: faster")
+    args = parser.parse_args(argv)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:  # a rank that fails stops the others
+        torch.multiprocessing.start_processes(rank_main, (args, port), WORLD, start_method=args.start_method)
+    except (torch.multiprocessing.ProcessExitedException, torch.multiprocessing.ProcessRaisedException):
+        return 1
+    return 0
+
+
+def rank_main(rank: int, args, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if args.backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=TIMEOUT))
+    mesh = init_device_mesh(device.type, (WORLD,), mesh_dim_names=("cp",)) if MESH else None
+    try:
+        ok = torch.tensor([int(run_rank(rank, args, mesh, device))], device=device)
+    except Exception:
+        print(f"rank {rank} raised:\n{traceback.format_exc()}", flush=True)
+        os._exit(1)  # a rank that raises is a finding: leave at once, the others are stopped
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank must be right; rank 0 says so for all, last
+    dist.destroy_process_group()
+    sys.exit(1 if rank == 0 and not ok.item() else 0)
+
+
+def load_arrays() -> dict:
+    """The case's arrays (``ARRAYS``, beside this script), refused unless their SHA-256 is ``SHA256``."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), ARRAYS), "rb") as f:
+        data = f.read()
+    if hashlib.sha256(data).hexdigest() != SHA256:
+        sys.exit(f"{ARRAYS}: its SHA-256 is not {SHA256}: not the arrays this script was written with")
+    with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+        return {name: npz[name] for name in npz.files}
+
+
+def tensor(arrays: dict, name: str, device="cpu") -> torch.Tensor:
+    """Array ``name`` as a tensor in its recorded dtype (bfloat16 is stored as float32: ``WIDENED``) and strides (a
+    permuted view is stored in memory order, its permutation as ``memory_order/<name>``)."""
+    value = torch.from_numpy(arrays[name].copy()).to(device)
+    value = value.to(getattr(torch, WIDENED[name])) if name in WIDENED else value
+    order = arrays.get("memory_order/" + name)
+    return value if order is None else value.permute(*np.argsort(order).tolist())
+
+
+def differs(name: str, actual, expected, where, budget=None, mask=None):
+    """``None`` when ``actual`` is ``expected`` (on ``mask``), else how many elements differ and the first one:
+    ``where(index)`` and both values. Bit for bit, or within ``budget = (ulp, floor_fraction, eps, reference)``:
+    an error in units of ``eps x max(|expected|, floor_fraction x max(largest |expected|, reference))``."""
+    if actual is None:
+        return f"{name}: no value (no gradient reached it)"
+    a = actual.detach().cpu()
+    a, e = (a.float() if a.dtype == torch.bfloat16 else a).numpy(), np.asarray(expected)
+    if a.shape != e.shape or (budget is None and a.dtype != e.dtype):
+        return f"{name}: {a.dtype} {list(a.shape)}, expected {e.dtype} {list(e.shape)}"
+    select = np.ones(e.shape, bool) if mask is None else np.broadcast_to(
+        mask.reshape(mask.shape + (1,) * (e.ndim - mask.ndim)), e.shape)
+    if budget is None:
+        bad, rule = select & ~((a == e) | (np.isnan(a) & np.isnan(e) if a.dtype.kind == "f" else False)), "bit for bit"
+    else:
+        a64, e64 = a.astype(np.float64), e.astype(np.float64)
+        scale = max(float(np.abs(np.where(select, e64, 0.0)).max(initial=0.0)), budget[3])
+        with np.errstate(invalid="ignore", over="ignore"):
+            error = np.abs(a64 - e64) / (budget[2] * np.maximum(np.abs(e64), max(scale * budget[1], 1e-300)))
+        bad, rule = select & ~(error <= budget[0]) & ~(np.isnan(a64) & np.isnan(e64)), f"more than {budget[0]:g} ULP"
+    if not bad.any():
+        return None
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    return (f"{name}: {int(bad.sum())} of {int(select.sum())} elements differ ({rule}); the first at index "
+            f"{list(first)} ({where(first)}): got {a[first].item()!r}, expected {e[first].item()!r}")
