@@ -54,8 +54,8 @@ class Request:
     def case_text(self) -> str:
         return canonical(self.case) + f" (implementation {self.impl})" + (f"; {self.note}" if self.note else "")
 
-    def subject(self, function: str) -> Subject:
-        return subject_of(self.impl, function)
+    def subject(self, function: str, translate: bool = True) -> Subject:
+        return subject_of(self.impl, function, translate)
 
 
 def _restore(array: np.ndarray, described: dict) -> torch.Tensor:

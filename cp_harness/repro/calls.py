@@ -112,7 +112,8 @@ def plan(call: CallCase, subject: Subject, name: str, case_text: str) -> script.
            f"upstream gradient the case used and compares what it returned with what the contract expects, {rule}; "
            "the first difference is printed with its rank and global position.",
            *subject.run_paragraphs(), f"Exported by cp_harness from the case {case_text}."]
-    p = script.Plan(name=name, doc=doc, world=call.world, mesh=call.mesh, imports=subject.imports())
+    p = script.Plan(name=name, doc=doc, world=call.world, mesh=call.mesh, imports=subject.imports(),
+                    arithmetic=any(e.budget is not None for e in call.expect))
     for r in range(call.world):
         for key, value in call.inputs[r].items():
             p.add(f"rank{r}/{key}", value)

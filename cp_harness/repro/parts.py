@@ -92,9 +92,8 @@ def tensor(arrays: dict, name: str, device="cpu") -> torch.Tensor:
 
 
 def differs(name: str, actual, expected, where, budget=None, mask=None):
-    """``None`` when ``actual`` is ``expected`` (on ``mask``), else how many elements differ and the first one:
-    ``where(index)`` and both values. Bit for bit, or within ``budget = (ulp, floor_fraction, eps, reference)``:
-    an error in units of ``eps x max(|expected|, floor_fraction x max(largest |expected|, reference))``."""
+    """``None`` when ``actual`` is ``expected`` (on ``mask``, broadcast over trailing dims), else how many elements
+    differ and the first one: ``where(index)`` and both values. Bit for bit, or within ``budget`` (``beyond``)."""
     if actual is None:
         return f"{name}: no value (no gradient reached it)"
     a = actual.detach().cpu()
@@ -104,15 +103,22 @@ def differs(name: str, actual, expected, where, budget=None, mask=None):
     select = np.ones(e.shape, bool) if mask is None else np.broadcast_to(
         mask.reshape(mask.shape + (1,) * (e.ndim - mask.ndim)), e.shape)
     if budget is None:
-        bad, rule = select & ~((a == e) | (np.isnan(a) & np.isnan(e) if a.dtype.kind == "f" else False)), "bit for bit"
+        same = (a == e) | (np.isnan(a) & np.isnan(e)) if a.dtype.kind == "f" else a == e
+        bad, rule = select & ~same, "bit for bit"
     else:
-        a64, e64 = a.astype(np.float64), e.astype(np.float64)
-        scale = max(float(np.abs(np.where(select, e64, 0.0)).max(initial=0.0)), budget[3])
-        with np.errstate(invalid="ignore", over="ignore"):
-            error = np.abs(a64 - e64) / (budget[2] * np.maximum(np.abs(e64), max(scale * budget[1], 1e-300)))
-        bad, rule = select & ~(error <= budget[0]) & ~(np.isnan(a64) & np.isnan(e64)), f"more than {budget[0]:g} ULP"
+        bad, rule = select & beyond(a, e, select, *budget), f"more than {budget[0]:g} ULP"
     if not bad.any():
         return None
     first = tuple(int(i) for i in np.argwhere(bad)[0])
     return (f"{name}: {int(bad.sum())} of {int(select.sum())} elements differ ({rule}); the first at index "
             f"{list(first)} ({where(first)}): got {a[first].item()!r}, expected {e[first].item()!r}")
+
+
+def beyond(a, e, select, ulp, floor_fraction, eps, reference):
+    """Where ``a`` is more than ``ulp`` ULPs from ``e``: ``|a - e|`` in units of ``eps x max(|e|, floor)``, ``floor``
+    = ``floor_fraction`` x the larger of ``reference`` and the largest ``|e|`` compared (the harness's measure)."""
+    a64, e64 = a.astype(np.float64), e.astype(np.float64)
+    scale = max(float(np.abs(np.where(select, e64, 0.0)).max(initial=0.0)), reference)
+    with np.errstate(invalid="ignore", over="ignore"):
+        error = np.abs(a64 - e64) / (eps * np.maximum(np.abs(e64), max(scale * floor_fraction, 1e-300)))
+    return ~(error <= ulp) & ~(np.isnan(a64) & np.isnan(e64))

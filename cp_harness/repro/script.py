@@ -56,6 +56,7 @@ class Plan:
     arrays: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     widened: dict[str, str] = dataclasses.field(default_factory=dict)
     timeout: int = 120
+    arithmetic: bool = False  # some value is compared within a ULP budget (the script holds ``parts.beyond``)
 
     def add(self, name: str, value) -> None:
         """Store ``value`` (a tensor or array) under ``name``, as the script's ``tensor`` reads it back."""
@@ -120,7 +121,8 @@ def text(plan: Plan, sha256: str) -> str:
             "import torch.distributed as dist", "from torch.distributed.device_mesh import init_device_mesh",
             *plan.imports, ""]
     body = [f"{k} = {_literal(v)}" for k, v in constants.items()]
-    blocks = [_source(f) for f in [*_SHARED, *plan.functions]]
+    shared = [*_SHARED, *([parts.beyond] if plan.arithmetic else [])]
+    blocks = [_source(f) for f in [*shared, *plan.functions]]
     tail = 'if __name__ == "__main__":\n    sys.exit(main())\n'
     return "\n".join(head) + "\n" + "\n".join(body) + "\n\n\n" + "\n\n\n".join(blocks) + "\n\n\n" + tail
 

@@ -67,14 +67,14 @@ class Subject:
 
     def options_source(self) -> str:
         if self.inlined:
-            lines = ['    parser.add_argument("--impl", metavar="MODULE", help="call the function of MODULE '
-                     '(e.g. cp_impl) instead of the framework\'s")']
+            lines = ['    parser.add_argument("--impl", metavar="MODULE",\n'
+                     '                        help="the function of MODULE (e.g. cp_impl) instead of the framework\'s")']
             if self.fix:
-                lines.append('    parser.add_argument("--fixed", action="store_true", help="the fix proposed '
-                             'upstream instead of the framework\'s function")')
+                lines.append('    parser.add_argument("--fixed", action="store_true",\n'
+                             '                        help="the fix proposed upstream instead of the framework\'s")')
         else:
-            lines = [f'    parser.add_argument("--impl", default={self.module!r}, metavar="MODULE", '
-                     'help="the implementation module under test (default: the one that failed)")']
+            lines = [f'    parser.add_argument("--impl", default={self.module!r}, metavar="MODULE",\n'
+                     '                        help="the implementation module under test (default: the one that failed)")']
         return "def options(parser):\n" + "\n".join(lines) + "\n"
 
     def code_under_test_source(self, function: str) -> str:
@@ -105,13 +105,16 @@ def _pythonpath(module) -> tuple[str, ...]:
     return tuple(dict.fromkeys((relative, ".")))
 
 
-def subject_of(module_name: str, function: str) -> Subject:
+def subject_of(module_name: str, function: str, translate: bool = True) -> Subject:
     """The subject of a script calling ``function`` (``part.name``) of the implementation ``module_name``: the
-    framework function inlined when the module is an adapter serving ``function``, else the module itself."""
+    framework function inlined when the module is an adapter serving ``function`` (``translate=False``: the
+    family copies what it needs itself, e.g. the sharder a hook returns), else the module itself."""
     module = importlib.import_module(module_name)
     serves = getattr(module, "SERVES", {})
     if function not in serves:
         return Subject(module_name, _pythonpath(module))
+    if not translate:
+        return Subject(module_name, _pythonpath(module), inlined=True, serves=serves[function])
     part, name = function.split(".")
     served = getattr(getattr(module, part), name)
     imports, blocks = inline(module_name, [served.__name__])
@@ -164,11 +167,13 @@ def inline(module_name: str, names: list[str]) -> tuple[list[str], list[str]]:
             return
         source = inspect.getsource(importlib.import_module(module))
         tree = ast.parse(source)
-        node = _definitions(tree).get(name)
+        node, imported, local = _definitions(tree).get(name), _imports(tree), _definitions(tree)
+        if node is None and name in imported and imported[name][0].split(".")[0] == "nemo_automodel":
+            origin, attribute = imported[name]
+            imports[name] = f"from {origin} import {attribute}" + (f" as {name}" if name != attribute else "")
+            return
         if node is None:
             raise NotExportable(f"{module} defines no {name}")
-        imported = _imports(tree)
-        local = _definitions(tree)
         for used in _names(node):
             if used == name:
                 continue
