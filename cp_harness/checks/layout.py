@@ -248,7 +248,7 @@ _LAYOUT_WHAT = ("a hook returns an unresolved sharder; once resolved, the local 
 
 def failing_keys(report, keys) -> list[str]:
     """The keys of ``keys`` a report's failing comparisons or problems name (all of them without a report)."""
-    if report is None:
+    if report is None or any(p.kind == "rank raised" for p in report.problems):
         return list(keys)
     text = " ".join([c.name for c in report.failures() if not c.name.startswith("unpack_row_layout")]
                     + [p.message for p in report.problems if "unpack_row_layout" not in p.message])

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cp_harness.cases.descriptions import build_batch
 from cp_harness.repro import script
 from cp_harness.repro.script import NotExportable
 from cp_harness.repro.subjects import Subject, inline
@@ -127,15 +128,13 @@ def plan(case: ShardCase, subject: Subject, name: str, case_text: str, sharder=N
             p.add(f"unpack/{label}", value)
     for i, form in enumerate(case.forms):
         p.add(f"form{i}/value", form["value"])
-        for r, upstream in enumerate(form.get("upstream") or []):
-            p.add(f"form{i}/upstream/rank{r}", upstream)
     p.constants.update(S=int(case.batch["input_ids"].shape[1]), HOOK=case.hook, BATCH_TEXT=text,
                        KEYS={k.name: [k.padding, k.dtype] for k in case.keys},
-                       FORMS=[{k: v for k, v in f.items() if k not in ("value", "upstream")} for f in case.forms],
+                       FORMS=[{k: v for k, v in f.items() if k != "value"} for f in case.forms],
                        UNPACK=case.unpack is not None)
     p.functions = [subject.options_source(), _code_under_test(subject, case, constructor), *blocks, global_batch,
                    shard, judge, *([unpack] if case.unpack is not None else []),
-                   *([run_forms, form_differences] if case.forms else []), run_rank]
+                   *([run_forms, upstream_of, form_differences] if case.forms else []), run_rank]
     return p
 
 
@@ -241,7 +240,8 @@ def judge(reports: list, arrays: dict) -> list:
         w = differs(key, torch.as_tensor(got), full, lambda i: f"row {i[0]}, global position {i[1]}, owned by rank "
                     f"{owner[i[1]]}" + (", divisibility padding" if i[1] >= S else ""), mask=mask)
         wrong += [w] if w else []
-    if wrong and "follows" in reports[0]:  # a local tensor at the wrong place: which tokens does each rank hold?
+    if wrong and "follows" in reports[0] and any(f not in (-100, p) for rep, m in zip(reports, maps)
+                                                 for f, p in zip(rep["follows"], m)):
         wrong += [f"  rank {r}: index map reported {m.tolist()}; its local labels are those of positions "
                   f"{rep['follows']} (sharded again with labels = arange(S); -100: padding or a masked label)"
                   for r, (m, rep) in enumerate(zip(maps, reports))]
@@ -271,10 +271,16 @@ def run_forms(rank: int, sharder, arrays: dict, device) -> list:
         result = {"local": local.detach().cpu().tolist(), "back": back.detach().cpu().tolist()}
         if x.is_floating_point():
             local.retain_grad()
-            back.backward(tensor(arrays, f"form{i}/upstream/rank{rank}", device))
+            back.backward(upstream_of(i, rank, back.shape, back.dtype).to(device))
             result.update(local_grad=local.grad.cpu().tolist(), caller_grad=x.grad.cpu().tolist())
         out.append(result)
     return out
+
+
+def upstream_of(i: int, rank: int, shape, dtype) -> torch.Tensor:
+    """The upstream gradient of form ``i``'s round trip on ``rank``: small integers (every sum exact)."""
+    g = torch.Generator().manual_seed(1000 * (rank + 1) + i)
+    return torch.randint(-4, 5, tuple(shape), generator=g).to(dtype)
 
 
 def form_differences(reports: list, arrays: dict) -> list:
@@ -288,7 +294,8 @@ def form_differences(reports: list, arrays: dict) -> list:
         padded = torch.cat([x, torch.full(pad, form["fill"], dtype=x.dtype)], dim)
         grad = torch.zeros_like(padded)
         if x.is_floating_point():
-            total = sum(torch.as_tensor(arrays[f"form{i}/upstream/rank{r}"]) for r in range(WORLD))
+            out = x if form["trim"] else padded
+            total = sum(upstream_of(i, r, out.shape, out.dtype) for r in range(WORLD))
             grad.narrow(dim, 0, total.shape[dim]).copy_(total)
         for r, (m, rep) in enumerate(zip(maps, reports)):
             got, own = rep["forms"][i], torch.zeros_like(grad).index_copy(dim, m, grad.index_select(dim, m))
@@ -332,3 +339,32 @@ def export(request, case: ShardCase) -> script.Plan:
         else:
             case = dataclasses.replace(case, hooked=hooked)
     return plan(case, subject, request.name, request.case_text, sharder)
+
+
+def verbs(request, value, fill) -> script.Plan:
+    """The plan of a ``sharder_verbs`` case on the implementation's own strategy: the caller's tensors, and each
+    failing verb call on a tensor in the caller's coordinates (``value(case, i, shape, dtype)``, ``fill(form,
+    dtype)``: the check's)."""
+    case = request.case
+    if case["layout"] != "strategy":
+        raise NotExportable(f"a verb case on the {case['layout']!r} layout (one the harness reports itself) has no "
+                            "standalone repro")
+    B, S, dtype = int(case["rows"]), int(case["seq_len"]), case.get("value_dtype") or case["dtype"]
+    batch = build_batch({"seed": case["seed"], "batch": {"format": "bshd", "seq_len": S, "rows": [[0, S]] * B},
+                         "model": case.get("model", "inkling2")})
+    report = request.report
+    raised = report is None or any(p.kind == "rank raised" for p in report.problems)
+    failing = " ".join(c.name for c in report.failures()) if report is not None else ""
+    forms = []
+    for i, form in enumerate(case["forms"]):
+        if (raised or f"form {i} " in failing) and form["coords"] == "caller":
+            shape = [*form["lead"], B, S, *form["trail"]]
+            forms.append({"value": value(case, i, shape, dtype), "seq_dim": 1 + len(form["lead"]),
+                          "fill": fill(form, dtype), "trim": bool(form["trim"])})
+    return export(request, ShardCase(
+        int(case["world_size"]), (case.get("model", "inkling2"), "prepare_cp_inputs", {}), batch, [], {}, {},
+        "after shard(batch) the sharder's verbs take tensors in the caller's coordinates: shard_token_tensor(x, "
+        "seq_dim, fill) pads x with fill to the padded length and returns this rank's positions of the index map; "
+        "gather_token_tensor(local, seq_dim, trim, fill) is its inverse (trim: back to the caller's length); the "
+        "backward returns each rank's gradient at its own positions; shard() leaves the caller's tensors as they "
+        "were.", mesh=case.get("mesh") != "none", forms=forms))
