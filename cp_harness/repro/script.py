@@ -117,9 +117,12 @@ def text(plan: Plan, sha256: str) -> str:
     """The script of ``plan`` whose arrays have digest ``sha256`` (``SCRIPT`` in its docstring: its file name)."""
     constants = {"WORLD": plan.world, "MESH": plan.mesh, "TIMEOUT": plan.timeout, "ARRAYS": f"{plan.name}.npz",
                  "SHA256": sha256, "WIDENED": plan.widened, **plan.constants}
-    head = [_docstring([p.replace(SCRIPT, f"{plan.name}.py") for p in plan.doc]), "", *(f"import {m}" for m in _STANDARD), "", "import numpy as np", "import torch",
-            "import torch.distributed as dist", "from torch.distributed.device_mesh import init_device_mesh",
-            *plan.imports, ""]
+    third = [line for line in plan.imports if line.split()[1].split(".")[0] == "nemo_automodel"]
+    standard = sorted({f"import {m}" for m in _STANDARD} | (set(plan.imports) - set(third)),
+                      key=lambda line: (line.startswith("from"), line))
+    head = [_docstring([p.replace(SCRIPT, f"{plan.name}.py") for p in plan.doc]), "", *standard, "",
+            "import numpy as np", "import torch", "import torch.distributed as dist",
+            "from torch.distributed.device_mesh import init_device_mesh", *third, ""]
     body = [f"{k} = {_literal(v)}" for k, v in constants.items()]
     shared = [*_SHARED, *([parts.beyond] if plan.arithmetic else [])]
     blocks = [_source(f) for f in [*shared, *plan.functions]]

@@ -80,7 +80,7 @@ class Subject:
     def code_under_test_source(self, function: str) -> str:
         part, name = function.split(".")
         head = (f"def code_under_test(args):\n    \"\"\"{function} of the module ``args.impl``"
-                + (f"; without it, the framework's, as {self.module} translates it (copied below)."
+                + (f"; without it, the framework's,\n    as {self.module} translates it (copied below)."
                    if self.inlined else ".") + '"""\n')
         choose = (f"    module = importlib.import_module(args.impl)\n"
                   f"    part = getattr(module, {part!r}, None) or importlib.import_module(args.impl + {'.' + part!r})\n"
