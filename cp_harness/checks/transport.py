@@ -194,55 +194,38 @@ def _history_evaluate(case: dict, outputs: list, expected: dict, policy) -> Case
 
 # ------------------------------------------------------------------------------------ standalone repros
 def _payload_budget(case: dict, policy, expected: dict):
-    dtype = dtype_of(case)
-    if not (policy.payload_sums and dtype in (torch.bfloat16, torch.float16) and expected["terms"] > 1):
-        return None
-    return (float(expected["terms"] - 1), 1.0, str(dtype).replace("torch.", ""), expected["magnitude"])
+    return calls.payload_budget(dtype_of(case), policy, expected["terms"], expected["magnitude"])
 
 
 def _gather_repro(seq_dim: int, function: str):
-    def call(xs, upstream, output, grads, budget, differentiable: str, origin: str, mesh: bool = True):
-        n, L = len(xs), xs[0].shape[seq_dim]
-        return calls.CallCase(
-            function, ['inputs["value"]', "mesh", differentiable], [{"value": x} for x in xs],
-            [calls.Expectation("output", axis=seq_dim)] + ([calls.Expectation("grad value", budget, axis=seq_dim)] if grads else []),
-            [{"output": output, **({"grad value": grads[r]} if grads else {})} for r in range(n)], calls.WHAT[function],
-            origin, ("value",) if grads else (), upstream if grads else None,
-            [{"output": torch.arange(n * L), "grad value": torch.arange(r * L, (r + 1) * L)} for r in range(n)], mesh=mesh)
-
+    """The gather's script: each rank's shard and upstream gradient from the case's seed, this check's oracle;
+    a gather recorded in a model run is judged by ``calls.gathered``."""
     def plan(request):
         case = request.case
         expected, n, L = _gather_expect(seq_dim)(case), int(case["world_size"]), list(case["shape"])[seq_dim]
         value, diff = expected["value"], expected["differentiable"]
-        grads = [expected["total"].narrow(seq_dim, r * L, L) for r in range(n)] if diff else None
-        upstream = [upstream_gradient(case, r, value.shape) for r in range(n)] if diff else None
-        return calls.plan(call([value.narrow(seq_dim, r * L, L) for r in range(n)], upstream, value, grads,
-                               _payload_budget(case, request.policy, expected), repr(diff), "drawn from the case's seed",
-                               case.get("mesh") != "none"), request.subject(function), request.name, request.case_text)
-
-    def recorded(rec):
-        xs = [inputs[0] for inputs in rec.inputs]
-        output, grads, budget = calls.gathered(xs, rec.upstream, seq_dim)
-        return call(xs, rec.upstream, output, grads, budget, rec.others.get("2", "True"),
-                    "recorded on the ranks where the model run made this call")
-    return Repro(plan=plan, replays={function: recorded})
+        call = calls.gather_call(
+            function, seq_dim, [value.narrow(seq_dim, r * L, L) for r in range(n)],
+            [upstream_gradient(case, r, value.shape) for r in range(n)] if diff else None, value,
+            [expected["total"].narrow(seq_dim, r * L, L) for r in range(n)] if diff else None,
+            _payload_budget(case, request.policy, expected), repr(diff), "drawn from the case's seed",
+            case.get("mesh") != "none")
+        return calls.plan(call, request.subject(function), request.name, request.case_text)
+    return Repro(plan=plan, replays={function: calls.recorded_gather(function, seq_dim)})
 
 
 def _history_plan(request):
     case = request.case
-    expected, n, (B, L, C), h = _history_expect(case), int(case["world_size"]), case["shape"], int(case["width"]) - 1
-    value, padded, diff = expected["value"], expected["padded"], expected["grad_total"] is not None
-    grads = [{"grad x": expected["grad_total"][:, h + r * L:h + (r + 1) * L]} if diff else {} for r in range(n)]
-    call = calls.CallCase(
-        "inkling2.convolution_history", ['inputs["x"]', "mesh", str(h + 1)], [{"x": value[:, r * L:(r + 1) * L]} for r in range(n)],
-        [calls.Expectation("output", axis=1)]
-        + ([calls.Expectation("grad x", _payload_budget(case, request.policy, expected), axis=1)] if diff else []),
-        [{"output": padded[:, r * L:r * L + L + h], **grads[r]} for r in range(n)], calls.WHAT["inkling2.convolution_history"],
-        "drawn from the case's seed", ("x",) if diff else (),
+    expected, n, (B, L, C), width = _history_expect(case), int(case["world_size"]), case["shape"], int(case["width"])
+    padded, diff, h = expected["padded"], expected["grad_total"] is not None, width - 1
+    call = calls.history_call(
+        [expected["value"][:, r * L:(r + 1) * L] for r in range(n)],
         [upstream_gradient(case, r, (B, L + h, C)) for r in range(n)] if diff else None,
-        [{"output": torch.arange(r * L - h, (r + 1) * L), "grad x": torch.arange(r * L, (r + 1) * L)} for r in range(n)],
-        mesh=case.get("mesh") != "none")
-    return calls.plan(call, request.subject("inkling2.convolution_history"), request.name, request.case_text)
+        [padded[:, r * L:r * L + L + h] for r in range(n)],
+        [expected["grad_total"][:, h + r * L:h + (r + 1) * L] for r in range(n)] if diff else None,
+        _payload_budget(case, request.policy, expected) if diff else None, width, "drawn from the case's seed",
+        case.get("mesh") != "none")
+    return calls.plan(call, request.subject(call.function), request.name, request.case_text)
 
 
 # ------------------------------------------------------------------------------------ strategies
@@ -416,7 +399,7 @@ CONVOLUTION_HISTORY = register(
         oracle_arrays=_history_arrays, token_arrays=frozenset({"expected_grad"}), rank_axis=_grad_axis(1)),
     rows=(VerifyRow("inkling2.convolution_history", history_cases, ("inkling2.convolution_history",), PAYLOADS,
                     position=1),),
-    examples=CONVOLUTION_HISTORY_EXAMPLES, repro=Repro(plan=_history_plan))
+    examples=CONVOLUTION_HISTORY_EXAMPLES, repro=Repro(plan=_history_plan, replays={"inkling2.convolution_history": calls.recorded_history}))
 
 
 

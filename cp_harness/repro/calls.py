@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from cp_harness.cases.descriptions import EPS, accumulate
+from cp_harness.instruments.coverage import memory_order
 from cp_harness.judging.compare import compare_exact, compare_ulp
 from cp_harness.repro import script
 from cp_harness.repro.subjects import Subject
@@ -112,13 +113,17 @@ def plan(call: CallCase, subject: Subject, name: str, case_text: str) -> script.
            f"upstream gradient the case used and compares what it returned with what the contract expects, {rule}; "
            "the first difference is printed with its rank and global position.",
            *subject.run_paragraphs(), f"Exported by cp_harness from the case {case_text}."]
+    permuted = [u for u in (call.upstream or []) if u is not None and memory_order(u) is not None]
+    if permuted:
+        doc.insert(2, f"The upstream gradient reaches the call as a permuted view (rank 0: shape "
+                      f"{list(permuted[0].shape)}, strides {permuted[0].stride()}), stored and rebuilt with those strides.")
     p = script.Plan(name=name, doc=doc, world=call.world, mesh=call.mesh, imports=subject.imports(),
                     arithmetic=any(e.budget is not None for e in call.expect))
     for r in range(call.world):
         for key, value in call.inputs[r].items():
-            p.add(f"rank{r}/{key}", value)
+            p.add(f"rank{r}/{key}", value, strides=True)
         if call.upstream is not None and call.upstream[r] is not None:
-            p.add(f"rank{r}/upstream", call.upstream[r])
+            p.add(f"rank{r}/upstream", call.upstream[r], strides=True)
         for key, value in call.expected[r].items():
             p.add(f"rank{r}/expected/{key}", value)
         for key, value in (call.positions[r] if call.positions else {}).items():
@@ -220,3 +225,77 @@ def replay_differs(call: CallCase, recorded) -> bool:
             if not verdict.ok:
                 return True
     return False
+
+
+def history(inputs: list[torch.Tensor], upstream: list[torch.Tensor | None], width: int):
+    """A halo recorded on every rank: ``(outputs, grads, budget)``: rank ``r``'s output is the ``width - 1`` global
+    rows before its shard (zeros before position 0) followed by its shard; each global row's gradient is the sum of
+    the upstream rows that read it (its owner's and those of later ranks' histories)."""
+    h, L = width - 1, inputs[0].shape[1]
+    padded = torch.cat([torch.zeros_like(inputs[0][:, :1]).expand(-1, h, -1), *[x.detach() for x in inputs]], 1)
+    outputs = [padded[:, r * L:r * L + L + h] for r in range(len(inputs))]
+    if any(u is None for u in upstream):
+        return outputs, None, None
+    parts, readers = [], torch.zeros(padded.shape[1], dtype=torch.int64)
+    for r, u in enumerate(upstream):
+        part = torch.zeros(padded.shape, dtype=u.dtype)
+        part[:, r * L:r * L + L + h] = u
+        parts.append(part)
+        readers[r * L:r * L + L + h] += 1
+    total = accumulate(parts, inputs[0].dtype)
+    magnitude = float(sum(p.double().abs() for p in parts).max())
+    return outputs, [total[:, h + r * L:h + (r + 1) * L] for r in range(len(inputs))], \
+        sum_budget(inputs[0].dtype, int(readers[h:].max()), magnitude)
+
+
+def payload_budget(dtype: torch.dtype, policy, terms: int, magnitude: float):
+    """How a check's sum of ``terms`` gradient contributions is compared: bit for bit under the strict policy; under
+    ``payload`` a bfloat16/float16 sum within ``terms - 1`` ULPs at the contributions' magnitude."""
+    if not (policy.payload_sums and dtype in (torch.bfloat16, torch.float16) and terms > 1):
+        return None
+    return (float(terms - 1), 1.0, str(dtype).replace("torch.", ""), magnitude)
+
+
+# ------------------------------------------------------------------------------ the documented calls as CallCases
+_RECORDED = "recorded on the ranks where the model run made this call"
+
+
+def gather_call(function: str, axis: int, xs, upstream, output, grads, budget, differentiable: str, origin: str,
+                mesh: bool = True) -> CallCase:
+    """A gather along ``axis`` on every rank: inputs ``xs``, the gathered ``output``, each rank's ``grads``."""
+    n, L = len(xs), xs[0].shape[axis]
+    return CallCase(
+        function, ['inputs["value"]', "mesh", differentiable], [{"value": x} for x in xs],
+        [Expectation("output", axis=axis)] + ([Expectation("grad value", budget, axis=axis)] if grads else []),
+        [{"output": output, **({"grad value": grads[r]} if grads else {})} for r in range(n)], WHAT[function],
+        origin, ("value",) if grads else (), upstream if grads else None,
+        [{"output": torch.arange(n * L), "grad value": torch.arange(r * L, (r + 1) * L)} for r in range(n)], mesh=mesh)
+
+
+def recorded_gather(function: str, axis: int):
+    """The definition of a gather recorded in another check's run (``Check.repro.replays``)."""
+    def recorded(rec) -> CallCase:
+        xs = [inputs[0] for inputs in rec.inputs]
+        output, grads, budget = gathered(xs, rec.upstream, axis)
+        return gather_call(function, axis, xs, rec.upstream, output, grads, budget, rec.others.get("2", "True"),
+                           _RECORDED)
+    return recorded
+
+
+def history_call(xs, upstream, outputs, grads, budget, width: int, origin: str, mesh: bool = True) -> CallCase:
+    """``convolution_history(x, mesh, width)`` on every rank: inputs ``xs``, each rank's ``outputs`` and ``grads``."""
+    n, L, h = len(xs), xs[0].shape[1], width - 1
+    return CallCase(
+        "inkling2.convolution_history", ['inputs["x"]', "mesh", str(width)], [{"x": x} for x in xs],
+        [Expectation("output", axis=1)] + ([Expectation("grad x", budget, axis=1)] if grads else []),
+        [{"output": outputs[r], **({"grad x": grads[r]} if grads else {})} for r in range(n)],
+        WHAT["inkling2.convolution_history"], origin, ("x",) if grads else (), upstream if grads else None,
+        [{"output": torch.arange(r * L - h, (r + 1) * L), "grad x": torch.arange(r * L, (r + 1) * L)} for r in range(n)],
+        mesh=mesh)
+
+
+def recorded_history(rec) -> CallCase:
+    """The definition of a halo recorded in another check's run (``Check.repro.replays``)."""
+    xs, width = [inputs[0] for inputs in rec.inputs], int(rec.others.get("2", "1"))
+    outputs, grads, budget = history(xs, rec.upstream, width)
+    return history_call(xs, rec.upstream, outputs, grads, budget, width, _RECORDED)

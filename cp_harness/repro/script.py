@@ -58,8 +58,9 @@ class Plan:
     timeout: int = 120
     arithmetic: bool = False  # some value is compared within a ULP budget (the script holds ``parts.beyond``)
 
-    def add(self, name: str, value) -> None:
-        """Store ``value`` (a tensor or array) under ``name``, as the script's ``tensor`` reads it back."""
+    def add(self, name: str, value, strides: bool = False) -> None:
+        """Store ``value`` (a tensor or array) under ``name``, as the script's ``tensor`` reads it back (``strides``:
+        a permuted view keeps its strides; else its values are stored as they are ordered)."""
         if not isinstance(value, torch.Tensor):
             self.arrays[name] = np.asarray(value)
             return
@@ -67,7 +68,7 @@ class Plan:
         if value.dtype == torch.bfloat16:
             self.widened[name] = "bfloat16"
             value = value.float()
-        order = memory_order(value)
+        order = memory_order(value) if strides else None
         if order is not None:
             self.arrays["memory_order/" + name] = np.asarray(order, dtype=np.int64)
             value = value.permute(*order)
