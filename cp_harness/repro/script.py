@@ -116,16 +116,19 @@ def _docstring(paragraphs: list[str]) -> str:
 
 def text(plan: Plan, sha256: str) -> str:
     """The script of ``plan`` whose arrays have digest ``sha256`` (``SCRIPT`` in its docstring: its file name)."""
-    constants = {"WORLD": plan.world, "MESH": plan.mesh, "TIMEOUT": plan.timeout, "ARRAYS": f"{plan.name}.npz",
-                 "SHA256": sha256, "WIDENED": plan.widened, **plan.constants}
+    constants = {"WORLD": plan.world, "MESH": plan.mesh, "TIMEOUT": plan.timeout}
+    if plan.arrays:
+        constants.update(ARRAYS=f"{plan.name}.npz", SHA256=sha256, WIDENED=plan.widened)
+    constants.update(plan.constants)
     third = [line for line in plan.imports if line.split()[1].split(".")[0] == "nemo_automodel"]
-    standard = sorted({f"import {m}" for m in _STANDARD} | (set(plan.imports) - set(third)),
+    needed = [m for m in _STANDARD if plan.arrays or m not in ("hashlib", "io")]
+    standard = sorted({f"import {m}" for m in needed} | (set(plan.imports) - set(third)),
                       key=lambda line: (line.startswith("from"), line))
     head = [_docstring([p.replace(SCRIPT, f"{plan.name}.py") for p in plan.doc]), "", *standard, "",
             "import numpy as np", "import torch", "import torch.distributed as dist",
             "from torch.distributed.device_mesh import init_device_mesh", *third, ""]
     body = [f"{k} = {_literal(v)}" for k, v in constants.items()]
-    shared = [*_SHARED, *([parts.beyond] if plan.arithmetic else [])]
+    shared = [*(_SHARED if plan.arrays else _SHARED[:2]), *([parts.beyond] if plan.arithmetic else [])]
     blocks = [_source(f) for f in [*shared, *plan.functions]]
     tail = 'if __name__ == "__main__":\n    sys.exit(main())\n'
     return "\n".join(head) + "\n" + "\n".join(body) + "\n\n\n" + "\n\n\n".join(blocks) + "\n\n\n" + tail
@@ -138,8 +141,9 @@ def write(plan: Plan, directory: str, name: str | None = None) -> str:
         plan = dataclasses.replace(plan, name=name)
     os.makedirs(directory, exist_ok=True)
     data = npz_bytes(plan.arrays)
-    with open(os.path.join(directory, f"{plan.name}.npz"), "wb") as f:
-        f.write(data)
+    if plan.arrays:  # a script that builds everything itself (a real model) has none
+        with open(os.path.join(directory, f"{plan.name}.npz"), "wb") as f:
+            f.write(data)
     path = os.path.join(directory, f"{plan.name}.py")
     with open(path, "w") as f:
         f.write(text(plan, hashlib.sha256(data).hexdigest()))

@@ -105,6 +105,11 @@ def _pythonpath(module) -> tuple[str, ...]:
     return tuple(dict.fromkeys((relative, ".")))
 
 
+def module_subject(name: str) -> Subject:
+    """A module under test imported by name (an implementation, a model spec)."""
+    return Subject(name, _pythonpath(importlib.import_module(name)))
+
+
 def subject_of(module_name: str, function: str, translate: bool = True) -> Subject:
     """The subject of a script calling ``function`` (``part.name``) of the implementation ``module_name``: the
     framework function inlined when the module is an adapter serving ``function`` (``translate=False``: the
