@@ -124,13 +124,16 @@ class CaseRunner:
     """Runs cases on a warm pool and remembers what ran (``tally``: cases per CP size, check, dtype, ...)."""
 
     def __init__(self, config: PoolConfig, *, pool: RankPool | None = None, policy: JudgingPolicy = STRICT,
-                 admit: Callable[[dict], None] = admit_all, error_dir: str | None = None):
+                 admit: Callable[[dict], None] = admit_all, error_dir: str | None = None,
+                 repro_dir: str | None = None):
         """``pool``: run on another runner's warm pool (its ranks, this runner's own counters); ``close``
         then leaves that pool running for its owner. ``policy``: how arithmetic is judged. ``admit(case)``
         raises to refuse a case before it is sent (the pytest plugin skips cases larger than its pool).
-        ``error_dir``: where ``check`` writes the error maps of failing cases (default: a temporary folder)."""
+        ``error_dir``: where ``check`` writes the error maps of failing cases (default: a temporary folder);
+        ``repro_dir``: where it writes their standalone repros (``export_repro``; default: none)."""
         self.policy = policy
         self.error_dir = error_dir
+        self.repro_dir = repro_dir
         self.admit = admit
         self.config = pool.config if pool is not None else config
         self.pool = pool if pool is not None else RankPool(config)
@@ -337,6 +340,9 @@ class CaseRunner:
             message = failure_message(case, report, self.config.impl, backend=self.config.backend)
             if paths:
                 message += "\nerror maps: " + ", ".join(paths)
+            if self.repro_dir is not None:
+                exported = self.export_repro(case, report, self.repro_dir)
+                message += "\n" + exported.line() + (f" ({exported.note})" if exported.note else "")
             raise AssertionError(message)
         return report
 
@@ -386,7 +392,8 @@ class CaseRunner:
     def sharing_pool(self) -> "CaseRunner":
         """A runner with its own counters on this runner's pool (the harness's own tests judge deliberately
         broken modules on the session's ranks without counting them as examples of the gate)."""
-        return CaseRunner(self.config, pool=self.pool, policy=self.policy, admit=self.admit, error_dir=self.error_dir)
+        return CaseRunner(self.config, pool=self.pool, policy=self.policy, admit=self.admit, error_dir=self.error_dir,
+                          repro_dir=self.repro_dir)
 
     def close(self) -> None:
         if self._owns_pool:
