@@ -136,7 +136,7 @@ def plan(call: CallCase, subject: Subject, name: str, case_text: str) -> script.
     if used:
         p.constants["ULP_EPS"] = {d: EPS[d] for d in used}
     p.functions = [subject.options_source(), subject.code_under_test_source(call.function), *subject.sources(),
-                   _call_source(call), run_rank, judge]
+                   _call_source(call), run_rank]
     return p
 
 
@@ -153,7 +153,7 @@ def _call_source(call: CallCase) -> str:
 # (they refer to the names every script defines: load_arrays, tensor, differs, call, code_under_test)
 def run_rank(rank: int, args, mesh, device) -> bool:
     """This rank's inputs, the call that failed, the backward with this rank's upstream gradient, then every value
-    the rank returned against what the contract expects."""
+    it returned against what the contract expects (``EXPECT``: bit for bit, or within a ULP budget)."""
     arrays = load_arrays()
     inputs = {name: tensor(arrays, f"rank{rank}/{name}", device).requires_grad_(name in DIFFERENTIATED)
               for name in INPUTS}
@@ -162,25 +162,18 @@ def run_rank(rank: int, args, mesh, device) -> bool:
         output.backward(tensor(arrays, f"rank{rank}/upstream", device))
     elif DIFFERENTIATED:
         output.backward()
-    got = {"output": output, **{f"grad {name}": inputs[name].grad for name in DIFFERENTIATED}}
-    wrong = [w for w in (judge(rank, e, got[e["name"]], arrays) for e in EXPECT) if w]
+    got, wrong = {"output": output, **{f"grad {name}": inputs[name].grad for name in DIFFERENTIATED}}, []
+    for e in EXPECT:
+        actual, positions = got[e["name"]], arrays.get(f"rank{rank}/positions/{e['name']}")
+        if e.get("dtype") and actual is not None and str(actual.dtype) != e["dtype"]:
+            wrong.append(f"rank {rank}: {e['name']} has dtype {actual.dtype}, the contract says {e['dtype']}")
+        budget = (e["ulp"], e["floor_fraction"], ULP_EPS[e["of"]], e["reference_scale"]) if "ulp" in e else None
+        wrong += [w for w in [differs(f"rank {rank}: {e['name']}", actual, arrays[f"rank{rank}/expected/{e['name']}"],
+                                      lambda i: f"rank {rank}" + ("" if positions is None else
+                                                                   f", global position {positions[i[e['axis']]]}"),
+                                      budget)] if w]
     print("\n".join(wrong) or f"rank {rank}: every value is what the contract expects", flush=True)
     return not wrong
-
-
-def judge(rank: int, e: dict, actual, arrays: dict):
-    """``None`` when this rank's value ``e["name"]`` is right, else what is wrong and where."""
-    if e.get("dtype") and actual is not None and str(actual.dtype) != e["dtype"]:
-        return f"rank {rank}: {e['name']} has dtype {actual.dtype}, the contract says {e['dtype']}"
-    positions = arrays.get(f"rank{rank}/positions/{e['name']}")
-
-    def where(index):
-        if positions is None or len(index) <= e["axis"]:
-            return f"rank {rank}"
-        return f"rank {rank}, global position {int(positions[index[e['axis']]])}"
-
-    budget = (e["ulp"], e["floor_fraction"], ULP_EPS[e["of"]], e["reference_scale"]) if "ulp" in e else None
-    return differs(f"rank {rank}: {e['name']}", actual, arrays[f"rank{rank}/expected/{e['name']}"], where, budget)
 
 
 # ------------------------------------------------------------------------------ definitions of recorded calls

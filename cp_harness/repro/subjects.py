@@ -160,6 +160,19 @@ def _names(node: ast.AST) -> list[str]:
     return list(dict.fromkeys(n.id for n in ast.walk(node) if isinstance(n, ast.Name)))
 
 
+def _first_docstring_line(text: str, node: ast.stmt) -> str:
+    """``text`` (the source of ``node``) with its docstring cut to the first line: the translation, not its essay."""
+    body = getattr(node, "body", None)
+    if not body or not (isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant)
+                        and isinstance(body[0].value.value, str)) or body[0].lineno == body[0].end_lineno:
+        return text
+    lines = text.splitlines()
+    first, last = body[0].lineno - node.lineno, body[0].end_lineno - node.lineno
+    indent = lines[first][:len(lines[first]) - len(lines[first].lstrip())]
+    summary = body[0].value.value.strip().splitlines()[0].strip()
+    return "\n".join(lines[:first] + [f'{indent}"""{summary}"""'] + lines[last + 1:])
+
+
 def inline(module_name: str, names: list[str]) -> tuple[list[str], list[str]]:
     """``(framework import lines, source blocks)``: the definitions ``names`` of ``module_name`` and everything of
     that module (or of ``examples.automodel._compose``) they use, dependencies first. The standard library,
@@ -197,7 +210,7 @@ def inline(module_name: str, names: list[str]) -> tuple[list[str], list[str]]:
                 elif origin not in ("torch", "numpy"):  # the standard library: imported as the module does
                     imports[used] = (f"from {origin} import {attribute}" + (f" as {used}" if used != attribute else "")
                                      if attribute else f"import {origin}" + (f" as {used}" if used != origin else ""))
-        blocks[(module, name)] = ast.get_source_segment(source, node) or ""
+        blocks[(module, name)] = _first_docstring_line(ast.get_source_segment(source, node) or "", node)
 
     for name in names:
         visit(module_name, name)
