@@ -25,7 +25,6 @@ from torch.distributed.device_mesh import init_device_mesh
 
 # The script's constants (placeholders: script.py writes each script's own).
 WORLD, MESH, TIMEOUT, ARRAYS, SHA256 = 1, True, 120, "", ""
-WIDENED: dict[str, str] = {}
 
 
 def options(parser: argparse.ArgumentParser) -> None:  # the family's (placeholder)
@@ -83,10 +82,11 @@ def load_arrays() -> dict:
 
 
 def tensor(arrays: dict, name: str, device="cpu") -> torch.Tensor:
-    """Array ``name`` as a tensor in its recorded dtype (bfloat16 is stored as float32: ``WIDENED``) and strides (a
-    permuted view is stored in memory order, its permutation as ``memory_order/<name>``)."""
+    """Array ``name`` as a tensor in its recorded dtype (bfloat16 is stored as float32, the names listed in the
+    array ``bfloat16``) and strides (a permuted view is stored in memory order, its permutation as
+    ``memory_order/<name>``)."""
     value = torch.from_numpy(arrays[name].copy()).to(device)
-    value = value.to(getattr(torch, WIDENED[name])) if name in WIDENED else value
+    value = value.to(torch.bfloat16) if name in arrays.get("bfloat16", ()) else value
     order = arrays.get("memory_order/" + name)
     return value if order is None else value.permute(*np.argsort(order).tolist())
 

@@ -6,7 +6,7 @@ among them), the shared parts (``parts``: launching ranks, reading arrays, compa
 functions, copied from their source: code that runs in the harness's own tests, not text assembled from
 templates. The arrays are written as a pickle-free ``.npz`` whose bytes depend on the arrays alone (fixed zip
 entry dates), so exporting the same case twice writes the same files. Tensors go in with ``Plan.add``:
-bfloat16 widened to float32 (exact; ``WIDENED`` says so), a permuted view stored in memory order with its
+bfloat16 widened to float32 (exact; the array ``bfloat16`` lists them), a permuted view stored in memory order with its
 permutation (the script views it back with the recorded strides).
 """
 
@@ -118,7 +118,7 @@ def text(plan: Plan, sha256: str) -> str:
     """The script of ``plan`` whose arrays have digest ``sha256`` (``SCRIPT`` in its docstring: its file name)."""
     constants = {"WORLD": plan.world, "MESH": plan.mesh, "TIMEOUT": plan.timeout}
     if plan.arrays:
-        constants.update(ARRAYS=f"{plan.name}.npz", SHA256=sha256, WIDENED=plan.widened)
+        constants.update(ARRAYS=f"{plan.name}.npz", SHA256=sha256)
     constants.update(plan.constants)
     third = [line for line in plan.imports if line.split()[1].split(".")[0] == "nemo_automodel"]
     needed = [m for m in _STANDARD if plan.arrays or m not in ("hashlib", "io")]
@@ -140,7 +140,7 @@ def write(plan: Plan, directory: str, name: str | None = None) -> str:
     if name:
         plan = dataclasses.replace(plan, name=name)
     os.makedirs(directory, exist_ok=True)
-    data = npz_bytes(plan.arrays)
+    data = npz_bytes({**plan.arrays, **({"bfloat16": np.array(sorted(plan.widened))} if plan.widened else {})})
     if plan.arrays:  # a script that builds everything itself (a real model) has none
         with open(os.path.join(directory, f"{plan.name}.npz"), "wb") as f:
             f.write(data)

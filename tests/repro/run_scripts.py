@@ -2,7 +2,7 @@
 
 ``python run_scripts.py < runs.json``: ``runs`` is a list of ``[script path, [argument, ...]]``. Before anything
 else this process makes ``cp_harness``, ``oracle`` and ``hypothesis`` unimportable (a script that reached for
-them fails with ``ImportError``), then imports torch once; each script is loaded from its file and its
+them fails with ``ImportError``), then imports torch once (and what torch imports lazily on a first ``backward(gradient)``); each script is loaded from its file and its
 ``main(argv + ["--start-method", "fork"])`` runs with this process's and its ranks' output captured (file
 descriptors 1 and 2), so the ranks are forked from one interpreter instead of each importing torch. One JSON
 object per run on stdout: ``{"script", "args", "exit", "output", "seconds"}``.
@@ -69,6 +69,7 @@ def main() -> int:
     for name in [m for m in sys.modules if m.split(".")[0] in BLOCKED]:
         del sys.modules[name]
     import torch  # noqa: F401 - once, before the ranks are forked
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401 - what torch imports on a first backward(gradient): sympy, seconds
 
     for i, (path, args) in enumerate(json.load(sys.stdin)):
         started = time.perf_counter()

@@ -47,17 +47,7 @@ WORLD = 2
 MESH = True
 TIMEOUT = 120
 ARRAYS = 'D1-deepseek_v41_gather-model.mistral_large4.bfloat16.npz'
-SHA256 = '69dc6e0c5d54fd38cdc4e9a9242b4528b58b45981b3fe9f2e9deaaebb633d434'
-WIDENED = {
-    'rank0/value': 'bfloat16',
-    'rank0/upstream': 'bfloat16',
-    'rank0/expected/output': 'bfloat16',
-    'rank0/expected/grad value': 'bfloat16',
-    'rank1/value': 'bfloat16',
-    'rank1/upstream': 'bfloat16',
-    'rank1/expected/output': 'bfloat16',
-    'rank1/expected/grad value': 'bfloat16',
-}
+SHA256 = 'e923913d6e11b1d9e28ce6b121b88040bda53a06f35b9255faada3db90c9c100'
 INPUTS = ('value',)
 DIFFERENTIATED = ('value',)
 EXPECT = [{'name': 'output', 'axis': 0}, {'name': 'grad value', 'axis': 0}]
@@ -110,10 +100,11 @@ def load_arrays() -> dict:
 
 
 def tensor(arrays: dict, name: str, device="cpu") -> torch.Tensor:
-    """Array ``name`` as a tensor in its recorded dtype (bfloat16 is stored as float32: ``WIDENED``) and strides (a
-    permuted view is stored in memory order, its permutation as ``memory_order/<name>``)."""
+    """Array ``name`` as a tensor in its recorded dtype (bfloat16 is stored as float32, the names listed in the
+    array ``bfloat16``) and strides (a permuted view is stored in memory order, its permutation as
+    ``memory_order/<name>``)."""
     value = torch.from_numpy(arrays[name].copy()).to(device)
-    value = value.to(getattr(torch, WIDENED[name])) if name in WIDENED else value
+    value = value.to(torch.bfloat16) if name in arrays.get("bfloat16", ()) else value
     order = arrays.get("memory_order/" + name)
     return value if order is None else value.permute(*np.argsort(order).tolist())
 

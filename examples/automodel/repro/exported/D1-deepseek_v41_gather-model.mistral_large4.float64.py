@@ -48,7 +48,6 @@ MESH = True
 TIMEOUT = 120
 ARRAYS = 'D1-deepseek_v41_gather-model.mistral_large4.float64.npz'
 SHA256 = '6d67040dbc55a9271abdd12a78c7893d15d912aa02d49d22635ec56b571e97a5'
-WIDENED = {}
 INPUTS = ('value',)
 DIFFERENTIATED = ('value',)
 EXPECT = [{'name': 'output', 'axis': 0}, {'name': 'grad value', 'axis': 0}]
@@ -101,10 +100,11 @@ def load_arrays() -> dict:
 
 
 def tensor(arrays: dict, name: str, device="cpu") -> torch.Tensor:
-    """Array ``name`` as a tensor in its recorded dtype (bfloat16 is stored as float32: ``WIDENED``) and strides (a
-    permuted view is stored in memory order, its permutation as ``memory_order/<name>``)."""
+    """Array ``name`` as a tensor in its recorded dtype (bfloat16 is stored as float32, the names listed in the
+    array ``bfloat16``) and strides (a permuted view is stored in memory order, its permutation as
+    ``memory_order/<name>``)."""
     value = torch.from_numpy(arrays[name].copy()).to(device)
-    value = value.to(getattr(torch, WIDENED[name])) if name in WIDENED else value
+    value = value.to(torch.bfloat16) if name in arrays.get("bfloat16", ()) else value
     order = arrays.get("memory_order/" + name)
     return value if order is None else value.permute(*np.argsort(order).tolist())
 

@@ -40,21 +40,7 @@ WORLD = 3
 MESH = True
 TIMEOUT = 120
 ARRAYS = 'D4-qwen3_8_flash_next_halo-convolution_history.npz'
-SHA256 = 'fb6a04193ba0995d1c3120e7adaf7c815bd3fe19e62e11fb076dd12d65fc3094'
-WIDENED = {
-    'rank0/x': 'bfloat16',
-    'rank0/upstream': 'bfloat16',
-    'rank0/expected/output': 'bfloat16',
-    'rank0/expected/grad x': 'bfloat16',
-    'rank1/x': 'bfloat16',
-    'rank1/upstream': 'bfloat16',
-    'rank1/expected/output': 'bfloat16',
-    'rank1/expected/grad x': 'bfloat16',
-    'rank2/x': 'bfloat16',
-    'rank2/upstream': 'bfloat16',
-    'rank2/expected/output': 'bfloat16',
-    'rank2/expected/grad x': 'bfloat16',
-}
+SHA256 = 'b9521f7a5c92c8a0eddc9aa4066b56ba46ce7e9babea7d6384231015e9270dd7'
 INPUTS = ('x',)
 DIFFERENTIATED = ('x',)
 EXPECT = [{'name': 'output', 'axis': 1}, {'name': 'grad x', 'axis': 1}]
@@ -107,10 +93,11 @@ def load_arrays() -> dict:
 
 
 def tensor(arrays: dict, name: str, device="cpu") -> torch.Tensor:
-    """Array ``name`` as a tensor in its recorded dtype (bfloat16 is stored as float32: ``WIDENED``) and strides (a
-    permuted view is stored in memory order, its permutation as ``memory_order/<name>``)."""
+    """Array ``name`` as a tensor in its recorded dtype (bfloat16 is stored as float32, the names listed in the
+    array ``bfloat16``) and strides (a permuted view is stored in memory order, its permutation as
+    ``memory_order/<name>``)."""
     value = torch.from_numpy(arrays[name].copy()).to(device)
-    value = value.to(getattr(torch, WIDENED[name])) if name in WIDENED else value
+    value = value.to(torch.bfloat16) if name in arrays.get("bfloat16", ()) else value
     order = arrays.get("memory_order/" + name)
     return value if order is None else value.permute(*np.argsort(order).tolist())
 

@@ -49,7 +49,6 @@ MESH = True
 TIMEOUT = 120
 ARRAYS = 'S1-shard_batch_aux_only-mistral_large4_layout.npz'
 SHA256 = 'f6c141af6a01ebe3e31cdc1548a4ccf8ab8f0e241bb323aff44e9cc18f80b93b'
-WIDENED = {}
 S = 7
 HOOK = ('mistral_large4', 'prepare_cp_inputs', {'num_chunks': 1, 'shard_primary': False})
 BATCH_TEXT = {}
@@ -105,10 +104,11 @@ def load_arrays() -> dict:
 
 
 def tensor(arrays: dict, name: str, device="cpu") -> torch.Tensor:
-    """Array ``name`` as a tensor in its recorded dtype (bfloat16 is stored as float32: ``WIDENED``) and strides (a
-    permuted view is stored in memory order, its permutation as ``memory_order/<name>``)."""
+    """Array ``name`` as a tensor in its recorded dtype (bfloat16 is stored as float32, the names listed in the
+    array ``bfloat16``) and strides (a permuted view is stored in memory order, its permutation as
+    ``memory_order/<name>``)."""
     value = torch.from_numpy(arrays[name].copy()).to(device)
-    value = value.to(getattr(torch, WIDENED[name])) if name in WIDENED else value
+    value = value.to(torch.bfloat16) if name in arrays.get("bfloat16", ()) else value
     order = arrays.get("memory_order/" + name)
     return value if order is None else value.permute(*np.argsort(order).tolist())
 

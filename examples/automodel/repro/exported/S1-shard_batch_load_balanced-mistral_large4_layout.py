@@ -48,7 +48,6 @@ MESH = True
 TIMEOUT = 120
 ARRAYS = 'S1-shard_batch_load_balanced-mistral_large4_layout.npz'
 SHA256 = '1a8927ce7a0fb966ba80942fbc4baaf0241bde26eceac3b7fce30b971e2babf8'
-WIDENED = {}
 S = 1
 HOOK = ('mistral_large4', 'prepare_cp_inputs', {'num_chunks': 1, 'shard_primary': True})
 BATCH_TEXT = {}
@@ -104,10 +103,11 @@ def load_arrays() -> dict:
 
 
 def tensor(arrays: dict, name: str, device="cpu") -> torch.Tensor:
-    """Array ``name`` as a tensor in its recorded dtype (bfloat16 is stored as float32: ``WIDENED``) and strides (a
-    permuted view is stored in memory order, its permutation as ``memory_order/<name>``)."""
+    """Array ``name`` as a tensor in its recorded dtype (bfloat16 is stored as float32, the names listed in the
+    array ``bfloat16``) and strides (a permuted view is stored in memory order, its permutation as
+    ``memory_order/<name>``)."""
     value = torch.from_numpy(arrays[name].copy()).to(device)
-    value = value.to(getattr(torch, WIDENED[name])) if name in WIDENED else value
+    value = value.to(torch.bfloat16) if name in arrays.get("bfloat16", ()) else value
     order = arrays.get("memory_order/" + name)
     return value if order is None else value.permute(*np.argsort(order).tolist())
 

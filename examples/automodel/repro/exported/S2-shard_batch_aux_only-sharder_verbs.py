@@ -47,7 +47,6 @@ MESH = True
 TIMEOUT = 120
 ARRAYS = 'S2-shard_batch_aux_only-sharder_verbs.npz'
 SHA256 = '86f89c19534d5af3a4d3d4cc8e16db42a02f3ffd4ad3e3477dc87b01148c6ea2'
-WIDENED = {}
 S = 6
 HOOK = ('inkling2', 'prepare_cp_inputs', {})
 BATCH_TEXT = {}
@@ -103,10 +102,11 @@ def load_arrays() -> dict:
 
 
 def tensor(arrays: dict, name: str, device="cpu") -> torch.Tensor:
-    """Array ``name`` as a tensor in its recorded dtype (bfloat16 is stored as float32: ``WIDENED``) and strides (a
-    permuted view is stored in memory order, its permutation as ``memory_order/<name>``)."""
+    """Array ``name`` as a tensor in its recorded dtype (bfloat16 is stored as float32, the names listed in the
+    array ``bfloat16``) and strides (a permuted view is stored in memory order, its permutation as
+    ``memory_order/<name>``)."""
     value = torch.from_numpy(arrays[name].copy()).to(device)
-    value = value.to(getattr(torch, WIDENED[name])) if name in WIDENED else value
+    value = value.to(torch.bfloat16) if name in arrays.get("bfloat16", ()) else value
     order = arrays.get("memory_order/" + name)
     return value if order is None else value.permute(*np.argsort(order).tolist())
 

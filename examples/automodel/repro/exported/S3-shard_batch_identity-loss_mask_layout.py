@@ -43,7 +43,6 @@ MESH = True
 TIMEOUT = 120
 ARRAYS = 'S3-shard_batch_identity-loss_mask_layout.npz'
 SHA256 = '9eb19402d53e1712aa89e4c29611e62f33b7f312ca1665145685050af13cd35a'
-WIDENED = {}
 S = 1
 HOOK = ('inkling2', 'prepare_cp_inputs', {'num_chunks': 1})
 BATCH_TEXT = {}
@@ -99,10 +98,11 @@ def load_arrays() -> dict:
 
 
 def tensor(arrays: dict, name: str, device="cpu") -> torch.Tensor:
-    """Array ``name`` as a tensor in its recorded dtype (bfloat16 is stored as float32: ``WIDENED``) and strides (a
-    permuted view is stored in memory order, its permutation as ``memory_order/<name>``)."""
+    """Array ``name`` as a tensor in its recorded dtype (bfloat16 is stored as float32, the names listed in the
+    array ``bfloat16``) and strides (a permuted view is stored in memory order, its permutation as
+    ``memory_order/<name>``)."""
     value = torch.from_numpy(arrays[name].copy()).to(device)
-    value = value.to(getattr(torch, WIDENED[name])) if name in WIDENED else value
+    value = value.to(torch.bfloat16) if name in arrays.get("bfloat16", ()) else value
     order = arrays.get("memory_order/" + name)
     return value if order is None else value.permute(*np.argsort(order).tolist())
 

@@ -47,7 +47,6 @@ MESH = True
 TIMEOUT = 120
 ARRAYS = 'S3-shard_batch_load_balanced-loss_mask_layout.npz'
 SHA256 = 'c76217fb47d752ffdde5ff129637c7d9aa307a8d1341a1f713898d7a98d33e68'
-WIDENED = {}
 S = 5
 HOOK = ('mistral_large4', 'prepare_cp_inputs', {'num_chunks': 1})
 BATCH_TEXT = {}
@@ -103,10 +102,11 @@ def load_arrays() -> dict:
 
 
 def tensor(arrays: dict, name: str, device="cpu") -> torch.Tensor:
-    """Array ``name`` as a tensor in its recorded dtype (bfloat16 is stored as float32: ``WIDENED``) and strides (a
-    permuted view is stored in memory order, its permutation as ``memory_order/<name>``)."""
+    """Array ``name`` as a tensor in its recorded dtype (bfloat16 is stored as float32, the names listed in the
+    array ``bfloat16``) and strides (a permuted view is stored in memory order, its permutation as
+    ``memory_order/<name>``)."""
     value = torch.from_numpy(arrays[name].copy()).to(device)
-    value = value.to(getattr(torch, WIDENED[name])) if name in WIDENED else value
+    value = value.to(torch.bfloat16) if name in arrays.get("bfloat16", ()) else value
     order = arrays.get("memory_order/" + name)
     return value if order is None else value.permute(*np.argsort(order).tolist())
 
