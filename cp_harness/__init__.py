@@ -15,6 +15,8 @@ implementation. Data flows one way, and so do the imports (lowest first;
   judge, communication minima, error maps, the verdict model and its renderer.
 * :mod:`cp_harness.usage` -- how a CP model uses the API under test:
   resolving a returned sharder the framework's way, the miniature models.
+* :mod:`cp_harness.repro` -- standalone repros: a failing case as one script that needs torch, numpy and the
+  code under test only (the parts every script holds, the script families, the one writer).
 * :mod:`cp_harness.checks` -- one module per check: what runs on every rank,
   the oracle half, and everything the check owns (budgets, golden contents,
   strategy, examples, communication minimum).

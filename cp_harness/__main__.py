@@ -8,6 +8,8 @@ Commands:
 - ``node``: on another node of a pool across nodes, starts that node's torchrun agent with the command
   ``verify --node-rank K`` prints (the same options give the same command), or, with ``--launcher external``,
   becomes one rank of an ``srun`` task (``docs/meshes.md``).
+- ``repro CASE_JSON -o repro.py``: runs one case and, when it fails, writes its standalone repro (one script
+  needing torch, numpy and the code under test only, with its ``.npz``; ``cp_harness.repro``).
 - ``golden ...``: golden files (``cp_harness.golden``).
 - ``bench ...``: benchmarks (``cp_harness.bench``).
 """
@@ -34,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     node = sub.add_parser("node", help="start one node's torchrun agent of a pool across nodes")
     options.add_cli_options(node, "node")
     node.add_argument("--print-only", action="store_true", help="print the command instead of running it")
+    repro = sub.add_parser("repro", help="write the standalone repro script of a failing case")
+    options.add_cli_options(repro, "repro")
+    repro.add_argument("case", help="the case as JSON (the 'case:' line of a failure)")
+    repro.add_argument("-o", "--output", default="repro.py", metavar="PATH",
+                       help="the script to write (its arrays go beside it as PATH.npz; default repro.py)")
     return parser
 
 
@@ -83,9 +90,9 @@ def _verify(values: dict) -> int:
     return result.exit_code
 
 
-def _run_case(values: dict, text: str) -> int:
+def _case_runner(values: dict, text: str):
+    """``(case, runner)`` for a command that runs one case, or ``(None, exit status)`` after saying what is wrong."""
     from cp_harness.judging.policy import policy_named
-    from cp_harness.judging.render import verdict_text
     from cp_harness.ranks.devices import DeviceError, check_backend
     from cp_harness.ranks.pool import PoolConfig
     from cp_harness.runner import CaseRunner
@@ -94,10 +101,10 @@ def _run_case(values: dict, text: str) -> int:
         case = json.loads(text)
     except json.JSONDecodeError as exc:
         print(f"case is not JSON ({exc}); paste the 'case:' line of the failure", file=sys.stderr)
-        return 2
+        return None, 2
     if not isinstance(case, dict) or "check" not in case or "world_size" not in case:
         print("case must be a JSON object with at least 'check' and 'world_size'", file=sys.stderr)
-        return 2
+        return None, 2
     from cp_harness.cases.meshes import MeshLayout, ranks_needed
 
     try:
@@ -106,19 +113,51 @@ def _run_case(values: dict, text: str) -> int:
         check_backend(values["backend"], ranks)
     except (DeviceError, ValueError) as exc:
         print(f"cannot run: {exc}", file=sys.stderr)
-        return 2
+        return None, 2
     timeout = values["case_timeout"] or (300.0 if case.get("spec") else 120.0)
-    runner = CaseRunner(PoolConfig(world_size=ranks, backend=values["backend"], impl=values["impl"],
-                                   launcher=values["launcher"], case_timeout=timeout,
-                                   collective_timeout=max(30.0, timeout / 2),
-                                   preload=(case["spec"],) if case.get("spec") else ()),
-                        policy=policy_named(values["precision_policy"]))
+    return case, CaseRunner(PoolConfig(world_size=ranks, backend=values["backend"], impl=values["impl"],
+                                       launcher=values["launcher"], case_timeout=timeout,
+                                       collective_timeout=max(30.0, timeout / 2),
+                                       preload=(case["spec"],) if case.get("spec") else ()),
+                            policy=policy_named(values["precision_policy"]))
+
+
+def _run_case(values: dict, text: str) -> int:
+    from cp_harness.judging.render import verdict_text
+
+    case, runner = _case_runner(values, text)
+    if case is None:
+        return runner
     try:
         report = runner.run(case)
     finally:
         runner.close()
     print(verdict_text(report, values["impl"], backend=values["backend"], error_dir=values["error_dir"]))
     return 0 if report.ok else 1
+
+
+def _repro(values: dict, text: str, output: str) -> int:
+    """Exit status 0: the script was written; 1: the case passes (nothing to reproduce); 2: no script could be
+    written (bad arguments, or a kind of failure without one: the message says why)."""
+    import os
+
+    from cp_harness.judging.render import failure_message
+
+    case, runner = _case_runner(values, text)
+    if case is None:
+        return runner
+    try:
+        report = runner.run(case)
+        if report.ok:
+            print(f"the case passes against {values['impl']!r}: nothing to reproduce, no script written")
+            return 1
+        directory, name = os.path.dirname(os.path.abspath(output)), os.path.splitext(os.path.basename(output))[0]
+        exported = runner.export_repro(case, report, directory, name=name)
+    finally:
+        runner.close()
+    print(failure_message(case, report, values["impl"], backend=values["backend"]))
+    print(exported.line() + (f" ({exported.note})" if exported.note else ""))
+    return 0 if exported.path else 2
 
 
 # Commands implemented by their own module's ``main(argv) -> int``.
@@ -139,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_case(values, args.case)
     if args.command == "node":
         return _node(values, args.print_only)
+    if args.command == "repro":
+        return _repro(values, args.case, args.output)
     return 2
 
 

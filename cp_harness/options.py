@@ -4,7 +4,7 @@ gives its default. Both entry points build their options from ``OPTIONS`` and re
 at the boundary (``resolve``); nothing inside the package reads an environment variable for its configuration.
 
 An option says which entry points take it: ``commands`` (the CLI subcommands: ``verify``, ``run-case``,
-``calibrate``, ``node``) and ``plugin`` (pytest, as ``--cp-<name>`` unless ``plugin_flag`` says otherwise).
+``calibrate``, ``repro``, ``node``) and ``plugin`` (pytest, as ``--cp-<name>`` unless ``plugin_flag`` says otherwise).
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ class Option:
         return kwargs
 
 
-_VERIFY, _RUN_CASE, _CALIBRATE, _NODE = "verify", "run-case", "calibrate", "node"
-_ALL = frozenset({_VERIFY, _RUN_CASE, _CALIBRATE})
+_VERIFY, _RUN_CASE, _CALIBRATE, _REPRO, _NODE = "verify", "run-case", "calibrate", "repro", "node"
+_ALL = frozenset({_VERIFY, _RUN_CASE, _CALIBRATE, _REPRO})
 _POOL = frozenset({_VERIFY, _NODE})  # where the ranks run (docs/meshes.md: a pool across nodes)
 
 OPTIONS: tuple[Option, ...] = (
@@ -139,13 +139,16 @@ OPTIONS: tuple[Option, ...] = (
     Option("precision_policy", "--precision-policy", "strict: every bfloat16/float16 sum accumulates in float32 and "
            "rounds once (the contract); payload: partial sums may stay in the payload's precision, as a backend's "
            "reduce-scatter does, within N-1 ULPs (cp_harness/judging/policy.py)", "strict",
-           choices=("strict", "payload"), commands=frozenset({_VERIFY, _RUN_CASE}), plugin=True),
+           choices=("strict", "payload"), commands=frozenset({_VERIFY, _RUN_CASE, _REPRO}), plugin=True),
     Option("model_specs", "--model", "model spec module(s), comma-separated: the real-model rows (the framework's own CP "
            "path against the same model on one device); the ranks import them once, before they are forked",
            (), _names, commands=frozenset({_VERIFY, _NODE}), plugin=True, metavar="MODULE"),
     Option("error_dir", "--error-maps", "where failing cases write error-map PNGs (default: "
            "$CP_HARNESS_ERROR_MAP_DIR, else <temp>/cp-harness-error-maps)", None, commands=_ALL, plugin=True,
            env="CP_HARNESS_ERROR_MAP_DIR", metavar="DIR"),
+    Option("export_repros", "--export-repros", "write a standalone repro (one script, torch, numpy and the code under "
+           "test only, with its .npz) for every failing case into DIR; the report names each script "
+           "(cp_harness/repro)", None, commands=frozenset({_VERIFY}), plugin=True, metavar="DIR"),
     Option("examples", "--examples", "generated examples per row", 25, _positive,
            commands=frozenset({_VERIFY, _CALIBRATE})),
     Option("seed", "--seed", "seed of the example generator: same seed, same cases", 0, int,
@@ -162,7 +165,7 @@ OPTIONS: tuple[Option, ...] = (
            "case", 20.0, float, commands=frozenset({_VERIFY}), metavar="SECONDS"),
     Option("case_timeout", "--case-timeout", "seconds one case may run on the ranks before they count as hung "
            "(default 120; 300 for real models: a rank's first case of a model builds and compiles it)", None, float,
-           commands=_POOL | {_RUN_CASE}, plugin=True, metavar="SECONDS"),
+           commands=_POOL | {_RUN_CASE, _REPRO}, plugin=True, metavar="SECONDS"),
     Option("update_golden", "--update-golden", "rewrite golden files whose content changed (see docs/golden.md)",
            False, flag_only=True, plugin=True, plugin_flag="--update-golden"),
     Option("summary_json", "--summary-json", "also write the run summary (and pytest's outcome counts and "

@@ -218,7 +218,8 @@ def cp_runner(pytestconfig: pytest.Config, cp_world_sizes, cp_impl_selection):
                                    impl=cp_impl_selection, **{**options.pool_options(values), "case_timeout": timeout},
                                    collective_timeout=max(10.0, timeout / 2)),
                         admit=_within(max(cp_world_sizes)),
-                        policy=policy_named(values["precision_policy"]), error_dir=values["error_dir"])
+                        policy=policy_named(values["precision_policy"]), error_dir=values["error_dir"],
+                        repro_dir=values["export_repros"])
     try:
         yield runner
     finally:

@@ -6,6 +6,10 @@ failing case ``check`` raises with the text of ``cp_harness.judging.render``:
 the case, a one-line command that reproduces it, and the per-tensor account
 of what differs and where.
 
+A failing case can be written as a standalone script (``export_repro``, ``cp_harness.repro``): torch, numpy and
+the code under test only; a failure seen through a whole model is narrowed first to the documented call that is
+wrong on its own (its inputs and upstream gradient recorded on the ranks) or to a failing case of another check.
+
 An arithmetic case of ``N > 1`` ranks is also judged against the same
 implementation on one rank (``cp_harness.judging.excess``): that baseline runs on
 rank 0 of the same warm pool, is evaluated against the same oracle, and is
@@ -20,7 +24,8 @@ import dataclasses
 import time
 from typing import Any, Callable, Iterable, Iterator
 
-from cp_harness import checks
+from cp_harness import checks, repro
+from cp_harness.repro import calls as repro_calls
 from cp_harness.judging import excess
 from cp_harness.cases.descriptions import canonical, payload_dtype
 from cp_harness.judging.policy import STRICT, JudgingPolicy
@@ -85,6 +90,21 @@ class RunCounts:
         self.by_dtype[payload_dtype(case)] += 1
 
 
+@dataclasses.dataclass
+class Exported:
+    """What ``CaseRunner.export_repro`` did: ``path`` of the script written (``None``: none, ``why`` says why),
+    the ``case`` it reproduces (the narrowed one, when narrowed) and ``note``: how it was reached."""
+
+    path: str | None
+    why: str = ""
+    case: dict | None = None
+    note: str = ""
+
+    def line(self) -> str:
+        """One line for a report: the script, or why there is none."""
+        return f"standalone repro: {self.path}" if self.path else f"standalone repro: none ({self.why})"
+
+
 class BaselineCache:
     """One-rank baselines: judged reports by canonical case (``reports``), and runs queued on the pool that no
     judge has asked for yet (``queued``). Both are bounded: the oldest entry goes first."""
@@ -116,13 +136,16 @@ class CaseRunner:
     """Runs cases on a warm pool and remembers what ran (``tally``: cases per CP size, check, dtype, ...)."""
 
     def __init__(self, config: PoolConfig, *, pool: RankPool | None = None, policy: JudgingPolicy = STRICT,
-                 admit: Callable[[dict], None] = admit_all, error_dir: str | None = None):
+                 admit: Callable[[dict], None] = admit_all, error_dir: str | None = None,
+                 repro_dir: str | None = None):
         """``pool``: run on another runner's warm pool (its ranks, this runner's own counters); ``close``
         then leaves that pool running for its owner. ``policy``: how arithmetic is judged. ``admit(case)``
         raises to refuse a case before it is sent (the pytest plugin skips cases larger than its pool).
-        ``error_dir``: where ``check`` writes the error maps of failing cases (default: a temporary folder)."""
+        ``error_dir``: where ``check`` writes the error maps of failing cases (default: a temporary folder);
+        ``repro_dir``: where it writes their standalone repros (``export_repro``; default: none)."""
         self.policy = policy
         self.error_dir = error_dir
+        self.repro_dir = repro_dir
         self.admit = admit
         self.config = pool.config if pool is not None else config
         self.pool = pool if pool is not None else RankPool(config)
@@ -351,13 +374,64 @@ class CaseRunner:
             message = failure_message(case, report, self.config.impl, backend=self.config.backend)
             if paths:
                 message += "\nerror maps: " + ", ".join(paths)
+            if self.repro_dir is not None:
+                exported = self.export_repro(case, report, self.repro_dir)
+                message += "\n" + exported.line() + (f" ({exported.note})" if exported.note else "")
             raise AssertionError(message)
         return report
+
+    def export_repro(self, case: dict, report: CaseReport, directory: str, *, note: str = "",
+                     name: str | None = None) -> "Exported":
+        """Write the standalone repro of the failing ``case`` (judged as ``report``) into ``directory`` (as
+        ``name``.py, default the case's id): the script's path, or why none was written (a check without one, a
+        kind of case no script family covers)."""
+        check = checks.check_of(case)
+        request = repro.Request(case, case_impl(case, self.config.impl), self.policy, report, note)
+        try:
+            if check.repro is not None and check.repro.narrow is not None:
+                return self._narrowed(case, check, directory, name)
+            if check.repro is None or check.repro.plan is None:
+                raise repro.NotExportable(f"the check {check.name!r} writes no standalone repro")
+            return Exported(repro.write(repro.on_world_mesh(check.repro.plan(request), case), directory, name), case=case,
+                            note=note)
+        except repro.NotExportable as why:
+            return Exported(None, why=str(why), case=case)
+
+    def _narrowed(self, case: dict, check: checks.Check, directory: str, name: str | None) -> "Exported":
+        """A model failure narrowed: the first documented call of the run that is wrong on its own, replayed on
+        the ranks with what it received (judged by the check that replays that function), else the first failing
+        case of ``check.repro.narrow``."""
+        definitions = {f: judge for c in checks.load_checks().values() if c.repro is not None
+                       for f, judge in c.repro.replays.items()}
+        impl = case_impl(case, self.config.impl)
+        try:
+            outputs = per_group(self.run_outputs({**case, "record_calls": True}), meshes.MeshLayout.of(case))[0]
+        except RankFailure:  # the run raised before its calls could be replayed: narrow to the cases below
+            outputs = []
+        for call in (repro.recorded_calls(outputs) if outputs else []):
+            if call.function not in definitions:
+                continue
+            expected = definitions[call.function](call)
+            if repro_calls.replay_differs(expected, call):
+                note = (f"narrowed from that case to call {call.index + 1} of its run ({call.function}), with the "
+                        "inputs and upstream gradient it received on the ranks")
+                request = repro.Request(case, impl, self.policy, note=note)
+                plan = repro_calls.plan(expected, request.subject(call.function), f"{request.name}-call{call.index + 1}",
+                                        request.case_text)
+                return Exported(repro.write(repro.on_world_mesh(plan, case), directory, name), case=case, note=note)
+        for other in check.repro.narrow(case):
+            report = self.run(other)
+            if not report.ok:
+                return self.export_repro(other, report, directory, note=f"narrowed from the case {canonical(case)}",
+                                         name=name)
+        return Exported(None, case=case, why="no documented call of the model run is wrong on its own, and no case it "
+                                              "was narrowed to fails: the model's failure has no standalone repro")
 
     def sharing_pool(self) -> "CaseRunner":
         """A runner with its own counters on this runner's pool (the harness's own tests judge deliberately
         broken modules on the session's ranks without counting them as examples of the gate)."""
-        return CaseRunner(self.config, pool=self.pool, policy=self.policy, admit=self.admit, error_dir=self.error_dir)
+        return CaseRunner(self.config, pool=self.pool, policy=self.policy, admit=self.admit, error_dir=self.error_dir,
+                          repro_dir=self.repro_dir)
 
     def close(self) -> None:
         if self._owns_pool:

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from cp_harness.cases import meshes
+from cp_harness.instruments import coverage
 from cp_harness.judging.budgets import Budget
 from cp_harness.judging.policy import STRICT, JudgingPolicy
 from cp_harness.judging.verdicts import CaseReport
@@ -124,6 +125,25 @@ class VerifyRow:
     skip: Callable[[Any], str | None] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Repro:
+    """How a failing case of the check becomes a standalone script (``cp_harness.repro``; ``CaseRunner.export_repro``
+    writes it).
+
+    ``plan(request) -> repro.Plan``: the script of a failing case (``request``: the case, the implementation it
+    ran, the judging policy, the report); the check says what each rank receives, which calls it makes and what
+    they must return, a family of ``cp_harness.repro`` writes the script. ``replays``: documented function ->
+    ``recorded(call: repro.RecordedCall) -> repro.calls.CallCase``, what that call must return given what it
+    received in another check's run (the check's definition of it, for narrowing). ``narrow(case) -> [cases]``:
+    the check runs whole models; its failure is narrowed to the first documented call recorded on the ranks that
+    is wrong on its own (judged by the checks that ``replay`` it), else to the first of these cases of other
+    checks that fails."""
+
+    plan: Callable[[Any], Any] | None = None
+    replays: Mapping[str, Callable[[Any], Any]] = dataclasses.field(default_factory=dict)
+    narrow: Callable[[dict], list[dict]] | None = None
+
+
 def _same_case_on_one_rank(case: dict) -> dict:
     return {}
 
@@ -159,6 +179,7 @@ class Check:
     # Its verdict depends on the precision policy (sums of low-precision contributions): ``evaluate`` takes
     # the policy, as arithmetic checks' do.
     precision_policy: bool = False
+    repro: Repro | None = None  # how a failing case becomes a standalone script (None: it does not)
 
     def case(self, **keys) -> dict:
         """A case description of this check."""
@@ -242,8 +263,16 @@ def to_numpy(value: torch.Tensor) -> np.ndarray:
 
 
 def run_on_rank(case: dict, ctx: RankContext) -> tuple[dict, dict[str, np.ndarray]]:
-    """Run the rank half of ``case["check"]``; tensors come back as numpy arrays."""
-    info, tensors = check_of(case).rank(case, ctx)
+    """Run the rank half of ``case["check"]``; tensors come back as numpy arrays. With ``"record_calls": true``
+    the documented calls it made are replayed on their own afterwards (``coverage.replay``): ``info`` lists them
+    under ``recorded_calls``, their tensors travel as ``call{i}/...``."""
+    if not case.get("record_calls"):
+        info, tensors = check_of(case).rank(case, ctx)
+    else:
+        with coverage.capturing() as captured:
+            info, tensors = check_of(case).rank(case, ctx)
+        calls, replayed = coverage.replay(captured)
+        info, tensors = {**info, "recorded_calls": calls}, {**tensors, **replayed}
     return info, {name: to_numpy(t) if isinstance(t, torch.Tensor) else np.asarray(t) for name, t in tensors.items()}
 
 

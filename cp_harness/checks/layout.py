@@ -33,11 +33,12 @@ from hypothesis import strategies as st
 from cp_harness.cases.descriptions import (IGNORE_INDEX, batches_equal, build_batch, clone_batch, fixed_num_chunks, layout_rows, padded_length)
 from cp_harness.cases.strategies import (as_space, inkling2_images, layouts, mistral_image, packed_layout, seeds,
                                          with_extras, with_impl, world_sizes)
-from cp_harness.checks import GoldenContents, VerifyRow, register
+from cp_harness.checks import GoldenContents, Repro, VerifyRow, register
 from cp_harness.checks._token_layout import ReportedLayout, judge_token_layout
 from cp_harness.judging import comm_minimum
 from cp_harness.judging.compare import compare_exact
 from cp_harness.judging.verdicts import CaseReport
+from cp_harness.repro import sharding
 from cp_harness.usage.resolve_sharder import hook_sharder, layout_report, sharded
 from oracle.layout import layout_from_batch
 
@@ -238,6 +239,51 @@ def _mistral_evaluate(case: dict, outputs: list, expected) -> CaseReport:
     return report
 
 
+# ------------------------------------------------------------------------------------ standalone repros
+_LAYOUT_WHAT = ("a hook returns an unresolved sharder; once resolved, the local batch holds each key at the global "
+                "positions its index map reports (labels and positions as computed on the global sequence, padding "
+                "from the layout metadata, never from token values), label -100, padding_mask True and positions "
+                "counting on at divisibility padding, and the caller's tensors are left as they were.")
+
+
+def failing_keys(report, keys) -> list[str]:
+    """The keys of ``keys`` a report's failing comparisons or problems name (all of them without a report)."""
+    if report is None or any(p.kind == "rank raised" for p in report.problems):
+        return list(keys)
+    text = " ".join([c.name for c in report.failures() if not c.name.startswith("unpack_row_layout")]
+                    + [p.message for p in report.problems if "unpack_row_layout" not in p.message])
+    return [k for k in keys if k in text]
+
+
+def _layout_repro(request):
+    case = request.case
+    batch, layout = expected_layout(case)
+    mistral, packed = case["check"] == MISTRAL_LARGE4_LAYOUT.name, "seq_lens" in batch
+    labels = torch.where(first_document_tokens(layout), IGNORE_INDEX, batch["labels"]) if mistral and packed \
+        else batch["labels"]
+    primary = bool(case.get("shard_primary", True))
+    keys = {"labels": (sharding.Key("labels", IGNORE_INDEX), labels, layout.keep),
+            "position_ids": (sharding.Key("position_ids", "count"), layout.positions, layout.keep),
+            "padding_mask": (sharding.Key("padding_mask", True), ~layout.keep, torch.ones_like(layout.keep)),
+            "input_ids": (sharding.Key("input_ids", "free" if mistral and primary else "global"), batch["input_ids"],
+                          torch.ones_like(layout.keep))}
+    if mistral and packed:
+        keys["document_ids"] = (sharding.Key("document_ids", -1), layout.document_ids, torch.ones_like(layout.keep))
+    chosen = failing_keys(request.report, keys)
+    hook = {"num_chunks": int(case.get("num_chunks", 1))}
+    if mistral:
+        hook["shard_primary"] = primary
+    name = "prepare_packed_cp_inputs" if case.get("direct_packed") else "prepare_cp_inputs"
+    unpack = None
+    if not mistral and packed and request.report is not None and any("unpack_row_layout" in c.name
+                                                                      for c in request.report.failures()):
+        unpack = (~layout.keep, layout.positions, layout.keep)
+    return sharding.export(request, sharding.ShardCase(
+        int(case["world_size"]), (case["model"], name, hook), build_batch(case), [keys[k][0] for k in chosen],
+        {k: keys[k][1] for k in chosen}, {k: keys[k][2] for k in chosen}, _LAYOUT_WHAT,
+        mesh=case.get("mesh") != "none", unpack=unpack))
+
+
 # ------------------------------------------------------------------------------------ strategies
 @st.composite
 def layout_cases(draw, space=None) -> dict:
@@ -340,7 +386,7 @@ INKLING2_LAYOUT = register(
                                "num_chunks": 1,
                                "batch": {"format": "thd", "seq_len": 9, "docs": [[[3, 4], [4, 4]], [[2, 2], [5, 6]]],
                                          "eos_is_pad": True}},)),),
-    examples=INKLING2_LAYOUT_EXAMPLES)
+    examples=INKLING2_LAYOUT_EXAMPLES, repro=Repro(plan=_layout_repro))
 # The gate suite's named explicit examples of this check (regressions that must stay).
 MISTRAL_LARGE4_LAYOUT_EXAMPLES = {
     "n8-thd-seed8": {"check": "mistral_large4_layout", "world_size": 8, "seed": 8, "model": "mistral_large4",
@@ -376,4 +422,4 @@ MISTRAL_LARGE4_LAYOUT = register(
                               {"check": "mistral_large4_layout", "world_size": 2, "seed": 3, "model": "mistral_large4",
                                "num_chunks": 1, "shard_primary": False,
                                "batch": {"format": "bshd", "seq_len": 7, "rows": [[2, 5], [0, 7]]}})),),
-    examples=MISTRAL_LARGE4_LAYOUT_EXAMPLES)
+    examples=MISTRAL_LARGE4_LAYOUT_EXAMPLES, repro=Repro(plan=_layout_repro))

@@ -28,12 +28,13 @@ from hypothesis import strategies as st
 
 from cp_harness.cases.descriptions import IGNORE_INDEX, LOW_PRECISION, build_batch, dtype_of, padded_length, random_tensor
 from cp_harness.cases.strategies import FLOAT_DTYPES, as_space, float_dtypes, layouts, seeds, with_extras, world_sizes
-from cp_harness.checks import GoldenContents, VerifyRow, register
+from cp_harness.checks import GoldenContents, Repro, VerifyRow, register
 from cp_harness.checks._token_layout import stack_ranks
 from cp_harness.judging import comm_minimum
 from cp_harness.judging.budgets import Budget
 from cp_harness.judging.compare import TokenGrid, compare_exact, compare_ulp
 from cp_harness.judging.verdicts import CaseReport
+from cp_harness.repro import calls
 from oracle.layout import layout_from_batch
 from oracle.loss import mean_loss, shifted_cross_entropy
 
@@ -193,6 +194,32 @@ def _evaluate(case: dict, outputs: list, expected: dict, policy) -> CaseReport:
     return report
 
 
+def _repro_plan(request):
+    """Every rank's own loss and gradient, within the budgets ``_evaluate`` applies: a rank's loss is its share of
+    the global loss (local sum x N / global count, judged at the global loss's scale), its gradient N times its
+    slice of the mean loss's (judged at N times the gradient's scale)."""
+    case = request.case
+    expected, n = _expect(case), int(case["world_size"])
+    logits, labels, keep, count = expected["logits"], expected["labels"], expected["keep"], int(expected["count"])
+    L, dtype = logits.shape[1] // n, case.get("dtype", "float64")
+    loss_dtype = "float32" if dtype in LOW_PRECISION else dtype
+    per_position, ref_grad = expected["per_position"], expected["ref_grad"]
+    loss_scale = max(abs(float(per_position.sum())) / count if count else 0.0, expected["loss_scale"])
+    grad_scale = n * max(float(ref_grad.abs().max()), 1.0 / count if count else 0.0)
+    lb, gb = request.policy.budget(SHIFTED_CP_LOSS, loss_dtype), request.policy.budget(SHIFTED_CP_LOSS, dtype)
+    ranks = [slice(r * L, (r + 1) * L) for r in range(n)]
+    zero = torch.zeros((), dtype=torch.float64)
+    call = calls.CallCase(
+        "mistral_large4.shifted_cp_loss", ['inputs["logits"]', 'inputs["labels"]', 'inputs["valid"]', "mesh"],
+        [{"logits": logits[:, sl], "labels": labels[:, sl], "valid": keep[:, sl].reshape(-1)} for sl in ranks],
+        [calls.Expectation("output", (lb.ulp, lb.floor_fraction, loss_dtype, loss_scale), dtype=f"torch.{loss_dtype}"),
+         calls.Expectation("grad logits", (gb.ulp, gb.floor_fraction, dtype, grad_scale), axis=1)],
+        [{"output": per_position[:, sl].sum() * n / count if count else zero, "grad logits": ref_grad[:, sl] * n}
+         for sl in ranks], calls.WHAT["mistral_large4.shifted_cp_loss"], "drawn from the case's seed", ("logits",),
+        positions=[{"grad logits": torch.arange(sl.start, sl.stop)} for sl in ranks])
+    return calls.plan(call, request.subject(call.function), request.name, request.case_text)
+
+
 @st.composite
 def loss_cases(draw, space=None) -> dict:
     space = as_space(space)
@@ -251,4 +278,4 @@ SHIFTED_CP_LOSS = register(
         rank_axis=lambda case, tensor: 1 if tensor == "grad" else None),
     rows=(VerifyRow("mistral_large4.shifted_cp_loss", loss_cases, ("mistral_large4.shifted_cp_loss",), FLOAT_DTYPES,
                     position=6),),
-    examples=SHIFTED_CP_LOSS_EXAMPLES)
+    examples=SHIFTED_CP_LOSS_EXAMPLES, repro=Repro(plan=_repro_plan))

@@ -19,12 +19,13 @@ from hypothesis import strategies as st
 
 from cp_harness.cases.descriptions import build_batch, fixed_num_chunks
 from cp_harness.cases.strategies import as_space, layouts, seeds, with_extras, with_impl, world_sizes
-from cp_harness.checks import VerifyRow, register
+from cp_harness.checks import Repro, VerifyRow, register
 from cp_harness.checks._token_layout import judge_token_layout
 from cp_harness.checks.layout import pad_sequence
 from cp_harness.judging import comm_minimum
 from cp_harness.judging.compare import compare_exact
 from cp_harness.judging.verdicts import CaseReport
+from cp_harness.repro import sharding
 from cp_harness.usage.resolve_sharder import hook_sharder, layout_report, sharded
 
 KINDS = ("bool", "float", "absent")
@@ -98,6 +99,23 @@ def _evaluate(case: dict, outputs: list, expected) -> CaseReport:
     return report
 
 
+def _repro_plan(request):
+    """The loss mask the sharder was given, at the reported index map (False / 0 at divisibility padding, the
+    caller's dtype), and the caller's tensors left as they were."""
+    case = request.case
+    batch = build_batch(case)
+    S, mask = _expect(case)
+    keys = [] if mask is None else [sharding.Key("loss_mask", False if mask.dtype == torch.bool else 0.0, str(mask.dtype))]
+    compared = {"loss_mask": torch.ones(tuple(batch["input_ids"].shape), dtype=torch.bool)} if keys else {}
+    return sharding.export(request, sharding.ShardCase(
+        int(case["world_size"]), (case["model"], "prepare_cp_inputs", {"num_chunks": int(case.get("num_chunks", 1))}),
+        batch, keys, {"loss_mask": mask} if keys else {}, compared,
+        "the sharder is given the caller's loss mask [batch, sequence] (ContextParallelSharder(..., loss_mask=mask), "
+        "as the framework's train step gives it); shard() must return it as the local batch's loss_mask, at the "
+        "positions of the index map it reports, False / 0 at divisibility padding, in the mask's own dtype, and leave "
+        "the caller's tensors as they were.", mesh=case.get("mesh") != "none", loss_mask=mask))
+
+
 @st.composite
 def loss_mask_cases(draw, space=None) -> dict:
     """Either model's hook on padded or packed rows, with a bool, a float or no loss mask."""
@@ -131,4 +149,4 @@ LOSS_MASK_LAYOUT = register(
     rows=(VerifyRow("sharder.shard(loss_mask=...)", loss_mask_cases,
                     ("sharder.shard", "sharder.local_token_global_indices", "sharder.shard_token_tensor"),
                     explicit=tuple(EXAMPLES.values()), position=7.5),),
-    examples=EXAMPLES, gate_share=1.0)
+    examples=EXAMPLES, gate_share=1.0, repro=Repro(plan=_repro_plan))

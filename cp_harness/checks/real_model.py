@@ -43,9 +43,10 @@ from hypothesis import strategies as st
 
 from cp_harness.cases.profiles import current_space
 from cp_harness.cases.strategies import as_space
-from cp_harness.checks import VerifyRow, register
+from cp_harness.checks import Repro, VerifyRow, register
 from cp_harness.judging.compare import ExcessVerdict, UlpComparison
 from cp_harness.judging.verdicts import CaseReport
+from cp_harness.repro import real_model as repro_real_model
 from cp_harness.usage import model_specs, spec_contract
 
 C = 4.0
@@ -465,4 +466,4 @@ REAL_MODEL = register(
     rows=tuple(VerifyRow(f"real model ({dtype})", real_model_cases(dtype), (), dtypes=(dtype,), position=20 + i,
                          needs_model=True, id=f"real_model.{dtype}", skip=_skip_reason(dtype))
                for i, dtype in enumerate(("float32", "bfloat16"))),
-    gate_share=0.0)
+    gate_share=0.0, repro=Repro(plan=lambda request: repro_real_model.plan(request, C, FLOOR)))

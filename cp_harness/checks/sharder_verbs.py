@@ -48,10 +48,11 @@ from hypothesis import strategies as st
 from cp_harness.cases.descriptions import build_batch
 from cp_harness.cases.strategies import (FLOAT_DTYPES, VALUE_DTYPES, as_space, packed_layout, payload_dtypes, seeds,
                                          with_impl, with_payload, world_sizes)
-from cp_harness.checks import VerifyRow, register
+from cp_harness.checks import Repro, VerifyRow, register
 from cp_harness.checks._token_layout import judge_token_layout
 from cp_harness.judging.compare import compare_exact
 from cp_harness.judging.verdicts import CaseReport
+from cp_harness.repro import sharding
 from cp_harness.usage.resolve_sharder import hook_sharder, local_token_indices, resolve_sharder, sharded
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -486,4 +487,4 @@ SHARDER_VERBS = register(
     "sharder_verbs", rank=_rank, evaluate=_evaluate, functions=_VERBS,
     rows=(VerifyRow("sharder verbs: every ShardLayout field, rank 2-5, seq_dim 1/2", verb_cases, _VERBS, PAYLOADS,
                     explicit=tuple(EXAMPLES.values()), position=7.2),),
-    examples=EXAMPLES, gate_share=1.0)
+    examples=EXAMPLES, gate_share=1.0, repro=Repro(plan=lambda request: sharding.verbs(request, form_value, form_fill)))

@@ -27,11 +27,12 @@ from hypothesis import strategies as st
 from cp_harness.cases.descriptions import accumulate, build_batch, dtype_of, random_tensor, upstream_values
 from cp_harness.cases.strategies import (FLOAT_DTYPES, VALUE_DTYPES, as_space, payload_dtypes, seeds, with_impl,
                                          with_payload, world_sizes)
-from cp_harness.checks import GoldenContents, VerifyRow, register
+from cp_harness.checks import GoldenContents, Repro, VerifyRow, register
 from cp_harness.checks._token_layout import judge_token_layout, stack_ranks
 from cp_harness.judging import comm_minimum
 from cp_harness.judging.compare import TokenGrid, compare_exact, compare_ulp
 from cp_harness.judging.verdicts import CaseReport
+from cp_harness.repro import calls, sharding
 from cp_harness.usage.resolve_sharder import hook_sharder, layout_report, sharded
 
 _INT_DTYPES = {"int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
@@ -191,6 +192,42 @@ def _history_evaluate(case: dict, outputs: list, expected: dict, policy) -> Case
     return report
 
 
+# ------------------------------------------------------------------------------------ standalone repros
+def _payload_budget(case: dict, policy, expected: dict):
+    return calls.payload_budget(dtype_of(case), policy, expected["terms"], expected["magnitude"])
+
+
+def _gather_repro(seq_dim: int, function: str):
+    """The gather's script: each rank's shard and upstream gradient from the case's seed, this check's oracle;
+    a gather recorded in a model run is judged by ``calls.gathered``."""
+    def plan(request):
+        case = request.case
+        expected, n, L = _gather_expect(seq_dim)(case), int(case["world_size"]), list(case["shape"])[seq_dim]
+        value, diff = expected["value"], expected["differentiable"]
+        call = calls.gather_call(
+            function, seq_dim, [value.narrow(seq_dim, r * L, L) for r in range(n)],
+            [upstream_gradient(case, r, value.shape) for r in range(n)] if diff else None, value,
+            [expected["total"].narrow(seq_dim, r * L, L) for r in range(n)] if diff else None,
+            _payload_budget(case, request.policy, expected), repr(diff), "drawn from the case's seed",
+            case.get("mesh") != "none")
+        return calls.plan(call, request.subject(function), request.name, request.case_text)
+    return Repro(plan=plan, replays={function: calls.recorded_gather(function, seq_dim)})
+
+
+def _history_plan(request):
+    case = request.case
+    expected, n, (B, L, C), width = _history_expect(case), int(case["world_size"]), case["shape"], int(case["width"])
+    padded, diff, h = expected["padded"], expected["grad_total"] is not None, width - 1
+    call = calls.history_call(
+        [expected["value"][:, r * L:(r + 1) * L] for r in range(n)],
+        [upstream_gradient(case, r, (B, L + h, C)) for r in range(n)] if diff else None,
+        [padded[:, r * L:r * L + L + h] for r in range(n)],
+        [expected["grad_total"][:, h + r * L:h + (r + 1) * L] for r in range(n)] if diff else None,
+        _payload_budget(case, request.policy, expected) if diff else None, width, "drawn from the case's seed",
+        case.get("mesh") != "none")
+    return calls.plan(call, request.subject(call.function), request.name, request.case_text)
+
+
 # ------------------------------------------------------------------------------------ strategies
 PAYLOADS = FLOAT_DTYPES + VALUE_DTYPES
 
@@ -304,7 +341,7 @@ GATHER_SEQUENCE = register(
         rank_axis=_grad_axis(1)),
     rows=(VerifyRow("inkling2.gather_sequence", lambda space: gather_cases(space, check="gather_sequence"),
                     ("inkling2.gather_sequence",), PAYLOADS, position=0),),
-    examples=GATHER_SEQUENCE_EXAMPLES)
+    examples=GATHER_SEQUENCE_EXAMPLES, repro=_gather_repro(1, "inkling2.gather_sequence"))
 # The gate suite's named explicit examples of this check (regressions that must stay).
 GATHER_TOKENS_EXAMPLES = {
     "n3-float32-seed2": {"check": "gather_tokens", "world_size": 3, "seed": 2, "dtype": "float32", "shape": [2, 5],
@@ -329,7 +366,7 @@ GATHER_TOKENS = register(
         oracle_arrays=_gather_arrays, rank_axis=_grad_axis(0)),
     rows=(VerifyRow("mistral_large4.gather_tokens", lambda space: gather_cases(space, check="gather_tokens"),
                     ("mistral_large4.gather_tokens",), PAYLOADS, position=4),),
-    examples=GATHER_TOKENS_EXAMPLES)
+    examples=GATHER_TOKENS_EXAMPLES, repro=_gather_repro(0, "mistral_large4.gather_tokens"))
 # The gate suite's named explicit examples of this check (regressions that must stay).
 CONVOLUTION_HISTORY_EXAMPLES = {
     # history spans every earlier rank
@@ -362,7 +399,7 @@ CONVOLUTION_HISTORY = register(
         oracle_arrays=_history_arrays, token_arrays=frozenset({"expected_grad"}), rank_axis=_grad_axis(1)),
     rows=(VerifyRow("inkling2.convolution_history", history_cases, ("inkling2.convolution_history",), PAYLOADS,
                     position=1),),
-    examples=CONVOLUTION_HISTORY_EXAMPLES)
+    examples=CONVOLUTION_HISTORY_EXAMPLES, repro=Repro(plan=_history_plan, replays={"inkling2.convolution_history": calls.recorded_history}))
 
 
 
@@ -438,9 +475,27 @@ SHARDER_ROUNDTRIP_EXAMPLES = {
         "shape": [1, 7, 2]},
 }
 
+def _sharder_repro(request) -> "sharding.script.Plan":
+    """The round trip as a standalone script: the hook's sharder on the case's batch, ``shard_token_tensor`` then
+    ``gather_token_tensor`` (trimmed and not) on the case's value, forward and backward, judged on every rank."""
+    case = request.case
+    B, S, C = case["shape"]
+    batch = build_batch({"seed": case["seed"], "batch": {"format": "bshd", "seq_len": S, "rows": [[0, S]] * B},
+                         "model": "inkling2"})
+    value = global_value(case, [B, S, C], 1)[:, :S].clone()
+    forms = [{"value": value, "seq_dim": 1, "fill": False if value.dtype == torch.bool else 0, "trim": trim}
+             for trim in (True, False)]
+    return sharding.export(request, sharding.ShardCase(
+        int(case["world_size"]), ("inkling2", "prepare_cp_inputs", {}), batch, [], {}, {},
+        "shard_token_tensor(x, seq_dim=1, fill) returns this rank's positions of the index map (x padded with fill); "
+        "gather_token_tensor(local, seq_dim=1, trim) puts every rank's shard back in global order (trim: the "
+        "caller's length); the backward gives each rank's shard the sum of every rank's upstream gradient at its "
+        "positions.", mesh=case.get("mesh") != "none", forms=forms))
+
+
 SHARDER_ROUNDTRIP = register(
     "sharder_roundtrip", rank=_sharder_rank, evaluate=_sharder_evaluate,
     functions=("sharder.shard_token_tensor", "sharder.gather_token_tensor", "sharder.local_token_global_indices"),
     rows=(VerifyRow("sharder.shard_token_tensor + gather_token_tensor", sharder_cases, _SHARDER_VERBS, PAYLOADS,
                     position=7),),
-    examples=SHARDER_ROUNDTRIP_EXAMPLES)
+    examples=SHARDER_ROUNDTRIP_EXAMPLES, repro=Repro(plan=_sharder_repro))

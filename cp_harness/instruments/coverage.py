@@ -18,14 +18,24 @@ call that goes through the documented API:
 
 ``covered(claims, called)`` says which claimed names never ran (a claim
 ``"inkling2.*"`` is met by any ``inkling2`` function).
+
+Inside ``capturing()`` the same wrappers also keep what each call received: a detached copy of every tensor
+argument (strides included), the other arguments as they were, and, through a hook on its output, the
+upstream gradient that reached it. ``replay(captured)`` then runs every call whose result is a tensor again,
+alone, on copies of those inputs with that upstream gradient, and returns what it received and returned: a
+failure seen through a whole model is narrowed to the documented call that is wrong (``cp_harness.repro``).
+Every rank replays the same calls in the same order, so their collectives match.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import types
 from typing import Any, Callable, Iterable, Iterator
+
+import torch
 
 from cp_harness.cases.implementation import REQUIRED
 
@@ -51,12 +61,102 @@ def recording() -> Iterator[set[str]]:
         _called = previous
 
 
+@dataclasses.dataclass
+class Captured:
+    """One documented call inside ``capturing()``: ``function`` (``part.name``), the callable, its arguments
+    (tensors detached and copied at the call, with their ``requires_grad``) and the upstream gradient that reached
+    its tensor output (``None``: none did)."""
+
+    function: str
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    requires_grad: tuple[bool, ...]
+    upstream: torch.Tensor | None = None
+
+
+_captured: list[Captured] | None = None
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[list[Captured]]:
+    """Keep every documented call made inside the block (what it received), in order."""
+    global _captured
+    previous, _captured = _captured, []
+    try:
+        yield _captured
+    finally:
+        _captured = previous
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _capture(name: str, fn: Callable, args: tuple, kwargs: dict, out: Any) -> None:
+    if _captured is None or not isinstance(out, torch.Tensor):
+        return
+    entry = Captured(name, fn, tuple(_copy(a) for a in args), {k: _copy(v) for k, v in kwargs.items()},
+                     tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args))
+    _captured.append(entry)
+    if out.requires_grad:
+        def keep(grad: torch.Tensor) -> None:
+            entry.upstream = grad.detach().clone()  # a copy: a backward may write into the gradient it is handed
+        out.register_hook(keep)
+
+
 def _recorded(name: str, fn: Callable) -> Callable:
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         note(name)
-        return fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
+        _capture(name, fn, args, kwargs, out)
+        return out
     return call
+
+
+def memory_order(value: torch.Tensor) -> list[int] | None:
+    """The permutation that makes a permuted view contiguous (``None``: it is contiguous, or not a permutation of a
+    dense tensor)."""
+    if value.dim() < 2 or value.is_contiguous():
+        return None
+    order = sorted(range(value.dim()), key=lambda d: (-value.stride(d), d))
+    return order if value.permute(*order).is_contiguous() else None
+
+
+def _wire(tensors: dict, info: dict, name: str, value: torch.Tensor) -> None:
+    """``value`` among a rank's tensors, in memory order (``info`` keeps the permutation and the dtype)."""
+    order = memory_order(value)
+    tensors[name] = value.permute(*order).contiguous() if order is not None else value.contiguous()
+    info[name] = {"dtype": str(value.dtype).replace("torch.", ""), "memory_order": order}
+
+
+def replay(captured: list[Captured]) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Each captured call made again on its own: copies of its tensor inputs as leaves (requiring grad where the
+    originals did), the same other arguments, then the backward of its output with the captured upstream gradient.
+    ``(calls, tensors)``: per call its function and what travels under ``call{i}/...`` (``input{j}``, ``upstream``,
+    ``output``, ``grad{j}``; dtypes and strides in ``calls[i]["tensors"]``)."""
+    calls, tensors = [], {}
+    for i, entry in enumerate(captured):
+        described: dict[str, Any] = {}
+        leaves = []
+        for j, (arg, grad) in enumerate(zip(entry.args, entry.requires_grad)):
+            if isinstance(arg, torch.Tensor):
+                leaf = arg.detach().clone().requires_grad_(grad and arg.is_floating_point())
+                _wire(tensors, described, f"call{i}/input{j}", arg)
+                leaves.append((j, leaf))
+        by_position = dict(leaves)
+        out = entry.fn(*(by_position.get(j, a) for j, a in enumerate(entry.args)), **entry.kwargs)
+        _wire(tensors, described, f"call{i}/output", out.detach())
+        if entry.upstream is not None and out.requires_grad:
+            _wire(tensors, described, f"call{i}/upstream", entry.upstream)
+            out.backward(entry.upstream)
+            for j, leaf in leaves:
+                if leaf.grad is not None:
+                    _wire(tensors, described, f"call{i}/grad{j}", leaf.grad)
+        calls.append({"function": entry.function, "arguments": len(entry.args), "tensors": described,
+                      "others": {str(j): repr(a) for j, a in enumerate(entry.args) if not isinstance(a, torch.Tensor)}})
+    return calls, tensors
 
 
 def instrument(impl: types.SimpleNamespace) -> types.SimpleNamespace:

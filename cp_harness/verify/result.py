@@ -26,7 +26,8 @@ class VerifySettings:
     """One ``verify`` run: the implementation (``impl``, comma-separated for several) or the model specs
     (``model``: then the real-model rows run), the CP sizes, examples per row, seed, the payload dtypes and
     row names it keeps (``None`` / empty: all), the judging policy, how the ranks start, where error maps go
-    (``None``: a temporary folder) and the shrinking budget in seconds."""
+    (``None``: a temporary folder), the shrinking budget in seconds and where standalone repros go (``None``:
+    none are written)."""
 
     impl: str = "cp_impl"
     world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES
@@ -41,14 +42,15 @@ class VerifySettings:
     error_dir: str | None = None
     shrink_seconds: float = SHRINK_SECONDS
     case_timeout: float | None = None  # None: 120 s, 300 s with model specs (a rank's first case builds the model)
+    # Where the ranks run (``cp_harness.ranks.outputs.PoolConfig``): nodes, the rendezvous, this process's address.
+    pool: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    export_repros: str | None = None  # where each failing row's standalone repro is written (None: nowhere)
 
     @property
     def resolved_case_timeout(self) -> float:
         if self.case_timeout is not None:
             return float(self.case_timeout)
         return 300.0 if self.model else 120.0
-    # Where the ranks run (``cp_harness.ranks.outputs.PoolConfig``): nodes, the rendezvous, this process's address.
-    pool: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_options(cls, values: Mapping[str, Any]) -> "VerifySettings":
@@ -191,6 +193,8 @@ def result_text(result: VerifyResult) -> str:
             lines.append(f"  case: {canonical(f.case)}\n  reproduce: {f.reproduce}")
         lines.append(condensed_text(f.report) if f.report is not None else f.text)
         lines += [f"  error map: {path}" for path in f.error_maps]
+        if f.repro is not None:
+            lines.append("  " + f.repro.line() + (f" ({f.repro.note})" if f.repro.note else ""))
     unattributed = [f"{r.name} ({', '.join(r.tally.unaccounted_ops)})" for r in result.rows if r.tally.unaccounted_ops]
     if unattributed:
         lines.append(f"communication the meter could not attribute in: {'; '.join(unattributed)} (no ratio given)")

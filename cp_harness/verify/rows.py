@@ -68,13 +68,14 @@ class RowTally:
 class RowFailure:
     """How a row failed: ``text`` (the full account), the case (the smallest one Hypothesis found, or the one
     the harness crashed on), its reproduction command, its report (``None`` when the failure is not a case's
-    verdict: a crash, a claim never exercised) and the error maps it wrote."""
+    verdict: a crash, a claim never exercised), the error maps it wrote and its standalone repro."""
 
     text: str
     case: dict | None = None
     reproduce: str | None = None
     report: CaseReport | None = dataclasses.field(default=None, repr=False)
     error_maps: list[str] = dataclasses.field(default_factory=list)
+    repro: Any = None  # the standalone repro written for it (``runner.Exported``), with --export-repros
 
 
 @dataclasses.dataclass
@@ -124,6 +125,8 @@ class Row:
             "not_judged": t.not_judged, "skipped": t.skipped,
             "failure": f.text if f is not None else None, "failing_case": f.case if f is not None else None,
             "reproduce": f.reproduce if f is not None else None, "error_maps": f.error_maps if f is not None else [],
+            "repro_script": f.repro.path if f is not None and f.repro is not None else None,
+            "repro_script_note": (f.repro.why or f.repro.note) if f is not None and f.repro is not None else None,
             "functions": list(self.spec.functions), "dtypes": list(self.spec.dtypes), "called": sorted(t.called),
             "claimed_but_never_called": coverage.covered(self.spec.functions, t.called),
             "failing_tensors": [c.as_dict() for c in report.failures()] if report is not None else [],

@@ -131,7 +131,7 @@ def run_verify(settings: VerifySettings, *, rows: list[Row] | None = None, pool:
                 progress.note(f"cp_harness verify: skipped {row.name}: {skip}")
                 continue
             run_row(row, runner, space, s.examples, s.seed, progress, s.backend, result.error_map_dir,
-                    s.shrink_seconds)
+                    s.shrink_seconds, s.export_repros)
     finally:
         progress.finish()
         runner.close()

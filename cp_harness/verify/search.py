@@ -26,9 +26,10 @@ def _traceback_head(frames: int = 4) -> str:
 
 
 def run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed: int, progress: Progress,
-            backend: str, error_dir: str, shrink_seconds: float) -> None:
+            backend: str, error_dir: str, shrink_seconds: float, repro_dir: str | None = None) -> None:
     """Draw, run and judge ``examples`` cases of ``row`` (its explicit cases first) into its tally; on a failure
-    record the smallest failing case (``row.failure``), its reproduction command and its error maps."""
+    record the smallest failing case (``row.failure``), its reproduction command, its error maps and, with
+    ``repro_dir``, its standalone repro written there (``CaseRunner.export_repro``)."""
     tally = row.tally
     failing: dict[str, Any] = {}  # canonical case -> its report, for every case seen failing
     last_failure: dict[str, Any] = {}
@@ -83,6 +84,8 @@ def run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed:
         case, report = last_failure["case"], last_failure["report"]
         row.failure = RowFailure(report_text(report), case=case, reproduce=repro_command(case, runner.impl, backend),
                                  report=report, error_maps=write_error_maps(report, error_dir))
+        if repro_dir is not None:
+            row.failure.repro = runner.export_repro(case, report, repro_dir)
     except Exception:  # noqa: BLE001 - a harness or Hypothesis error fails this row, the others still run
         crashed = in_flight.get("case")
         if crashed is not None and not in_flight.get("counted"):

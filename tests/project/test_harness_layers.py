@@ -19,6 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cases",),                      # case descriptions, strategies, profiles, the implementation under test
     ("instruments", "judging"),      # communication meter, coverage; comparison, budgets, excess, reports
     ("usage",),                      # how a CP model uses the API: resolving the sharder, miniature models
+    ("repro",),                      # standalone repro scripts: their parts, families and the one writer
     ("checks",),                     # one module per check: rank half, oracle half, everything it owns
     ("ranks",),                      # launcher, worker, wire, pool
     ("runner", "run_summary"),       # one case on the pool, judged; run-wide counters

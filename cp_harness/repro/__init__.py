@@ -1,0 +1,103 @@
+"""Standalone repros: every failing case as one script that needs torch, numpy and the code under test only.
+
+A script starts its own ranks (``torch.multiprocessing``, gloo on a free port; ``--backend nccl`` on GPUs),
+builds exactly the failing case's inputs from the ``.npz`` beside it (its SHA-256 written in the script), runs
+only the calls that failed and compares what they return with what the contract expects, under the check's
+budget; it prints the first failing tensor with its rank, global position and both values, and exits 1 while
+the defect is there, 0 once it is fixed. Each check says what its repro runs and compares (``Check.repro``);
+``CaseRunner.export_repro`` writes it (narrowing a model failure first). Modules:
+
+* ``parts`` -- the functions every script holds (launching the ranks, reading the arrays, comparing).
+* ``script`` -- the one writer: a ``Plan`` becomes ``NAME.py`` and ``NAME.npz`` (``NotExportable``: why not); a
+  case on a world mesh runs its script on ``mesh["cp"]`` of the same mesh (``on_world_mesh``).
+* ``subjects`` -- the code under test and how a script reaches it: an implementation module imported by name,
+  or an adapter's framework function called directly, its translation copied into the script.
+* ``fixes`` -- fixes proposed upstream that a script ships (``--fixed``): ``FixedGather``.
+* ``calls`` -- scripts of one documented call on every rank (gathers, halos, the loss; a narrowed call).
+* ``sharding`` -- scripts of a hook and its sharder: the local batch at the reported index map, the caller's
+  tensors, the token verbs.
+* ``real_model`` -- scripts of a real model's CP step against the same model on one device, in the script.
+
+``RecordedCall``: a documented call recorded and replayed on the ranks (``coverage.replay``), read back here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+from cp_harness.cases.descriptions import canonical, case_id
+from cp_harness.repro.script import NotExportable, Plan, on_world_mesh, write
+from cp_harness.repro.subjects import Subject, subject_of
+
+__all__ = ["NotExportable", "Plan", "RecordedCall", "Request", "Subject", "on_world_mesh", "recorded_calls", "subject_of",
+           "write"]
+
+
+@dataclasses.dataclass
+class Request:
+    """What a check's ``Repro.plan`` is given: the failing ``case``, the implementation module it ran (``impl``),
+    the judging ``policy``, its ``report``, and ``note``: how the case was reached (narrowed from another)."""
+
+    case: dict
+    impl: str
+    policy: Any
+    report: Any = None
+    note: str = ""
+
+    @property
+    def name(self) -> str:
+        return case_id(self.case)
+
+    @property
+    def case_text(self) -> str:
+        return canonical(self.case) + f" (implementation {self.impl})" + (f"; {self.note}" if self.note else "")
+
+    def subject(self, function: str, translate: bool = True) -> Subject:
+        return subject_of(self.impl, function, translate)
+
+
+def _restore(array: np.ndarray, described: dict) -> torch.Tensor:
+    value = torch.from_numpy(np.asarray(array).copy()).to(getattr(torch, described["dtype"]))
+    order = described.get("memory_order")
+    return value if order is None else value.permute(*np.argsort(order).tolist())
+
+
+@dataclasses.dataclass
+class RecordedCall:
+    """A documented call recorded on every rank and replayed there on its own. Per rank (rank order): ``inputs``
+    (argument position -> tensor, as the call received it, strides included), ``upstream`` (the gradient that
+    reached its output, ``None``: none), the replayed ``output`` and ``grads`` (argument position -> gradient);
+    ``others``: the other arguments' ``repr`` by position; ``arguments``: how many it took."""
+
+    index: int
+    function: str
+    arguments: int
+    others: dict[str, str]
+    inputs: list[dict[int, torch.Tensor]]
+    upstream: list[torch.Tensor | None]
+    output: list[torch.Tensor]
+    grads: list[dict[int, torch.Tensor]]
+
+
+def recorded_calls(outputs: list) -> list[RecordedCall]:
+    """The calls a ``"record_calls": true`` run recorded (``checks.run_on_rank``), every rank's side together."""
+    first = outputs[0].info.get("recorded_calls", [])
+    calls = []
+    for i, described in enumerate(first):
+        per_rank = [(o.info["recorded_calls"][i]["tensors"], o.tensors) for o in outputs]
+
+        def pick(kind: str, j: int | None = None):
+            key = f"call{i}/{kind}" + ("" if j is None else str(j))
+            return [(_restore(t[key], d[key]) if key in d else None) for d, t in per_rank]
+
+        positions = [j for j in range(described["arguments"]) if f"call{i}/input{j}" in described["tensors"]]
+        inputs = [dict(zip(positions, values)) for values in zip(*(pick("input", j) for j in positions))]
+        grads = [{j: g for j, g in zip(positions, values) if g is not None}
+                 for values in zip(*(pick("grad", j) for j in positions))] if positions else [{} for _ in outputs]
+        calls.append(RecordedCall(i, described["function"], described["arguments"], described["others"], inputs,
+                                  pick("upstream"), pick("output"), grads))
+    return calls

@@ -1,0 +1,245 @@
+"""Standalone repros (``cp_harness/repro``, issue 27): a failing case as one script needing torch, numpy and the code
+under test only.
+
+- Every broken fixture of ``tests/fixtures`` (``targets.FIXTURES``) and every documented framework defect
+  (``known_defects.json``) is exported from a case it fails; each script imports nothing but the standard
+  library, torch, numpy and the code under test, carries the SHA-256 of its pickle-free ``.npz``, exits 1 on the
+  broken code (printing the wrong tensor, its rank and global position) and 0 on the bundled implementation
+  (``--impl cp_impl``) or with ``--fixed``; run with ``cp_harness``, ``oracle`` and ``hypothesis`` unimportable
+  (``run_scripts.py``), the ranks forked from one interpreter. A fresh virtual environment holding only torch,
+  numpy and the code under test runs them as their users do in the nightly (``test_fresh_venv.py``).
+- The committed repros of the documented defects (``examples/automodel/repro/exported``) are what the exporter
+  writes now.
+- ``verify --export-repros DIR`` leaves one script per failing row in DIR and names it in the report; the
+  plugin's runner (``--cp-export-repros``) names the script in a failure's message; ``python -m cp_harness repro``
+  writes one.
+"""
+
+from __future__ import annotations
+
+import ast
+import filecmp
+import hashlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from targets import FIXTURES, NEEDS_FRAMEWORK
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNNER = Path(__file__).resolve().parent / "run_scripts.py"
+EXPORTED = ROOT / "examples" / "automodel" / "repro" / "exported"
+ALLOWED = set(sys.stdlib_module_names) | {"numpy", "torch", "nemo_automodel"}
+
+
+def _framework() -> bool:
+    try:
+        import nemo_automodel.components.distributed.context_parallel.sharder  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+FRAMEWORK = _framework()
+
+
+def export_targets(cp_runner, tmp_path_factory) -> dict[str, Path]:
+    """Every target exported from its failing case on the session's warm ranks: ``{name: script}``; the documented
+    defects as ``examples.automodel.export_repros`` names them (in a folder of their own)."""
+    runner = cp_runner.sharing_pool()
+    out: dict[str, Path] = {}
+    directory = tmp_path_factory.mktemp("repros")
+    for name, (case, _) in FIXTURES.items():
+        if (name in NEEDS_FRAMEWORK and not FRAMEWORK) or int(case["world_size"]) > runner.config.world_size:
+            continue
+        report = runner.run({**case, "impl": name})
+        assert not report.ok, name
+        result = runner.export_repro({**case, "impl": name}, report, str(directory), name=name)
+        assert result.path, f"{name}: {result.why}"
+        out[name] = Path(result.path)
+    if FRAMEWORK:
+        from examples.automodel import export_repros
+
+        defects = tmp_path_factory.mktemp("defects")
+        for name, result in export_repros.export_all(runner, str(defects)).items():
+            assert result.path, f"{name}: {result.why}"
+            out[name] = Path(result.path)
+    return out
+
+
+def _every_fixture_and_documented_defect_has_a_script(exported):
+    expected = {n for n, (c, _) in FIXTURES.items() if FRAMEWORK or n not in NEEDS_FRAMEWORK}
+    assert expected <= set(exported), sorted(expected - set(exported))
+    if FRAMEWORK:
+        from examples.automodel import export_repros
+
+        assert {e["name"] for e in export_repros.entries()} <= set(exported)
+
+
+def _a_script_imports_only_torch_numpy_and_the_code_under_test(exported):
+    for name, path in exported.items():
+        tree = ast.parse(path.read_text())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert imported <= ALLOWED, f"{name}: {sorted(imported - ALLOWED)}"
+        text = path.read_text()
+        assert not re.search(r"\b(cp_harness|oracle|hypothesis)\b", text.split('"""', 2)[2]), name  # beyond the docstring
+        if name in FIXTURES:  # the implementation under test is imported by name, by default the broken one
+            assert f'default={name!r}' in text, name
+
+
+def _a_scripts_arrays_are_pickle_free_and_sealed_by_its_digest(exported):
+    for name, path in exported.items():
+        npz = path.with_suffix(".npz")
+        if not npz.exists():
+            continue
+        data = npz.read_bytes()
+        assert f"SHA256 = {hashlib.sha256(data).hexdigest()!r}" in path.read_text(), name
+        with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
+            assert all(arrays[k].dtype != object for k in arrays.files), name
+            assert all(k in arrays.files for k in arrays.get("bfloat16", [])), name
+
+
+# Lines of a script written by the harness (the shared parts, the family's body, its docstring), the code under test
+# copied in (an adapter's translation, its sharder) and the fix it ships (FixedGather) not counted; a script on a
+# world mesh holds the mesh built as training builds it and a paragraph saying so.
+LIMITS = {"call": 195, "sharding": 305}
+WORLD_MESH_LINES = 15
+
+
+def _harness_definitions() -> set[str]:
+    names = {"options", "code_under_test", "call"}  # written per script by the family
+    for module in (ROOT / "cp_harness" / "repro").glob("*.py"):
+        if module.name != "fixes.py":
+            names |= {n.name for n in ast.parse(module.read_text()).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    return names
+
+
+def _own_lines(path: Path, harness: set[str]) -> int:
+    text = path.read_text()
+    copied = [n for n in ast.parse(text).body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name not in harness]
+    return len(text.splitlines()) - sum(n.end_lineno - n.lineno + 3 for n in copied)  # two blank lines before each
+
+
+def _scripts_are_small(exported):
+    harness, sizes, over = _harness_definitions(), {}, {}
+    for name, path in exported.items():
+        text = path.read_text()
+        family = "sharding" if "def shard(" in text else "call"
+        limit = LIMITS[family] + (WORLD_MESH_LINES if "MESH = {" in text else 0)
+        sizes[name] = (len(text.splitlines()), _own_lines(path, harness), family)
+        if sizes[name][1] > limit:
+            over[name] = (*sizes[name], limit)
+    assert not over, over
+    print("script lines (all, the harness's own, family):", json.dumps(sizes))
+
+
+def _run(runs: list[tuple[Path, list[str]]]) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fixtures"), str(ROOT)])}
+    proc = subprocess.run([sys.executable, str(RUNNER)], input=json.dumps([[str(p), a] for p, a in runs]), cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(results) == len(runs), proc.stdout[-2000:] + proc.stderr[-4000:]
+    return results
+
+
+def _each_script_fails_on_the_broken_code_and_passes_on_the_fix_without_the_harness(exported, tmp_path):
+    blocked = tmp_path / "uses_the_harness.py"
+    blocked.write_text("import cp_harness\n\n\ndef main(argv):\n    return 0\n")
+    runs: list[tuple[Path, list[str]]] = [(blocked, [])]
+    for name, path in exported.items():
+        # a message to the wrong rank waits for the script's timeout (120 s by default): a short one here
+        wait = ["--timeout", "20"] if "MESH = {" in path.read_text() else []
+        runs += [(path, wait), (path, ["--impl", "cp_impl", *wait])]
+        if "--fixed" in path.read_text():
+            runs.append((path, ["--fixed", *wait]))
+    results = _run(runs)
+    assert results[0]["exit"] == 3 and "cp_harness is not available" in results[0]["output"], results[0]
+    for (path, args), result in zip(runs[1:], results[1:]):
+        name, output = path.stem, result["output"]
+        if set(args) & {"--impl", "--fixed"}:
+            assert result["exit"] == 0, f"{name} {args}:\n{output}"
+            continue
+        assert result["exit"] == 1, f"{name}:\n{output}"
+        says = FIXTURES[name][1] if name in FIXTURES else ""
+        assert says in output and re.search(r"differ|raised|holds no|changed the caller's|cuts|not sharded", output), output
+        if "position" in output and "differ" in output:
+            assert re.search(r"position -?\d+", output), output
+    print("seconds per run:", json.dumps({r["script"].rsplit("/", 1)[-1] + " " + " ".join(r["args"]): r["seconds"]
+                                          for r in results[1:]}))
+
+
+def _the_committed_repros_of_the_documented_defects_are_current(exported):
+    if not FRAMEWORK:
+        return
+    from examples.automodel import export_repros
+
+    for entry in export_repros.entries():
+        script = exported[entry["name"]]
+        for suffix in (".py", ".npz"):
+            committed = EXPORTED / (entry["name"] + suffix)
+            assert committed.exists() and filecmp.cmp(script.with_suffix(suffix), committed, shallow=False), \
+                f"{committed.name} is stale: python -m examples.automodel.export_repros"
+    d1 = (EXPORTED / "D1-deepseek_v41_gather-model.mistral_large4.float64.py").read_text()
+    assert "reaches the call as a permuted view" in d1  # D1: the upstream gradient's strides are the finding
+
+
+@pytest.mark.slow
+def test_every_fixture_and_documented_defect_exports_a_standalone_repro_that_fails_then_passes(cp_runner,
+                                                                                                  tmp_path_factory):
+    """One test, so that pytest-xdist runs the exports once (about 35 s) and the scripts in one interpreter (about
+    50 s, 20 of them importing nemo-automodel)."""
+    exported = export_targets(cp_runner, tmp_path_factory)
+    _every_fixture_and_documented_defect_has_a_script(exported)
+    _a_script_imports_only_torch_numpy_and_the_code_under_test(exported)
+    _a_scripts_arrays_are_pickle_free_and_sealed_by_its_digest(exported)
+    _scripts_are_small(exported)
+    _the_committed_repros_of_the_documented_defects_are_current(exported)
+    _each_script_fails_on_the_broken_code_and_passes_on_the_fix_without_the_harness(exported,
+                                                                                     tmp_path_factory.mktemp("run"))
+
+
+def test_verify_export_repros_leaves_one_script_per_failing_row_and_names_it(cp_runner, tmp_path):
+    from cp_harness.verify import VerifySettings, result_text, run_verify
+
+    settings = VerifySettings(impl="broken_gate_halo", world_sizes=(2, 3), examples=2, shrink_seconds=1.0,
+                              rows=("convolution_history", "gather_sequence"), dtypes=("float64",),
+                              export_repros=str(tmp_path / "repros"), error_dir=str(tmp_path / "maps"))
+    result = run_verify(settings, pool=cp_runner.pool, progress_stream=io.StringIO())
+    text, report = result_text(result), result.as_dict()
+    failed = [row for row in report["rows"] if not row["ok"]]
+    assert [row["name"] for row in failed] == ["inkling2.convolution_history"], text
+    scripts = sorted(p.name for p in (tmp_path / "repros").glob("*.py"))
+    assert len(scripts) == len(failed) and failed[0]["repro_script"].endswith(scripts[0]), (scripts, text)
+    assert f"standalone repro: {failed[0]['repro_script']}" in text, text
+    assert all(row["repro_script"] is None for row in report["rows"] if row["ok"])
+
+
+def test_the_plugins_runner_names_the_script_of_a_failing_case(cp_runner, tmp_path):
+    runner = cp_runner.sharing_pool()
+    runner.repro_dir = str(tmp_path)
+    case, _ = FIXTURES["broken_rel_loss_scale"]
+    with pytest.raises(AssertionError) as failure:
+        runner.check({**case, "impl": "broken_rel_loss_scale"})
+    path = re.search(r"standalone repro: (\S+\.py)", str(failure.value)).group(1)
+    assert Path(path).is_file() and Path(path).with_suffix(".npz").is_file()
+    from cp_harness import options
+
+    assert options.BY_DEST["export_repros"].plugin and options.BY_DEST["export_repros"].pytest_flag == \
+        "--cp-export-repros"
+
+
+def test_the_repro_command_writes_the_script_of_a_failing_case(tmp_path, capsys):
+    from cp_harness.__main__ import main
+
+    case, _ = FIXTURES["broken_rel_loss_scale"]
+    out = tmp_path / "loss.py"
+    assert main(["repro", "--impl", "broken_rel_loss_scale", json.dumps(case), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"standalone repro: {out}" in printed and out.is_file() and out.with_suffix(".npz").is_file(), printed
