@@ -476,21 +476,8 @@ SHARDER_ROUNDTRIP_EXAMPLES = {
 }
 
 def _sharder_repro(request) -> "sharding.script.Plan":
-    """The round trip as a standalone script: the hook's sharder on the case's batch, ``shard_token_tensor`` then
-    ``gather_token_tensor`` (trimmed and not) on the case's value, forward and backward, judged on every rank."""
-    case = request.case
-    B, S, C = case["shape"]
-    batch = build_batch({"seed": case["seed"], "batch": {"format": "bshd", "seq_len": S, "rows": [[0, S]] * B},
-                         "model": "inkling2"})
-    value = global_value(case, [B, S, C], 1)[:, :S].clone()
-    forms = [{"value": value, "seq_dim": 1, "fill": False if value.dtype == torch.bool else 0, "trim": trim}
-             for trim in (True, False)]
-    return sharding.export(request, sharding.ShardCase(
-        int(case["world_size"]), ("inkling2", "prepare_cp_inputs", {}), batch, [], {}, {},
-        "shard_token_tensor(x, seq_dim=1, fill) returns this rank's positions of the index map (x padded with fill); "
-        "gather_token_tensor(local, seq_dim=1, trim) puts every rank's shard back in global order (trim: the "
-        "caller's length); the backward gives each rank's shard the sum of every rank's upstream gradient at its "
-        "positions.", mesh=case.get("mesh") != "none", forms=forms))
+    B, S, C = request.case["shape"]
+    return sharding.roundtrip(request, global_value(request.case, [B, S, C], 1)[:, :S].clone())
 
 
 SHARDER_ROUNDTRIP = register(

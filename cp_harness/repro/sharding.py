@@ -373,6 +373,23 @@ def export(request, case: ShardCase) -> script.Plan:
     return plan(case, subject, request.name, request.case_text, sharder)
 
 
+def roundtrip(request, value: torch.Tensor) -> script.Plan:
+    """The plan of a ``sharder_roundtrip`` case: the hook's sharder on the case's batch, ``shard_token_tensor`` then
+    ``gather_token_tensor`` (trimmed and not) on ``value`` (``[B, S, C]``, the check's), forward and backward."""
+    case = request.case
+    B, S, _ = case["shape"]
+    batch = build_batch({"seed": case["seed"], "batch": {"format": "bshd", "seq_len": S, "rows": [[0, S]] * B},
+                         "model": "inkling2"})
+    forms = [{"value": value, "seq_dim": 1, "fill": False if value.dtype == torch.bool else 0, "trim": trim}
+             for trim in (True, False)]
+    return export(request, ShardCase(
+        int(case["world_size"]), ("inkling2", "prepare_cp_inputs", {}), batch, [], {}, {},
+        "shard_token_tensor(x, seq_dim=1, fill) returns this rank's positions of the index map (x padded with fill); "
+        "gather_token_tensor(local, seq_dim=1, trim) puts every rank's shard back in global order (trim: the "
+        "caller's length); the backward gives each rank's shard the sum of every rank's upstream gradient at its "
+        "positions.", mesh=case.get("mesh") != "none", forms=forms))
+
+
 def verbs(request, value, fill) -> script.Plan:
     """The plan of a ``sharder_verbs`` case on the implementation's own strategy: the caller's tensors, and each
     failing verb call on a tensor in the caller's coordinates (``value(case, i, shape, dtype)``, ``fill(form,
