@@ -141,8 +141,15 @@ def _repro(values: dict, text: str, output: str) -> int:
     written (bad arguments, or a kind of failure without one: the message says why)."""
     import os
 
+    from cp_harness.cases.implementation import impl_names
     from cp_harness.judging.render import failure_message
 
+    stem = os.path.splitext(os.path.basename(output))[0]
+    if stem in {name.split(".")[0] for name in impl_names(values["impl"])}:
+        print(f"-o {output}: run as a script, its folder comes first on sys.path, so `import {stem}` would import "
+              f"the script instead of the module under test; name it otherwise (e.g. {stem}-repro.py)",
+              file=sys.stderr)
+        return 2
     case, runner = _case_runner(values, text)
     if case is None:
         return runner

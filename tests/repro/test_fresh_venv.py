@@ -38,7 +38,7 @@ def test_every_repro_runs_in_a_fresh_environment_with_torch_numpy_and_the_code_u
     if FRAMEWORK:
         for name, (case, _) in SPECS.items():
             exported[name] = Path(repro.write(checks.check_of(case).repro.plan(repro.Request(case, "cp_impl", STRICT)),
-                                              str(specs), name))
+                                              str(specs), f"{name}-repro"))
     base = tmp_path_factory.mktemp("fresh")
     venv, code = base / "venv", base / "code"
     subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(venv)], check=True)

@@ -60,7 +60,8 @@ def export_targets(cp_runner, tmp_path_factory) -> dict[str, Path]:
             continue
         report = runner.run({**case, "impl": name})
         assert not report.ok, name
-        result = runner.export_repro({**case, "impl": name}, report, str(directory), name=name)
+        # not NAME.py: run as a script, its folder comes first on sys.path and `import NAME` would import itself
+        result = runner.export_repro({**case, "impl": name}, report, str(directory), name=f"{name}-repro")
         assert result.path, f"{name}: {result.why}"
         out[name] = Path(result.path)
     if FRAMEWORK:
@@ -162,7 +163,7 @@ def _each_script_fails_on_the_broken_code_and_passes_on_the_fix_without_the_harn
     results = _run(runs)
     assert results[0]["exit"] == 3 and "cp_harness is not available" in results[0]["output"], results[0]
     for (path, args), result in zip(runs[1:], results[1:]):
-        name, output = path.stem, result["output"]
+        name, output = path.stem.removesuffix("-repro"), result["output"]
         if set(args) & {"--impl", "--fixed"}:
             assert result["exit"] == 0, f"{name} {args}:\n{output}"
             continue
@@ -243,3 +244,13 @@ def test_the_repro_command_writes_the_script_of_a_failing_case(tmp_path, capsys)
     assert main(["repro", "--impl", "broken_rel_loss_scale", json.dumps(case), "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     assert f"standalone repro: {out}" in printed and out.is_file() and out.with_suffix(".npz").is_file(), printed
+
+
+def test_the_repro_command_refuses_a_script_named_like_the_module_it_imports(tmp_path, capsys):
+    from cp_harness.__main__ import main
+
+    case, _ = FIXTURES["broken_rel_loss_scale"]
+    out = tmp_path / "broken_rel_loss_scale.py"
+    assert main(["repro", "--impl", "broken_rel_loss_scale", json.dumps(case), "-o", str(out)]) == 2
+    assert "would import the script instead of the module under test" in capsys.readouterr().err
+    assert not out.exists()
