@@ -50,8 +50,8 @@ def loss_inputs(case: dict):
     S_pad = padded_length(S, int(case.get("pad_multiple", n)))
     V = int(case.get("vocab", 11))
     raw = random_tensor(case, "logits", (B, S_pad, V), dtype=dtype_of(case)) * 3
-    # The soft-cap in float64, rounded once to the case's dtype: a float32 tanh is MKL's, whose last bit depends on
-    # the processor (not only on ATEN_CPU_CAPABILITY), and the case's inputs must be the same data everywhere.
+    # The soft-cap in float64, rounded once to the case's dtype: a float32 tanh's last bit depends on
+    # the processor model (not only on ATEN_CPU_CAPABILITY), and the case's inputs must be the same data everywhere.
     logits = (SOFTCAP * torch.tanh(raw.to(torch.float64) / SOFTCAP)).to(raw.dtype)
     labels = torch.full((B, S_pad), IGNORE_INDEX, dtype=torch.int64)
     labels[:, :S] = batch["labels"] % V
