@@ -411,8 +411,8 @@ class CaseRunner:
         for call in (repro.recorded_calls(outputs) if outputs else []):
             if call.function not in definitions:
                 continue
-            expected = definitions[call.function](call)
-            if repro_calls.replay_differs(expected, call):
+            if repro_calls.replay_differs(definitions[call.function](call), call):
+                expected = definitions[call.function](repro.portable(call))
                 note = (f"narrowed from that case to call {call.index + 1} of its run ({call.function}), with the "
                         "inputs and upstream gradient it received on the ranks")
                 request = repro.Request(case, impl, self.policy, note=note)

@@ -33,8 +33,8 @@ from cp_harness.cases.descriptions import canonical, case_id
 from cp_harness.repro.script import NotExportable, Plan, on_world_mesh, write
 from cp_harness.repro.subjects import Subject, subject_of
 
-__all__ = ["NotExportable", "Plan", "RecordedCall", "Request", "Subject", "on_world_mesh", "recorded_calls", "subject_of",
-           "write"]
+__all__ = ["NotExportable", "Plan", "RecordedCall", "Request", "Subject", "on_world_mesh", "portable", "recorded_calls",
+           "subject_of", "write"]
 
 
 @dataclasses.dataclass
@@ -81,6 +81,20 @@ class RecordedCall:
     upstream: list[torch.Tensor | None]
     output: list[torch.Tensor]
     grads: list[dict[int, torch.Tensor]]
+
+
+def portable(call: RecordedCall) -> RecordedCall:
+    """``call`` with its upstream gradients rounded to bfloat16's grid (dtype and strides kept), for the script it
+    is exported to. They come from a model's backward, whose float64/float32 last bits differ between processors
+    and kernel sets (an AMD AVX2 and an Intel AVX-512 machine gave 24 of 64 elements one ULP apart), so the script
+    and its arrays would differ from one machine to the next. Only the export is rounded: whether the call is wrong
+    is decided on what it received. A replayed call's defect shows in where its gradient goes, not in its last
+    bits."""
+    def rounded(u: torch.Tensor | None) -> torch.Tensor | None:
+        if u is None or u.dtype not in (torch.float64, torch.float32):
+            return u
+        return u.to(torch.bfloat16).to(u.dtype)
+    return dataclasses.replace(call, upstream=[rounded(u) for u in call.upstream])
 
 
 def recorded_calls(outputs: list) -> list[RecordedCall]:
