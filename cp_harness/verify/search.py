@@ -9,6 +9,7 @@ from typing import Any
 
 from hypothesis import example, given, seed as hypothesis_seed
 
+from cp_harness import checks
 from cp_harness.cases.descriptions import canonical
 from cp_harness.cases.meshes import ranks_needed
 from cp_harness.cases.profiles import CaseSpace, command_settings
@@ -23,6 +24,24 @@ from cp_harness.verify.rows import Row, RowFailure
 def _traceback_head(frames: int = 4) -> str:
     """The exception and its innermost ``frames`` frames, indented (the whole one: run-case, or --json)."""
     return "".join("    " + line for line in traceback.format_exc(limit=-frames).splitlines(keepends=True))
+
+
+def _built_for(case: dict, claims: list[str]) -> set[str]:
+    """The claims an explicit case was built to reach: those its check covers (``Check.functions``)."""
+    functions = set(checks.check_of(case).functions)
+    return {claim for claim in claims if not coverage.covered([claim], functions)}
+
+
+def _built_for_but_not_run(never: list[str], explicit: tuple[dict, ...], fitting: list[dict]) -> list[str]:
+    """The claims in ``never`` that only explicit cases which did not fit the run were built to reach.
+
+    A claim the run did not reach is a finding when a case built to reach it ran (the implementation did not call
+    the function through its documented API), and when no case of the row was built to reach it (a claim nothing
+    backs). When its cases could not run here (they need more ranks), the verdict would depend on whether a drawn
+    case happened to reach it, so the row says it was not reached and is not failed for it."""
+    ran = set().union(*(_built_for(case, never) for case in fitting)) if fitting else set()
+    built = set().union(*(_built_for(case, never) for case in explicit)) if explicit else set()
+    return [f for f in never if f in built and f not in ran]
 
 
 def run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed: int, progress: Progress,
@@ -63,12 +82,18 @@ def run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed:
         last_failure["case"], last_failure["report"] = case, report
         raise AssertionError(report_text(report))  # one raise site: Hypothesis tells failures apart by where they rise
 
-    for case in row.spec.explicit:
-        if ranks_needed(case) <= space.pool_ranks:
-            property_ = example(case=case)(property_)
+    fitting = [case for case in row.spec.explicit if ranks_needed(case) <= space.pool_ranks]
+    for case in fitting:
+        property_ = example(case=case)(property_)
     try:
         property_()
         never = coverage.covered(row.spec.functions, tally.called)
+        unreachable = _built_for_but_not_run(never, row.spec.explicit, fitting)
+        for function in unreachable:
+            tally.not_judged[f"the claim {function}"] = (
+                f"not reached: none of its {tally.examples} cases called it, and the row's cases built to reach it "
+                f"need more ranks than this run's {space.pool_ranks}")
+        never = [f for f in never if f not in unreachable]
         if never and row.failure is None and tally.examples:
             tally.failed = max(tally.failed, 1)
             row.failure = RowFailure(
