@@ -45,17 +45,18 @@ import contextlib
 import dataclasses
 import importlib
 import pkgutil
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from cp_harness.cases import meshes
+from cp_harness.checks._token_layout import NotShardedLikeTokens
 from cp_harness.instruments import coverage
 from cp_harness.judging.budgets import Budget
 from cp_harness.judging.policy import STRICT, JudgingPolicy
 from cp_harness.judging.verdicts import CaseReport
-from cp_harness.checks._token_layout import NotShardedLikeTokens
 
 
 @dataclasses.dataclass

@@ -27,12 +27,28 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
 from hypothesis import strategies as st
 
-from cp_harness.cases.descriptions import (IGNORE_INDEX, batches_equal, build_batch, clone_batch, fixed_num_chunks, layout_rows, padded_length)
-from cp_harness.cases.strategies import (as_space, inkling2_images, layouts, mistral_image, packed_layout, seeds,
-                                         with_extras, with_impl, world_sizes)
+from cp_harness.cases.descriptions import (
+    IGNORE_INDEX,
+    batches_equal,
+    build_batch,
+    clone_batch,
+    fixed_num_chunks,
+    layout_rows,
+    padded_length,
+)
+from cp_harness.cases.strategies import (
+    as_space,
+    inkling2_images,
+    layouts,
+    mistral_image,
+    packed_layout,
+    seeds,
+    with_extras,
+    with_impl,
+    world_sizes,
+)
 from cp_harness.checks import GoldenContents, Repro, VerifyRow, register
 from cp_harness.checks._token_layout import ReportedLayout, judge_token_layout
 from cp_harness.judging import comm_minimum

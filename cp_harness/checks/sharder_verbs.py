@@ -46,8 +46,17 @@ import torch
 from hypothesis import strategies as st
 
 from cp_harness.cases.descriptions import build_batch
-from cp_harness.cases.strategies import (FLOAT_DTYPES, VALUE_DTYPES, as_space, packed_layout, payload_dtypes, seeds,
-                                         with_impl, with_payload, world_sizes)
+from cp_harness.cases.strategies import (
+    FLOAT_DTYPES,
+    VALUE_DTYPES,
+    as_space,
+    packed_layout,
+    payload_dtypes,
+    seeds,
+    with_impl,
+    with_payload,
+    world_sizes,
+)
 from cp_harness.checks import Repro, VerifyRow, register
 from cp_harness.checks._token_layout import judge_token_layout
 from cp_harness.judging.compare import compare_exact

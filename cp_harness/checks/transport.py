@@ -25,8 +25,16 @@ import torch
 from hypothesis import strategies as st
 
 from cp_harness.cases.descriptions import accumulate, build_batch, dtype_of, random_tensor, upstream_values
-from cp_harness.cases.strategies import (FLOAT_DTYPES, VALUE_DTYPES, as_space, payload_dtypes, seeds, with_impl,
-                                         with_payload, world_sizes)
+from cp_harness.cases.strategies import (
+    FLOAT_DTYPES,
+    VALUE_DTYPES,
+    as_space,
+    payload_dtypes,
+    seeds,
+    with_impl,
+    with_payload,
+    world_sizes,
+)
 from cp_harness.checks import GoldenContents, Repro, VerifyRow, register
 from cp_harness.checks._token_layout import judge_token_layout, stack_ranks
 from cp_harness.judging import comm_minimum
@@ -475,7 +483,7 @@ SHARDER_ROUNDTRIP_EXAMPLES = {
         "shape": [1, 7, 2]},
 }
 
-def _sharder_repro(request) -> "sharding.script.Plan":
+def _sharder_repro(request) -> sharding.script.Plan:
     B, S, C = request.case["shape"]
     return sharding.roundtrip(request, global_value(request.case, [B, S, C], 1)[:, :S].clone())
 
