@@ -6,15 +6,8 @@ bfloat16/float16 gradient sums over ranks must be the float32 sum rounded once (
 from hypothesis import given, settings
 
 from cp_harness.cases.profiles import examples
-from cp_harness.checks.transport import (
-    CONVOLUTION_HISTORY,
-    GATHER_SEQUENCE,
-    GATHER_TOKENS,
-    SHARDER_ROUNDTRIP,
-    gather_cases,
-    history_cases,
-    sharder_cases,
-)
+from cp_harness.checks.sharder_roundtrip import SHARDER_ROUNDTRIP, sharder_cases
+from cp_harness.checks.transport import CONVOLUTION_HISTORY, GATHER_SEQUENCE, GATHER_TOKENS, gather_cases, history_cases
 
 
 @settings(max_examples=examples(3.0))
