@@ -300,6 +300,9 @@ def _grad_axis(axis: int):
     return rank_axis
 
 
+# The three registrations are mostly case descriptions (named examples, golden cases): one case a line, read as a
+# table (the formatter would give each field a line of its own).
+# fmt: off
 # The gate suite's named explicit examples of this check (regressions that must stay).
 GATHER_SEQUENCE_EXAMPLES = {
     "n1-float64-nomesh-seed1": {"check": "gather_sequence", "world_size": 1, "mesh": "none", "seed": 1,
@@ -393,3 +396,4 @@ CONVOLUTION_HISTORY = register(
     rows=(VerifyRow("inkling2.convolution_history", history_cases, ("inkling2.convolution_history",), PAYLOADS,
                     position=1),),
     examples=CONVOLUTION_HISTORY_EXAMPLES, repro=Repro(plan=_history_plan, replays={"inkling2.convolution_history": calls.recorded_history}))
+# fmt: on
