@@ -24,8 +24,8 @@ import sys
 import time
 
 import numpy as np
-
-from hypothesis import given, seed as hypothesis_seed
+from hypothesis import given
+from hypothesis import seed as hypothesis_seed
 
 from cp_harness import checks, options
 from cp_harness.cases.descriptions import canonical

@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 DEFAULT_IMPL = "cp_impl"
 

@@ -22,25 +22,26 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from cp_harness import checks, repro
-from cp_harness.repro import calls as repro_calls
-from cp_harness.judging import excess
-from cp_harness.cases.descriptions import canonical, payload_dtype
-from cp_harness.judging.policy import STRICT, JudgingPolicy
-from cp_harness.judging.verdicts import CaseReport, merge_groups
 from cp_harness.cases import meshes
+from cp_harness.cases.descriptions import canonical, payload_dtype
 from cp_harness.cases.implementation import case_impl, primary_impl
+from cp_harness.judging import excess
+from cp_harness.judging.policy import STRICT, JudgingPolicy
 from cp_harness.judging.render import failure_message
+from cp_harness.judging.verdicts import CaseReport, merge_groups
 from cp_harness.ranks.pool import PoolConfig, RankFailure, RankPool, Ticket
+from cp_harness.repro import calls as repro_calls
 
 
 def _baseline_of(case: dict) -> dict | None:
     return checks.check_of(case).baseline_case(case)
 
 
-def per_group(outputs: list, layout: "meshes.MeshLayout | None") -> list[list]:
+def per_group(outputs: list, layout: meshes.MeshLayout | None) -> list[list]:
     """The outputs of each CP group that ran a case, each in CP rank order with ``rank`` its CP rank (what a
     check's ``evaluate`` reads); today's case: the one group of all outputs, as they are."""
     if layout is None:
@@ -381,7 +382,7 @@ class CaseRunner:
         return report
 
     def export_repro(self, case: dict, report: CaseReport, directory: str, *, note: str = "",
-                     name: str | None = None) -> "Exported":
+                     name: str | None = None) -> Exported:
         """Write the standalone repro of the failing ``case`` (judged as ``report``) into ``directory`` (as
         ``name``.py, default the case's id): the script's path, or why none was written (a check without one, a
         kind of case no script family covers)."""
@@ -397,7 +398,7 @@ class CaseRunner:
         except repro.NotExportable as why:
             return Exported(None, why=str(why), case=case)
 
-    def _narrowed(self, case: dict, check: checks.Check, directory: str, name: str | None) -> "Exported":
+    def _narrowed(self, case: dict, check: checks.Check, directory: str, name: str | None) -> Exported:
         """A model failure narrowed: the first documented call of the run that is wrong on its own, replayed on
         the ranks with what it received (judged by the check that replays that function), else the first failing
         case of ``check.repro.narrow``."""
@@ -427,7 +428,7 @@ class CaseRunner:
         return Exported(None, case=case, why="no documented call of the model run is wrong on its own, and no case it "
                                               "was narrowed to fails: the model's failure has no standalone repro")
 
-    def sharing_pool(self) -> "CaseRunner":
+    def sharing_pool(self) -> CaseRunner:
         """A runner with its own counters on this runner's pool (the harness's own tests judge deliberately
         broken modules on the session's ranks without counting them as examples of the gate)."""
         return CaseRunner(self.config, pool=self.pool, policy=self.policy, admit=self.admit, error_dir=self.error_dir,

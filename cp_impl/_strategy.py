@@ -9,8 +9,8 @@ when ``shard_primary``) and in the packed path of mistral_large4 (which adds
 from __future__ import annotations
 
 import functools
-from collections.abc import MutableMapping
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
 
 import torch
 
@@ -18,10 +18,10 @@ from ._layout import (
     IGNORE_INDEX,
     PACKED_KEYS,
     DerivedLayout,
+    batch_dims,
     check_images,
     check_num_chunks,
     check_token_tensor,
-    batch_dims,
     derive_layout,
     primary_key,
 )

@@ -19,7 +19,8 @@ Communication per call (``N`` ranks, local payload ``P`` bytes):
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -33,8 +33,10 @@ batch); ``gather_token_tensor`` does.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Mapping
+from typing import Any
 
 import torch
 
@@ -50,7 +52,7 @@ __all__ = [
     "load_balanced_local_token_global_indices",
 ]
 
-CtxFactory = Callable[[], ContextManager[Any]]
+CtxFactory = Callable[[], AbstractContextManager[Any]]
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def measure(runner, options: BenchOptions) -> dict:
         if "cuda_peak_bytes" in per_rank[0]:
             rows[str(n)]["cuda_peak_bytes_max"] = max(r["cuda_peak_bytes"] for r in per_rank)
     base = rows.get("1")
-    for n, row in rows.items():
+    for row in rows.values():
         if base:
             row["peak_vs_n1"] = row["peak_bytes_max"] / base["peak_bytes_max"]
             row["saved_vs_n1"] = row["saved_bytes_max"] / base["saved_bytes_max"]

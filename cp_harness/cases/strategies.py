@@ -20,7 +20,13 @@ from hypothesis import strategies as st
 from cp_harness.cases import meshes, profiles
 from cp_harness.cases.descriptions import PATCH_SIZE, spec_layout
 from cp_harness.cases.profiles import (  # noqa: F401 - the case space's vocabulary, used with the strategies
-    ALL_DTYPES, CI_FULL_WEIGHT_MAX_SIZE, DEFAULT_WORLD_SIZES, FLOAT_DTYPES, VALUE_DTYPES, CaseSpace)
+    ALL_DTYPES,
+    CI_FULL_WEIGHT_MAX_SIZE,
+    DEFAULT_WORLD_SIZES,
+    FLOAT_DTYPES,
+    VALUE_DTYPES,
+    CaseSpace,
+)
 
 seeds = st.integers(min_value=0, max_value=2**31 - 1)
 

@@ -13,8 +13,8 @@ Modules (every module of this package not starting with ``_`` is a check
 module, loaded with ``pkgutil``):
 
 * ``transport`` -- ``gather_sequence``, ``gather_tokens``, ``convolution_history``
-  (bit-exact data movement, forward and backward) and ``sharder_roundtrip``
-  (the sharder's verbs).
+  (bit-exact data movement, forward and backward).
+* ``sharder_roundtrip`` -- ``sharder_roundtrip``: the sharder's verbs, shard then gather, judged the same way.
 * ``layout`` -- ``inkling2_layout``, ``mistral_large4_layout``: the prepared
   batch and the layout the sharder reports.
 * ``sharder_verbs`` -- the sharder's verbs on tensors of rank 2-5, ``seq_dim`` 1 and 2, every payload
@@ -45,17 +45,18 @@ import contextlib
 import dataclasses
 import importlib
 import pkgutil
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from cp_harness.cases import meshes
+from cp_harness.checks._token_layout import NotShardedLikeTokens
 from cp_harness.instruments import coverage
 from cp_harness.judging.budgets import Budget
 from cp_harness.judging.policy import STRICT, JudgingPolicy
 from cp_harness.judging.verdicts import CaseReport
-from cp_harness.checks._token_layout import NotShardedLikeTokens
 
 
 @dataclasses.dataclass

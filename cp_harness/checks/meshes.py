@@ -26,7 +26,8 @@ from cp_harness.cases.strategies import as_space, seeds, with_mesh_layout, world
 from cp_harness.checks import VerifyRow, register
 from cp_harness.checks.loss import SHIFTED_CP_LOSS
 from cp_harness.checks.models import MODEL
-from cp_harness.checks.transport import CONVOLUTION_HISTORY, GATHER_SEQUENCE, GATHER_TOKENS, SHARDER_ROUNDTRIP
+from cp_harness.checks.sharder_roundtrip import SHARDER_ROUNDTRIP
+from cp_harness.checks.transport import CONVOLUTION_HISTORY, GATHER_SEQUENCE, GATHER_TOKENS
 from cp_harness.judging.compare import compare_exact
 from cp_harness.judging.verdicts import CaseReport
 

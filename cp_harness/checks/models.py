@@ -26,20 +26,29 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from hypothesis import strategies as st
 
 from cp_harness.cases.descriptions import IGNORE_INDEX, build_batch, dtype_of, fixed_num_chunks, layout_rows
-from cp_harness.cases.strategies import (as_space, float_dtypes, inkling2_images, layouts, mistral_image,
-                                         packed_layout, seeds, with_extras, with_impl, world_sizes)
+from cp_harness.cases.strategies import (
+    as_space,
+    float_dtypes,
+    inkling2_images,
+    layouts,
+    mistral_image,
+    packed_layout,
+    seeds,
+    with_extras,
+    with_impl,
+    world_sizes,
+)
 from cp_harness.checks import GoldenContents, Repro, VerifyRow, register
 from cp_harness.checks._token_layout import judge_token_layout
-from cp_harness.judging.budgets import Budget
-from cp_harness.judging.verdicts import CaseReport
 from cp_harness.checks.layout import INKLING2_LAYOUT, MISTRAL_LARGE4_LAYOUT, pad_sequence
 from cp_harness.checks.loss import compare_rank_losses, per_position_ce
 from cp_harness.checks.transport import CONVOLUTION_HISTORY, GATHER_SEQUENCE, GATHER_TOKENS
+from cp_harness.judging.budgets import Budget
 from cp_harness.judging.compare import compare_exact, compare_ulp
+from cp_harness.judging.verdicts import CaseReport
 from cp_harness.usage import miniature_models as cp_models
 from cp_harness.usage.resolve_sharder import layout_report
 from oracle import models as oracle_models

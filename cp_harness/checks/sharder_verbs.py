@@ -46,8 +46,17 @@ import torch
 from hypothesis import strategies as st
 
 from cp_harness.cases.descriptions import build_batch
-from cp_harness.cases.strategies import (FLOAT_DTYPES, VALUE_DTYPES, as_space, packed_layout, payload_dtypes, seeds,
-                                         with_impl, with_payload, world_sizes)
+from cp_harness.cases.strategies import (
+    FLOAT_DTYPES,
+    VALUE_DTYPES,
+    as_space,
+    packed_layout,
+    payload_dtypes,
+    seeds,
+    with_impl,
+    with_payload,
+    world_sizes,
+)
 from cp_harness.checks import Repro, VerifyRow, register
 from cp_harness.checks._token_layout import judge_token_layout
 from cp_harness.judging.compare import compare_exact
@@ -457,6 +466,9 @@ def _example(n: int, seed: int, layout: str, dtype: str, forms: list[dict], **ke
     return with_payload(case, dtype)
 
 
+# The check's named examples are case descriptions: one entry a line, read as a table (the formatter would give
+# each field a line of its own).
+# fmt: off
 EXAMPLES = {
     # mRoPE positions [3, B, S] (seq_dim=2) of a length not a multiple of 2N, padded with -1, trimmed back.
     "mrope-int64-n3": _example(3, 11, "strategy", "int64", [
@@ -480,6 +492,7 @@ EXAMPLES = {
         {"lead": [], "trail": [2, 2], "coords": "caller", "fill": -1, "trim": True},
         {"lead": [2], "trail": [], "coords": "padded", "fill": 0, "trim": False}], seq_len=8),
 }
+# fmt: on
 
 _VERBS = ("sharder.shard", "sharder.shard_token_tensor", "sharder.gather_token_tensor",
           "sharder.local_token_global_indices")

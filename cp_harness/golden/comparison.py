@@ -11,12 +11,18 @@ import torch
 
 from cp_harness import checks
 from cp_harness.cases.descriptions import padded_length
-from cp_harness.golden.contents import REGENERATE, GoldenError, combine_rule, impl_arrays, numerics_platform, oracle_arrays
+from cp_harness.golden.contents import (
+    REGENERATE,
+    GoldenError,
+    combine_rule,
+    impl_arrays,
+    numerics_platform,
+    oracle_arrays,
+)
 from cp_harness.golden.storage import Golden, encode_npz
 from cp_harness.judging.compare import Comparison, TokenGrid, compare_exact, compare_ulp
 from cp_harness.judging.policy import STRICT
-from cp_harness.judging.render import golden_text
-from cp_harness.judging.render import report_text
+from cp_harness.judging.render import golden_text, report_text
 
 
 def _grid(case: dict, kind: str, name: str, arr: np.ndarray) -> TokenGrid | None:

@@ -77,10 +77,10 @@ import contextlib
 import dataclasses
 import functools
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from cp_harness.instruments.leaks import CommLeak, UnknownGroup, leak  # noqa: F401 - CommLeak: raised here
 from cp_harness.instruments.leaks import process_group as _process_group

@@ -33,7 +33,8 @@ import contextlib
 import dataclasses
 import functools
 import types
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 

@@ -72,7 +72,7 @@ class TokenGrid:
     start: int = 0
 
     @classmethod
-    def from_index_maps(cls, index_maps: list, seq_len: int | None = None) -> "TokenGrid":
+    def from_index_maps(cls, index_maps: list, seq_len: int | None = None) -> TokenGrid:
         """The grid of a layout given each rank's ``local_token_global_indices`` (rank order)."""
         local_len = len(index_maps[0]) if index_maps else 0
         total = sum(len(m) for m in index_maps)
@@ -83,7 +83,7 @@ class TokenGrid:
                     owners[g] = rank
         return cls(local_len, len(index_maps), tuple(owners), seq_len)
 
-    def sliced(self, start: int) -> "TokenGrid":
+    def sliced(self, start: int) -> TokenGrid:
         """The grid of a comparison of positions ``start:`` (index ``j`` is global position ``start + j``)."""
         return dataclasses.replace(self, start=self.start + start)
 

@@ -26,7 +26,7 @@ class Problem:
     kind: str = "contract"
 
     @classmethod
-    def of(cls, text: str, **fields) -> "Problem":
+    def of(cls, text: str, **fields) -> Problem:
         """A problem from a text whose first line is the headline."""
         message, _, detail = str(text).partition("\n")
         return cls(message, detail, **fields)

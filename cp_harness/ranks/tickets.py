@@ -42,7 +42,7 @@ class Ticket:
     pool: Any = dataclasses.field(repr=False)
     ranks: tuple[int, ...] = ()
     mesh: str | None = None
-    needed_by: "Ticket | None" = dataclasses.field(default=None, repr=False)
+    needed_by: Ticket | None = dataclasses.field(default=None, repr=False)
     case_id: int | None = None
     generation: int | None = None
     sends: int = 0

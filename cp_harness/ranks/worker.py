@@ -91,8 +91,8 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
     import torch.distributed  # noqa: F401 - imported once for every rank
     from torch.distributed.device_mesh import DeviceMesh  # noqa: F401
 
-    from cp_harness.checks import load_checks
     from cp_harness.cases.implementation import impl_names, load_impl
+    from cp_harness.checks import load_checks
     from cp_harness.ranks.diagnosis import exit_line
 
     torch.set_num_threads(1)  # before any tensor work: no OpenMP pool may exist at the fork
@@ -100,6 +100,7 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
     # explicit gradient imports symbolic_shapes, i.e. sympy and mpmath (about 490 modules, 2.5 s of CPU). On the
     # first such case 64 ranks importing it at once on 2 cores took over 60 s, past the case timeout.
     import encodings.idna  # noqa: F401 - socket.create_connection("127.0.0.1") imports it
+
     import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
     from cp_harness.instruments import comm_meter, coverage  # noqa: F401 - the rank's own imports
@@ -176,10 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from cp_harness.checks import RankContext, run_on_rank
     from cp_harness.instruments import comm_meter as comm
     from cp_harness.instruments import coverage
     from cp_harness.ranks import wire
-    from cp_harness.checks import RankContext, run_on_rank
 
     torch.set_num_threads(1)
     if args.backend == "nccl":
@@ -203,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     meshes = startup.MeshBook(rank, place.world_size, device.type, args.collective_timeout)
 
     phases.say(f"in the process group; loading {args.impl}")
-    from cp_harness.checks import load_checks
     from cp_harness.cases.implementation import case_impl, impl_names, load_impl
     from cp_harness.cases.meshes import mesh_key
+    from cp_harness.checks import load_checks
 
     # Every one imports, or the rank stops here; calls through the documented API are recorded per case.
     impls = {name: coverage.instrument(load_impl(name)) for name in impl_names(args.impl)}

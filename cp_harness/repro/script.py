@@ -20,7 +20,8 @@ import os
 import re
 import textwrap
 import zipfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 
-from cp_harness.cases.profiles import examples
-from cp_harness.cases.profiles import current_space
+from cp_harness.cases.profiles import current_space, examples
 from cp_harness.checks import load_checks
 
 ROWS = [row for check in load_checks().values() for row in check.rows if row.needs_model]

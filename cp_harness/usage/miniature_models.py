@@ -57,7 +57,7 @@ class CPModelOutput:
     cp_rank: int
     local_len: int
     sharder: Any
-    positions: "TokenPositions"
+    positions: TokenPositions
     caller_changes: list[str] = dataclasses.field(default_factory=list)
 
 

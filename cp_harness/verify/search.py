@@ -7,7 +7,8 @@ import time
 import traceback
 from typing import Any
 
-from hypothesis import example, given, seed as hypothesis_seed
+from hypothesis import example, given
+from hypothesis import seed as hypothesis_seed
 
 from cp_harness import checks
 from cp_harness.cases.descriptions import canonical
@@ -15,7 +16,7 @@ from cp_harness.cases.meshes import ranks_needed
 from cp_harness.cases.profiles import CaseSpace, command_settings
 from cp_harness.instruments import coverage
 from cp_harness.judging.error_maps import write_error_maps
-from cp_harness.judging.render import comparison_summary, repro_command, report_text
+from cp_harness.judging.render import comparison_summary, report_text, repro_command
 from cp_harness.runner import CaseRunner
 from cp_harness.verify.progress import Progress
 from cp_harness.verify.rows import Row, RowFailure
