@@ -22,9 +22,11 @@ import pytest
 
 from cp_harness import checks
 from cp_harness.cases.descriptions import canonical
+from cp_harness.ranks.outputs import RankFailureKind
 from cp_harness.ranks.pool import PoolConfig, RankFailure
 from cp_harness.runner import CaseRunner
 from cp_harness.judging.render import problem_text, report_text
+from cp_harness.judging.verdicts import ProblemKind
 
 LAYOUT = {"format": "thd", "seq_len": 12, "docs": [[[5, 6], [4, 6]]]}
 
@@ -164,7 +166,7 @@ def test_fault_in_a_pipeline_fails_only_its_own_case(fault_runner):
             assert not report.ok
             assert len(report.problems) == 1, report.problems
             problem = report.problems[0]
-            assert problem.rank == rank and problem.kind == f"rank {kind}", problem
+            assert problem.rank == rank and problem.kind is ProblemKind.of_rank_failure(kind), problem
             text = problem_text(problem)
             assert text.startswith(f"rank {rank} {kind}:"), text
             assert what in text and f"case: {case}" in text, text
@@ -193,7 +195,7 @@ def test_fault_at_submit_time_is_not_blamed_on_the_next_case(fault_runner):
     tickets = [pool.submit(c) for c in ok]
     with pytest.raises(RankFailure) as failure:
         pool.collect(first)
-    assert failure.value.rank == 1 and failure.value.kind == "exited"
+    assert failure.value.rank == 1 and failure.value.kind is RankFailureKind.EXITED
     assert failure.value.case == exit_case
     for case, ticket in zip(ok, tickets):
         outputs = pool.collect(ticket)
