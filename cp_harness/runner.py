@@ -32,7 +32,7 @@ from cp_harness.cases.implementation import case_impl, primary_impl
 from cp_harness.judging import excess
 from cp_harness.judging.policy import STRICT, JudgingPolicy
 from cp_harness.judging.render import failure_message
-from cp_harness.judging.verdicts import CaseReport, merge_groups
+from cp_harness.judging.verdicts import CaseReport, ProblemKind, merge_groups
 from cp_harness.ranks.pool import PoolConfig, RankFailure, RankPool, Ticket
 from cp_harness.repro import calls as repro_calls
 
@@ -247,7 +247,8 @@ class CaseRunner:
                 outputs = self._collect(job)
             except RankFailure as exc:
                 report = CaseReport(case=case)
-                report.problem(f"rank {exc.rank} {exc.kind}: {exc}", rank=exc.rank, kind=f"rank {exc.kind}")
+                report.problem(f"rank {exc.rank} {exc.kind}: {exc}", rank=exc.rank,
+                               kind=ProblemKind.of_rank_failure(exc.kind))
             else:
                 if job.expect_error is not None:
                     raise job.expect_error
@@ -266,7 +267,8 @@ class CaseRunner:
         if base.problems:
             first = base.problems[0]
             report.problem("the one-rank baseline of this case (same implementation, world_size 1) failed: "
-                           + first.message + (f"\n{first.detail}" if first.detail else ""), kind="baseline failed")
+                           + first.message + (f"\n{first.detail}" if first.detail else ""),
+                           kind=ProblemKind.BASELINE_FAILED)
             return
         excess.apply(report, base, self.policy.excess_rule(report.case.get("dtype", "float64")))
 
@@ -285,7 +287,8 @@ class CaseRunner:
             report = CaseReport(case=job.case)
             layout = meshes.MeshLayout.of(job.case)
             where = f" ({layout.describe(exc.rank)})" if layout is not None and exc.rank is not None else ""
-            report.problem(f"rank {exc.rank}{where} {exc.kind}: {exc}", rank=exc.rank, kind=f"rank {exc.kind}")
+            report.problem(f"rank {exc.rank}{where} {exc.kind}: {exc}", rank=exc.rank,
+                           kind=ProblemKind.of_rank_failure(exc.kind))
             if layout is not None:
                 self._compare_with_prefix_mesh(report, timeout=timeout)
             return report
@@ -319,7 +322,7 @@ class CaseRunner:
             report.problem(f"the same case passes on a one-dimensional mesh over ranks 0..{int(twin['world_size']) - 1} "
                            f"(where a CP rank is its global rank): the implementation mistakes a global rank for a CP "
                            f"rank (dist.get_rank(), a peer addressed by CP rank) or communicates outside "
-                           f"mesh['cp']'s group; the problems above say where", kind="mesh finding")
+                           f"mesh['cp']'s group; the problems above say where", kind=ProblemKind.MESH_FINDING)
 
     def run(self, case: dict, *, timeout: float | None = None) -> CaseReport:
         """Run and evaluate ``case``; a rank fault becomes a failed report naming the rank.

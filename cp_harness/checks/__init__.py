@@ -56,7 +56,7 @@ from cp_harness.checks._token_layout import NotShardedLikeTokens
 from cp_harness.instruments import coverage
 from cp_harness.judging.budgets import Budget
 from cp_harness.judging.policy import STRICT, JudgingPolicy
-from cp_harness.judging.verdicts import CaseReport
+from cp_harness.judging.verdicts import CaseReport, ProblemKind
 
 
 @dataclasses.dataclass
@@ -327,7 +327,7 @@ def evaluate(case: dict, outputs: list, expected: Any = NOT_GIVEN, *, policy: Ju
         report = CaseReport(case=case)
         for o in raised:
             report.problem(f"rank {o.rank} raised {o.error_type}: {o.message}\n{o.traceback}", rank=o.rank,
-                           kind="rank raised")
+                           kind=ProblemKind.RANK_RAISED)
     else:
         check = check_of(case)
         args = [case, outputs]
@@ -339,7 +339,7 @@ def evaluate(case: dict, outputs: list, expected: Any = NOT_GIVEN, *, policy: Ju
                 report = check.evaluate(*args, policy=policy) if takes_policy else check.evaluate(*args)
             except NotShardedLikeTokens as finding:
                 report = CaseReport(case=case)
-                report.problem(str(finding), kind="not sharded like the tokens")
+                report.problem(str(finding), kind=ProblemKind.NOT_SHARDED_LIKE_THE_TOKENS)
     report.comm = [{"rank": o.rank, "calls": o.comm} for o in outputs]
     report.called = set().union(*(o.called for o in outputs)) if outputs else set()
     return report

@@ -53,7 +53,7 @@ from cp_harness.checks import GoldenContents, Repro, VerifyRow, register
 from cp_harness.checks._token_layout import ReportedLayout, judge_token_layout
 from cp_harness.judging import comm_minimum
 from cp_harness.judging.compare import compare_exact
-from cp_harness.judging.verdicts import CaseReport
+from cp_harness.judging.verdicts import CaseReport, ProblemKind
 from cp_harness.repro import sharding
 from cp_harness.usage.resolve_sharder import hook_sharder, layout_report, sharded
 from oracle.layout import layout_from_batch
@@ -264,7 +264,7 @@ _LAYOUT_WHAT = ("a hook returns an unresolved sharder; once resolved, the local 
 
 def failing_keys(report, keys) -> list[str]:
     """The keys of ``keys`` a report's failing comparisons or problems name (all of them without a report)."""
-    if report is None or any(p.kind == "rank raised" for p in report.problems):
+    if report is None or any(p.kind is ProblemKind.RANK_RAISED for p in report.problems):
         return list(keys)
     text = " ".join([c.name for c in report.failures() if not c.name.startswith("unpack_row_layout")]
                     + [p.message for p in report.problems if "unpack_row_layout" not in p.message])

@@ -45,7 +45,7 @@ from cp_harness.cases.profiles import current_space
 from cp_harness.cases.strategies import as_space
 from cp_harness.checks import Repro, VerifyRow, register
 from cp_harness.judging.compare import ExcessVerdict, UlpComparison
-from cp_harness.judging.verdicts import CaseReport
+from cp_harness.judging.verdicts import CaseReport, ProblemKind
 from cp_harness.repro import real_model as repro_real_model
 from cp_harness.usage import model_specs, spec_contract
 
@@ -296,7 +296,7 @@ def _explained(case: dict, valid: np.ndarray, runs: dict[Run, dict[Quantity, np.
     return explained, against
 
 
-def _explanation(case: dict, run: Run, tensors: list[Quantity], judged: dict, info: dict) -> tuple[str, str]:
+def _explanation(case: dict, run: Run, tensors: list[Quantity], judged: dict, info: dict) -> tuple[str, ProblemKind]:
     """``(problem line, kind)`` for the tensors ``run`` explains."""
     dtype, padded_len, kernels = case["dtype"], info.get("padded_len"), info.get("kernels")
     worst = max(tensors, key=lambda q: judged[q]["error"])
@@ -310,17 +310,17 @@ def _explanation(case: dict, run: Run, tensors: list[Quantity], judged: dict, in
         return (f"PADDING SENSITIVITY, not a CP failure: padding changes this model's result on one rank. Appending "
                 f"masked pad tokens up to the CP padded length {padded_len} changes {names} on one device by as much "
                 f"as CP does ({where}), and CP matches that padded one-device run. One-process repro (no ranks): "
-                f"{command}", "padding sensitivity")
+                f"{command}", ProblemKind.PADDING_SENSITIVITY)
     if run is Run.KERNELS:
         return (f"KERNEL SENSITIVITY, not a CP failure: the CP path's kernels ({kernels}) round differently from "
                 f"the one-device path's by as much as CP differs. On one device, without CP, under the spec's "
                 f"cp_kernels, {names} move by as much as CP does ({where}), and CP matches that one-device run. "
-                f"One-process repro (no ranks): {command}", "kernel sensitivity")
+                f"One-process repro (no ranks): {command}", ProblemKind.KERNEL_SENSITIVITY)
     return (f"PADDING AND KERNEL SENSITIVITY, not a CP failure: padding changes this model's result on one rank and "
             f"the CP path's kernels ({kernels}) round differently from the one-device path's; neither alone, but "
             f"the two together (one device, the batch padded to the CP padded length {padded_len}, under the spec's "
             f"cp_kernels) change {names} by as much as CP does ({where}), and CP matches that run. One-process "
-            f"repro (no ranks): {command}", "padding and kernel sensitivity")
+            f"repro (no ranks): {command}", ProblemKind.PADDING_AND_KERNEL_SENSITIVITY)
 
 
 _AGAINST = {Run.PADDED: "CP vs one device padded to {padded_len}",
@@ -347,7 +347,8 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
             report.problem(text, kind=kind)
     if failing and info.get("kernels_error"):
         report.problem(f"the kernel-sensitivity run (one device under {case['spec']}.cp_kernels) raised "
-                       f"{info['kernels_error']}; the failure is not told apart from a CP failure", kind="contract")
+                       f"{info['kernels_error']}; the failure is not told apart from a CP failure",
+                       kind=ProblemKind.CONTRACT)
     for q, verdict in judged.items():
         shape = tuple(runs[Run.CP][q].shape)
         run = explained.get(q)

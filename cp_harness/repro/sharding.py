@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from cp_harness.cases.descriptions import build_batch
+from cp_harness.judging.verdicts import ProblemKind
 from cp_harness.repro import script
 from cp_harness.repro.script import NotExportable
 from cp_harness.repro.subjects import Subject, inline
@@ -402,7 +403,7 @@ def verbs(request, value, fill) -> script.Plan:
     batch = build_batch({"seed": case["seed"], "batch": {"format": "bshd", "seq_len": S, "rows": [[0, S]] * B},
                          "model": case.get("model", "inkling2")})
     report = request.report
-    raised = report is None or any(p.kind == "rank raised" for p in report.problems)
+    raised = report is None or any(p.kind is ProblemKind.RANK_RAISED for p in report.problems)
     failing = " ".join(c.name for c in report.failures()) if report is not None else ""
     forms = []
     for i, form in enumerate(case["forms"]):

@@ -28,8 +28,9 @@ import torch.distributed as dist
 
 SHAPE = (2, 4, 8)  # [B, L, C] float64 per rank
 HALO_WIDTHS = (3, 13)  # W: history 2 (< L) and 12 (3 L)
-METER_SEES = {"all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
-              "all_to_all_single", "all_reduce", "broadcast", "batch_isend_irecv", "send", "recv"}
+METER_SEES = {"all_gather", "all_gather_single", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_single",
+              "reduce_scatter_tensor", "scatter", "all_to_all_single", "all_reduce", "broadcast", "batch_isend_irecv",
+              "send", "recv"}
 
 _log: list[tuple[str, int, int]] | None = None  # (op, bytes sent with the meter's conventions, ring-convention bytes)
 

@@ -21,6 +21,7 @@ import pytest
 
 from cp_harness.checks.real_model import smoke_cases
 from cp_harness.judging.render import report_text
+from cp_harness.judging.verdicts import ProblemKind
 
 # The subjects whose CP path these tests run and judge (examples/automodel/coverage.py reads it).
 JUDGES = ("spec:deepseek_v41", "spec:kimi_linear")
@@ -151,7 +152,7 @@ def test_a_cp_kernel_rounding_difference_is_reported_as_kernel_sensitivity(model
         text = report_text(report)
         assert not report.ok, text  # still a failure: CP training does not compute what one device computes
         (problem,) = report.problems
-        assert problem.kind == "kernel sensitivity", text
+        assert problem.kind is ProblemKind.KERNEL_SENSITIVITY, text
         assert problem.message.startswith("KERNEL SENSITIVITY, not a CP failure: the CP path's kernels (MLA "
                                           "attention by FlexAttention"), text
         assert "position 11" in problem.message and "s.cp_kernels(m)" in problem.message, text

@@ -22,6 +22,7 @@ import pytest
 from cp_harness import options
 from cp_harness.checks.meshes import MESH_IDENTITY
 from cp_harness.checks.pool_selftest import POOL_SELFTEST
+from cp_harness.ranks.outputs import RankFailureKind
 from cp_harness.ranks.pool import PoolConfig, RankFailure, RankPool
 from cp_harness.runner import CaseRunner
 from cp_harness.verify import VerifySettings, run_verify
@@ -73,7 +74,7 @@ def test_a_killed_agent_fails_the_case_naming_its_node_and_the_pool_starts_again
         pool.run(slow)
     elapsed = time.monotonic() - started
     message = str(failure.value)
-    assert failure.value.kind == "exited" and failure.value.rank in lost, message
+    assert failure.value.kind is RankFailureKind.EXITED and failure.value.rank in lost, message
     assert f"torchrun, pid {agents[1]}) on node 1" in message and "is gone" in message, message
     assert f"node 1 (host {os.uname().nodename}, torchrun pid {agents[1]}): ranks {sorted(lost)}" in message, message
     assert elapsed < CASE_TIMEOUT, f"the lost node was reported after {elapsed:.1f} s"
