@@ -27,7 +27,9 @@ from cp_harness.ranks.pool import PoolConfig, RankFailure, RankPool
 from cp_harness.runner import CaseRunner
 from cp_harness.verify import VerifySettings, run_verify
 
-CASE_TIMEOUT = 20.0
+# Long: nothing in a passing test waits for it (the lost node is reported within a second or two of the kill), and
+# a loaded machine must not make the healthy cases of the two-node verify run reach it.
+CASE_TIMEOUT = 60.0
 ARGS = {"nnodes": 2, "world_sizes": (4,), "case_timeout": CASE_TIMEOUT, "examples": 3, "shrink_seconds": 1.0,
         "rows": ("gather_sequence", "convolution_history", "shifted_cp_loss")}
 
