@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cp_harness.judging.compare import Comparison
+from cp_harness.judging.compare import Comparison, UlpComparison
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +71,14 @@ class CaseReport:
 
     @property
     def max_ulp(self) -> float:
-        values = [c.max_ulp for c in self.comparisons if c.arithmetic]
+        values = [c.max_ulp for c in self.comparisons if isinstance(c, UlpComparison)]  # the arithmetic ones
         return max(values) if values else 0.0
 
     @property
     def max_excess(self) -> float | None:
         """The largest CP excess over the one-rank baseline (``cp_harness.judging.excess``); ``None`` when not judged."""
-        values = [c.excess.excess for c in self.comparisons if c.arithmetic and c.excess is not None]
+        values = [c.excess.excess for c in self.comparisons
+                  if isinstance(c, UlpComparison) and c.excess is not None]
         return max(values) if values else None
 
     def failures(self) -> list[Comparison]:
