@@ -206,6 +206,7 @@ def trimmed(full: torch.Tensor, dim: int, fill, f: Fields) -> torch.Tensor:
         return out.masked_fill(f.positions < 0, fill)
     if f.rows is not None:
         return full.reshape(*f.rows, *full.shape[dim + 1:])
+    assert f.original is not None  # _judge_fields passes fields without rows only with original_seq_len
     return full.narrow(dim, 0, f.original)
 
 
@@ -220,6 +221,7 @@ def untrim_grad(grad: torch.Tensor, stream_shape, dim: int, trim: bool, f: Field
     elif f.rows is not None:
         out = grad.reshape(stream_shape)
     else:
+        assert f.original is not None  # as in trimmed
         out.narrow(dim, 0, f.original).copy_(grad)
     return out
 
@@ -343,7 +345,8 @@ def _judge_fields(report: CaseReport, case: dict, outputs: list) -> Fields | Non
                        "(the verbs pad caller-coordinate tensors from it)")
         report.require(f.padded is not None, "the strategy reported no padded_seq_len: the verbs cannot validate "
                        "or pad a caller's tensor")
-        return f if f.padded is not None else None
+        # Without original_seq_len (reported above) the caller's length of flat rows is unknown: no form is judged.
+        return f if f.padded is not None and (f.original is not None or f.rows is not None) else None
     same = (f.original == want.original and f.padded == want.padded and f.rows == want.rows
             and (f.positions is None) == (want.positions is None)
             and (want.positions is None or f.positions is not None and torch.equal(f.positions, want.positions)))
