@@ -55,7 +55,8 @@ def comm_grid(quick: bool) -> list[tuple[str, str, dict]]:
     for n in loss_sizes:
         for spec in layouts:
             seed += 1
-            grid.append(("mistral_large4.shifted_cp_loss", f"N={n} {spec['format']} B={len(spec['docs'] if 'docs' in spec else spec['rows'])}",
+            rows = len(spec["docs"] if "docs" in spec else spec["rows"])
+            grid.append(("mistral_large4.shifted_cp_loss", f"N={n} {spec['format']} B={rows}",
                          {"check": loss.SHIFTED_CP_LOSS.name, "world_size": n, "seed": seed, "model": "mistral_large4",
                           "dtype": "float64", "vocab": 11, "batch": spec}))
     return grid

@@ -113,8 +113,8 @@ def register(load_default: bool = False) -> None:
                               phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink], **common)
     # The commands: seeded by @seed (the same cases for the same seed), no database, nothing reported but the
     # shrunk failure; verify shrinks (its own time budget stops it), calibrate only generates.
-    command: dict[str, Any] = dict(deadline=None, database=None, derandomize=False, suppress_health_check=list(HealthCheck),
-                   report_multiple_bugs=False)
+    command: dict[str, Any] = dict(deadline=None, database=None, derandomize=False,
+                                   suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
     settings.register_profile("verify", phases=[Phase.explicit, Phase.generate, Phase.shrink], **command)
     settings.register_profile("calibrate", phases=[Phase.generate], **command)
     _registered = True
