@@ -229,6 +229,7 @@ class CaseRunner:
         job.expected_done = True
 
     def _collect(self, job: _Job):
+        assert job.ticket is not None  # a job that was not sent has its error, raised before collecting
         started = time.perf_counter()
         try:
             return self.pool.collect(job.ticket)
@@ -309,6 +310,7 @@ class CaseRunner:
             self._compare_with_prefix_mesh(report, timeout=timeout)
         if not report.ok:
             self.tally.failures += 1
+        assert job.ticket is not None  # collected above
         report.timing = {**job.ticket.timing, "oracle": job.oracle_seconds, "compare": compared - started,
                          "excess": time.perf_counter() - compared}
         return report
@@ -423,6 +425,7 @@ class CaseRunner:
                 plan = repro_calls.plan(expected, request.subject(call.function), f"{request.name}-call{call.index + 1}",
                                         request.case_text)
                 return Exported(repro.write(repro.on_world_mesh(plan, case), directory, name), case=case, note=note)
+        assert check.repro is not None and check.repro.narrow is not None  # export_repro narrows only then
         for other in check.repro.narrow(case):
             report = self.run(other)
             if not report.ok:

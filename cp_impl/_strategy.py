@@ -106,6 +106,7 @@ def _shard_prepared(
         plan[primary] = TokenKey(padding_token_id if primary == "input_ids" else 0)
     if packed:
         document_ids = check_token_tensor(batch, "document_ids", b, s, "int", api)
+        assert document_ids is not None  # required when packed: missing raised above
         plan["document_ids"] = TokenKey(-1)
         if labels is not None:
             replace["labels"] = mask_first_document_labels(labels, document_ids)

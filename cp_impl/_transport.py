@@ -163,6 +163,7 @@ def agree(
     bad = [i for i, row in enumerate(rows) if row[3] != 0]
     if bad:
         if err_code:
+            assert local_error is not None  # err_code is its code
             raise ValueError(f"{local_error[1]} (CP ranks {bad} rejected their input; every rank raises)")
         texts = dict(error_texts or {})
         first = rows[bad[0]][3]

@@ -20,7 +20,7 @@ _MIN_TIMEOUT_S = 900.0
 
 
 def measure(runner, options: BenchOptions) -> dict:
-    rows = {}
+    rows: dict[str, dict] = {}
     for n in sorted(options.memory_sizes):
         case = memory_case(n, options.memory_seq_len, options.memory_dtype)
         log(f"memory: {options.memory_seq_len} tokens at N={n}")

@@ -22,6 +22,7 @@ float32 ULPs. Case keys: ``model``, ``batch``, ``num_chunks``, ``shard_primary``
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -54,7 +55,8 @@ from cp_harness.usage.resolve_sharder import layout_report
 from oracle import models as oracle_models
 from oracle.layout import layout_from_batch
 
-MODELS = {
+# model -> (its config class, its parameters' initializer, its forward)
+MODELS: dict[str, tuple[type, Callable[..., dict[str, torch.Tensor]], Callable[..., Any]]] = {
     "inkling2": (oracle_models.Inkling2Config, oracle_models.init_inkling2_params, oracle_models.inkling2_forward),
     "mistral_large4": (oracle_models.MistralLarge4Config, oracle_models.init_mistral_large4_params,
                        oracle_models.mistral_large4_forward),
@@ -113,7 +115,7 @@ def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
 def _to_device(batch: dict, device: torch.device) -> dict:
     if device.type == "cpu":
         return batch
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in batch.items():
         if isinstance(v, torch.Tensor):
             out[k] = v.to(device)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+from typing import Any
 
 import numpy as np
 import torch
@@ -155,7 +156,7 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
             Run.REORDERED: _quantities(model_specs.step(spec, model, None, batch, split=max(2, ctx.cp_size),
                                                         reverse=True, backward=backward))}
     valid = spec.valid_positions(batch).to(torch.bool)
-    info = {"padded_len": None, "not_judged": {}}
+    info: dict[str, Any] = {"padded_len": None, "not_judged": {}}
     if forward_only is not None:
         count = sum(1 for p in model.parameters() if p.requires_grad)
         info["not_judged"][f"the gradients of all {count} parameters on {ctx.device.type}"] = forward_only
@@ -303,9 +304,12 @@ def _explanation(case: dict, run: Run, tensors: list[Quantity], judged: dict, in
     names = ", ".join(sorted(q.label for q in tensors))
     where = f"worst: {worst.label} at {_where(worst, judged[worst]['worst_index'])}"
     padded = run is not Run.KERNELS
-    command = (model_specs.padding_repro_command if run is Run.PADDED else model_specs.kernel_repro_command)(
-        case["spec"], dtype, int(case.get("seed", 0)), case.get("overrides") or {}, case["batch"],
-        padded_len if padded else None)
+    given = (case["spec"], dtype, int(case.get("seed", 0)), case.get("overrides") or {}, case["batch"])
+    if run is Run.PADDED:
+        assert padded_len is not None  # the padded run records the length it padded to
+        command = model_specs.padding_repro_command(*given, padded_len)
+    else:
+        command = model_specs.kernel_repro_command(*given, padded_len if padded else None)
     if run is Run.PADDED:
         return (f"PADDING SENSITIVITY, not a CP failure: padding changes this model's result on one rank. Appending "
                 f"masked pad tokens up to the CP padded length {padded_len} changes {names} on one device by as much "
@@ -351,10 +355,10 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
                        kind=ProblemKind.CONTRACT)
     for q, verdict in judged.items():
         shape = tuple(runs[Run.CP][q].shape)
-        run = explained.get(q)
-        if run is not None:
-            label = _AGAINST[run].format(padded_len=info.get("padded_len"))
-            report.add(_comparison(q, against[run][q], shape, dtype, label))
+        explaining = explained.get(q)
+        if explaining is not None:
+            label = _AGAINST[explaining].format(padded_len=info.get("padded_len"))
+            report.add(_comparison(q, against[explaining][q], shape, dtype, label))
         else:
             report.add(_comparison(q, verdict, shape, dtype, "CP vs one device"))
     return report
@@ -378,7 +382,8 @@ def _batches(draw, kinds: tuple[str, ...] = spec_contract.BATCH_KINDS, rows_for=
     elif kind == "packed":
         documents = []
         for _ in range(rows):
-            lengths, left = [], seq_len
+            lengths: list[int] = []
+            left = seq_len
             while left > 0 and len(lengths) < 5:
                 length = draw(st.integers(1, left))  # single-token documents included
                 lengths.append(length)

@@ -48,7 +48,8 @@ def _sharder_rank(case: dict, ctx) -> tuple[dict, dict]:
 
 def _sharder_roundtrip(case: dict, ctx, sharder, mesh, B: int, S: int, C: int) -> tuple[dict, dict]:
     value = global_value(case, [B, S, C], 1)[:, :S].clone().to(ctx.device)
-    info, layout_tensors = {}, {}
+    info: dict
+    layout_tensors: dict
     if not value.is_floating_point():  # integer and bool payloads: the round trip without autograd
         local = sharder.shard_token_tensor(value, fill=0)
         info, layout_tensors = layout_report(sharder, mesh, local.shape[1], S, ctx.device)
@@ -79,9 +80,9 @@ def _sharder_evaluate(case: dict, outputs: list) -> CaseReport:
     total = accumulate((upstream_gradient(case, r, (B, S, C)) for r in range(n)), value.dtype)
     total_padded = torch.zeros(B, S_pad, C, dtype=value.dtype)
     total_padded[:, :S] = total
-    for o, owned in zip(outputs, reported.index_maps):
+    for o, index_map in zip(outputs, reported.index_maps):
         r = o.rank
-        owned = torch.as_tensor(owned)
+        owned = torch.as_tensor(index_map)
         report.add(compare_exact(f"shard_token_tensor@rank{r}", o.tensors["local"], padded.index_select(1, owned), rank=r))
         report.add(compare_exact(f"gather_token_tensor(trim=True)@rank{r}", o.tensors["restored"], value,
                            grid=grid, rank=r))

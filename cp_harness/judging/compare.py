@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -258,8 +258,11 @@ def _selection(e: np.ndarray, mask) -> np.ndarray:
     return np.broadcast_to(m.reshape(m.shape + (1,) * (e.ndim - m.ndim)), e.shape)
 
 
-def _locate(comp: Comparison, a: np.ndarray, e: np.ndarray, bad: np.ndarray, score: np.ndarray,
-            diff: np.ndarray, select: np.ndarray, grid: TokenGrid | None) -> Comparison:
+_C = TypeVar("_C", bound="Comparison")
+
+
+def _locate(comp: _C, a: np.ndarray, e: np.ndarray, bad: np.ndarray, score: np.ndarray,
+            diff: np.ndarray, select: np.ndarray, grid: TokenGrid | None) -> _C:
     """The parts both kinds share once each element has a score: counts, worst element, locations, error map."""
     comp.mismatched = int(bad.sum())
     comp.max_abs = float(np.max(np.where(select, diff, 0.0))) if diff.size else 0.0

@@ -11,15 +11,18 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from cp_harness.judging.compare import Comparison
+from cp_harness.judging.compare import Comparison, UlpComparison
 
 
 class StrKind(str, enum.Enum):
     """A closed set of kinds that are strings: a member is its value in JSON (``json.dumps``), in ``str()`` and
     f-strings, and compares equal to it (``enum.StrEnum``, which needs Python 3.11; the package supports 3.10)."""
 
-    __str__ = str.__str__
-    __format__ = str.__format__
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, format_spec: str) -> str:
+        return str.__format__(self, format_spec)
 
 
 class ProblemKind(StrKind):
@@ -109,13 +112,14 @@ class CaseReport:
 
     @property
     def max_ulp(self) -> float:
-        values = [c.max_ulp for c in self.comparisons if c.arithmetic]
+        values = [c.max_ulp for c in self.comparisons if isinstance(c, UlpComparison)]  # the arithmetic ones
         return max(values) if values else 0.0
 
     @property
     def max_excess(self) -> float | None:
         """The largest CP excess over the one-rank baseline (``cp_harness.judging.excess``); ``None`` when not judged."""
-        values = [c.excess.excess for c in self.comparisons if c.arithmetic and c.excess is not None]
+        values = [c.excess.excess for c in self.comparisons
+                  if isinstance(c, UlpComparison) and c.excess is not None]
         return max(values) if values else None
 
     def failures(self) -> list[Comparison]:

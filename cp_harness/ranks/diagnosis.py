@@ -12,7 +12,7 @@ the pool (``tickets``) gathers the evidence and tears itself down after a failur
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from cp_harness.ranks.outputs import RankFailure, RankFailureKind, RankOutput
 
@@ -23,7 +23,7 @@ _EXITED = re.compile(r"^cp_harness\.ranks\.worker: rank (\d+) \(pid \d+\) exited
 STACK_LINES = 25  # lines of each stuck rank's stack dump that a failure shows
 
 
-def exit_line(rank: int, pid: int, code: int, others: Sequence[int]) -> str:
+def exit_line(rank: int, pid: int, code: int, others: Iterable[int]) -> str:
     """The launcher's log line for a rank that exited with ``code`` (negative: killed by that signal)."""
     return f"{_EXIT_PREFIX} {rank} (pid {pid}) exited with {code}; ending ranks {sorted(others)}"
 

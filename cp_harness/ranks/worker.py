@@ -143,12 +143,12 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
             pid, wait_status = os.wait()
         except ChildProcessError:
             break
-        rank = children.pop(pid, None)
+        ended = children.pop(pid, None)
         code = os.waitstatus_to_exitcode(wait_status)
-        if rank is None or code == 0:
+        if ended is None or code == 0:
             continue
         # The pool names the rank of the first such line as the one that failed (diagnosis.exits_in_log).
-        print(exit_line(rank, pid, code, children.values()), file=sys.stderr, flush=True)
+        print(exit_line(ended, pid, code, children.values()), file=sys.stderr, flush=True)
         status = status or 1
         for other in children:
             try:
@@ -234,7 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         reply: dict = {"op": "result", "case_id": body["case_id"], "rank": rank}
         try:
             if body["op"] == "mesh":  # every pool rank, in the same order: it creates process groups
-                info = meshes.layout(body["layout"]) if "layout" in body else meshes.prefix(int(body["prefix"])) or {}
+                if "layout" in body:
+                    info = meshes.layout(body["layout"])
+                else:
+                    meshes.prefix(int(body["prefix"]))
+                    info = {}
                 reply.update(ok=True, info=info, comm=[], called=[])
             else:
                 case = body["case"]
@@ -243,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                     impls[name] = coverage.instrument(load_impl(name))
                     comm.install()  # hooks operators the new module defined
                 held = meshes.get(mesh_key(case))
+                assert held.cp_rank is not None, f"rank {rank} is not on the mesh {mesh_key(case)} of its case"
                 context = RankContext(rank=held.cp_rank, cp_size=int(case["world_size"]), mesh=held.cp_mesh,
                                       device=device, backend=args.backend, impl=impls[name], global_rank=rank,
                                       group=held.group)

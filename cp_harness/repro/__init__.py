@@ -80,7 +80,7 @@ class RecordedCall:
     others: dict[str, str]
     inputs: list[dict[int, torch.Tensor]]
     upstream: list[torch.Tensor | None]
-    output: list[torch.Tensor]
+    output: list[torch.Tensor | None]
     grads: list[dict[int, torch.Tensor]]
 
 

@@ -32,7 +32,11 @@ from cp_harness.repro.script import NotExportable
 from cp_harness.repro.subjects import Subject, inline
 
 # Placeholders of the script's constants (script.py writes each script's own).
-S, HOOK, KEYS, BATCH_TEXT, FORMS, UNPACK, WORLD = 0, ("", "", {}), {}, {}, [], False, 1
+S, UNPACK, WORLD = 0, False, 1
+HOOK: tuple[str, str, dict[str, Any]] = ("", "", {})
+KEYS: dict[str, list[Any]] = {}
+BATCH_TEXT: dict[str, Any] = {}
+FORMS: list[dict[str, Any]] = []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +163,7 @@ def plan(case: ShardCase, subject: Subject, name: str, case_text: str, sharder=N
                        UNPACK=case.unpack is not None)
     p.functions = [subject.options_source(), _code_under_test(subject, case, constructor), *blocks, global_batch,
                    shard, judge, *([judge_keys] if case.keys else []), *([unpack] if case.unpack is not None else []),
-                   *([run_forms, upstream_of, form_differences] if case.forms else []), run_rank]
+                   *((run_forms, upstream_of, form_differences) if case.forms else ()), run_rank]
     return p
 
 
@@ -183,7 +187,7 @@ def _code_under_test(subject: Subject, case: ShardCase, constructor: str) -> str
 # (they refer to the names every script defines: load_arrays, tensor, differs, code_under_test, the constants)
 def global_batch(arrays: dict, prefix: str, device) -> dict:
     """The global batch stored under ``prefix/`` (a list's items under ``prefix/<key>/<i>``), on ``device``."""
-    batch, lists = dict(BATCH_TEXT), {}
+    batch, lists = dict(BATCH_TEXT), {}  # type: ignore[var-annotated]  # (stripped from the script) filled below
     for name in arrays:
         if name.startswith(prefix + "/"):
             key, _, item = name[len(prefix) + 1:].partition("/")
@@ -328,7 +332,7 @@ def form_differences(reports: list, arrays: dict) -> list:
         if x.is_floating_point():
             out = x if form["trim"] else padded
             total = sum(upstream_of(i, r, out.shape, out.dtype) for r in range(WORLD))
-            grad.narrow(dim, 0, total.shape[dim]).copy_(total)
+            grad.narrow(dim, 0, total.shape[dim]).copy_(total)  # type: ignore[union-attr, arg-type]  # WORLD >= 1
         for r, (m, rep) in enumerate(zip(maps, reports)):
             got, own = rep["forms"][i], torch.zeros_like(grad).index_copy(dim, m, grad.index_select(dim, m))
             checks = [("shard_token_tensor", "local", padded.index_select(dim, m)),

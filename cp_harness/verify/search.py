@@ -46,7 +46,7 @@ def _built_for_but_not_run(never: list[str], explicit: tuple[dict, ...], fitting
 
 
 def run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed: int, progress: Progress,
-            backend: str, error_dir: str, shrink_seconds: float, repro_dir: str | None = None) -> None:
+            backend: str, error_dir: str | None, shrink_seconds: float, repro_dir: str | None = None) -> None:
     """Draw, run and judge ``examples`` cases of ``row`` (its explicit cases first) into its tally; on a failure
     record the smallest failing case (``row.failure``), its reproduction command, its error maps and, with
     ``repro_dir``, its standalone repro written there (``CaseRunner.export_repro``)."""
@@ -117,7 +117,7 @@ def run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed:
         if crashed is not None and not in_flight.get("counted"):
             tally.examples += 1  # the crashed case counts as run and failed, never as passed
         tally.failed = max(tally.failed, 1)
-        case = crashed if crashed is not None else last_failure.get("case")
+        at = crashed if crashed is not None else last_failure.get("case")
         row.failure = RowFailure("  PROBLEM: the harness crashed on this case (no verdict on the implementation):\n"
-                                 + _traceback_head(), case=case,
-                                 reproduce=repro_command(case, runner.impl, backend) if case is not None else None)
+                                 + _traceback_head(), case=at,
+                                 reproduce=repro_command(at, runner.impl, backend) if at is not None else None)
