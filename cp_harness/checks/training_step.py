@@ -177,10 +177,11 @@ def training_step_cases(dtype: str):
 
 def smoke_cases(spec: str, dtype: str = "float32", driver: str | None = None) -> list[dict]:
     """Named cases for the default command: two dp ranks whose rows hold different label counts (packed rows with
-    other documents, one dp rank's row of single-token documents only: no label at all), right padding, an odd
-    length."""
+    other documents: 15 and 10 labels; one dp rank's row of single-token documents only: no label at all), right
+    padding, an odd length."""
     batches = [
-        {"kind": "packed", "seq_len": 19, "batch_size": 2, "documents": [[7, 5, 6], [1, 1, 1]], "seed": 1},
+        {"kind": "packed", "seq_len": 19, "batch_size": 2, "documents": [[7, 5, 6], [3, 1, 9]], "seed": 1},
+        {"kind": "packed", "seq_len": 17, "batch_size": 2, "documents": [[9, 8], [1, 1, 1]], "seed": 2},
         {"kind": "right_padded", "seq_len": 13, "pad": 4, "batch_size": 2, "seed": 4},
         {"kind": "plain", "seq_len": 11, "batch_size": 2, "seed": 5},
     ]
