@@ -28,6 +28,7 @@ import importlib
 import torch
 from hypothesis import strategies as st
 
+from cp_harness.cases.profiles import current_space
 from cp_harness.cases.strategies import as_space
 from cp_harness.checks import VerifyRow, register
 from cp_harness.checks import real_model as rm
@@ -152,12 +153,12 @@ def _kinds(traits) -> tuple[str, ...]:
 
 def _skip_reason(dtype: str):
     def reason(space) -> str | None:
-        space = as_space(space)
+        space = as_space(space) or current_space()
         models = rm._space_models(space)
         if not models:
             return None
         need = DP_SHARD * CP
-        if space is not None and (need not in space.world_sizes or space.pool_ranks != need):
+        if need not in space.world_sizes or space.pool_ranks != need:
             return (f"the training step runs on {need} ranks as dp_shard x cp = {DP_SHARD} x {CP} over the whole pool: "
                     f"give --world-sizes {need} (world sizes {list(space.world_sizes)}, pool {space.pool_ranks})")
         runnable, skipped = _runnable(models, dtype)

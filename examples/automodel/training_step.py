@@ -137,6 +137,10 @@ class RecipeStep:
         dist.all_reduce(total, group=self.flat(mesh, "dp_cp").get_group())
         return total
 
+    def stand_in(self):
+        """On gloo, ``gather_backward_as_on_nccl()`` (finding D2, the module docstring); elsewhere nothing."""
+        return gather_backward_as_on_nccl() if dist.get_backend() == "gloo" else contextlib.nullcontext()
+
     def run(self, spec, model, context, global_batch: dict, rows: int) -> dict[str, Any]:
         """One step: ``{"logits" [B_global, S, V], "loss" [], "grads" {name: full gradient}, "grad_norm" []}``,
         the same on every rank. ``model``: already through ``parallelize_model``; ``rows``: rows per dp rank."""
@@ -152,7 +156,7 @@ class RecipeStep:
         count = self.num_label_tokens(mesh, batch)
         previous = MoEAuxLossAutoScaler.main_loss_backward_scale
         MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(self.aux_loss_scale(mesh))
-        stand_in = gather_backward_as_on_nccl() if dist.get_backend() == "gloo" else contextlib.nullcontext()
+        stand_in = self.stand_in()
         try:
             model.zero_grad(set_to_none=True)
             prepare_for_grad_accumulation([model])

@@ -106,3 +106,34 @@ def test_global_rows_that_do_not_split_over_dp_are_refused_on_every_rank(step_ru
     text = report_text(report)
     assert "batch.batch_size=1" in text and "multiple of dp_shard=2" in text, text
     assert "failed on rank(s) [0, 1, 2, 3]" in text, text  # every rank raised it, before any collective
+
+
+def test_the_rows_are_skipped_saying_why_without_a_pool_of_four():
+    from cp_harness.cases.profiles import CaseSpace
+    from cp_harness.checks.training_step import TRAINING_STEP
+
+    (row,) = TRAINING_STEP.rows
+    assert row.step == "training" and row.needs_model
+    why = row.skip(CaseSpace(world_sizes=(1, 2, 3), models=(SPEC,)))
+    assert why is not None and "--world-sizes 4" in why, why
+    why = row.skip(CaseSpace(world_sizes=(4,), models=(SPEC,), pool_size=8))  # a larger pool: the mesh would not fit
+    assert why is not None and "pool 8" in why, why
+
+
+def test_step_option_selects_the_training_rows_only():
+    import argparse
+
+    from cp_harness.options import add_cli_options, from_cli
+    from cp_harness.verify.result import VerifySettings
+
+    parser = argparse.ArgumentParser()
+    add_cli_options(parser, "verify")
+    settings = VerifySettings.from_options(from_cli(parser.parse_args(["--model", SPEC, "--step", "training"])))
+    assert settings.step == "training"
+    from cp_harness.verify.rows import default_rows
+
+    modes = {row.id: row.spec.step for row in default_rows() if row.spec.needs_model}
+    assert {i for i, mode in modes.items() if mode == "training"} == {"training_step.float32"}, modes
+    assert modes["real_model.float32"] == "forward-backward", modes
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--step", "optimizer"])  # argparse names the choices
