@@ -10,9 +10,10 @@ What is the framework's own code, called here (nothing of it is copied):
 * the parallelizer: ``model_parallelizer.parallelize_model(model, mesh_context)``, the model class's own sidecar
   (DeepSeek V4.1: ``DeepseekV41ModelParallelizer``), which applies FSDP2 (``fully_shard``) over ``dp_shard_cp``;
 * the CP sharder: the spec's ``shard`` on ``mesh["cp"]`` (the framework's ``ContextParallelSharder``, as
-  ``_forward_backward_step`` builds it from the world mesh's ``cp`` dimension), ``get_sync_ctx``, ``prepare_for_grad_accumulation`` /
-  ``prepare_for_final_backward`` (``components/training/utils.py``), the label count ``_count_label_tokens``
-  (``components/loss/utils.py``), the spec's loss (the framework's ``MaskedCrossEntropy``);
+  ``_forward_backward_step`` builds it from the world mesh's ``cp`` dimension), ``get_sync_ctx``,
+  ``prepare_for_grad_accumulation`` / ``prepare_for_final_backward`` (``components/training/utils.py``), the label
+  count ``_count_label_tokens`` (``components/loss/utils.py``), the spec's loss (the framework's
+  ``MaskedCrossEntropy``);
 * the gradient norm: ``scale_grads_and_clip_grad_norm`` (``components/training/utils.py``, the recipe's call and
   keywords, ``max_grad_norm`` 1.0: the recipe's default) on the FSDP2 DTensor gradients.
 
