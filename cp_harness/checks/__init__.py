@@ -26,6 +26,8 @@ module, loaded with ``pkgutil``):
 * ``models`` -- ``model``: both miniature models end to end, forward and backward.
 * ``real_model`` -- a real framework model through a model spec: its own CP path against the same model on
   one device, within a bound scaled by a measured reference spread; padding sensitivity told apart.
+* ``training_step`` -- a real model's training step as the framework's recipe runs it on ``dp_shard x cp`` (FSDP2,
+  the recipe's loss scaling, the clip-grad norm) against one device on the whole global batch (``--step training``).
 * ``malformed`` -- ``malformed``: every entry of the malformed-input catalogue raises a clear error on every rank.
 * ``meshes`` -- ``mesh_identity`` (the pool hands each rank the right ``world_mesh["cp"]``) and the verify rows
   that run the other checks' cases on world meshes of two and three dimensions (``cp_harness.cases.meshes``).
@@ -121,6 +123,7 @@ class VerifyRow:
     explicit: tuple[dict, ...] = ()
     position: float = 0
     needs_model: bool = False  # a real-model row: runs only when a model spec is given (``--model``)
+    step: str = "forward-backward"  # a real-model row's ``--step`` mode: it runs only when that mode is asked for
     id: str = ""  # a stable identifier apart from the label (``register`` gives the check's name by default)
     # Why the row cannot run in a case space (``None``: it can), e.g. every model spec it would draw needs CUDA.
     skip: Callable[[Any], str | None] | None = None

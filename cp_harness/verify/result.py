@@ -38,6 +38,7 @@ class VerifySettings:
     dtypes: tuple[str, ...] | None = None
     rows: tuple[str, ...] = ()
     model: tuple[str, ...] = ()
+    step: str = "forward-backward"  # which real-model rows run (``--step``): their ``VerifyRow.step``
     policy: JudgingPolicy = STRICT
     launcher: str | None = None
     error_dir: str | None = None

@@ -28,7 +28,8 @@ Each module names what it serves in ``SERVES`` and the framework callable in
 the modules ``scripts/real_clients`` runs (all of them); a new adapter is one more module
 here and one more entry in ``ADAPTERS``; ``NOT_ADAPTED`` says why a framework callable has none.
 Also here: ``run`` (the gate), ``defects`` (``known_defects.json`` and signatures), ``coverage``
-(the coverage table), ``comm_probe``, ``repro/`` and ``models/`` (the model specs). Importing this package does not import the
+(the coverage table), ``comm_probe``, ``training_step`` (the recipe's step for ``verify --step training``),
+``repro/`` and ``models/`` (the model specs). Importing this package does not import the
 framework; each adapter module does. Findings: ``docs/real_clients.md``.
 """
 
