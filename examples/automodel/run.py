@@ -40,7 +40,7 @@ from examples.automodel.defects import KNOWN, Failure, holds, load_defects, load
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-REQUIREMENTS = HERE / "requirements.txt"
+REQUIREMENTS = ROOT / "constraints" / "framework.txt"  # the one home of the framework pin
 
 OK, NEW_FINDING, CANNOT_RUN, DOCUMENTED_ONLY = 0, 1, 2, 3
 STATUS_TEXT = {OK: "status 0: every row passed",
@@ -51,7 +51,7 @@ SPEC_WORLD_SIZES = (1, 2, 3)  # real models on 2 cores: CP 4 and more where a sp
 
 
 def pinned_version() -> str:
-    """The ``nemo-automodel`` version pinned in ``requirements.txt``."""
+    """The ``nemo-automodel`` version pinned in ``constraints/framework.txt``."""
     for line in REQUIREMENTS.read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line.startswith("nemo-automodel=="):

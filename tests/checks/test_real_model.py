@@ -12,7 +12,6 @@ a model raising on one rank must say so. Skipped without ``transformers`` (the `
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import time
@@ -30,11 +29,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 SPEC = "examples.automodel.models.deepseek_v41"
 KIMI = "examples.automodel.models.kimi_linear"  # forward-only on CPU; has cp_kernels (kernel sensitivity)
 
-pytestmark = [pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
-    reason="the real-model check needs transformers and nemo-automodel (the 'models' extra; scripts/bootstrap.sh "
-           "installs them unless CP_HARNESS_NO_FRAMEWORK=1)"),
-    pytest.mark.xdist_group("real_models")]  # one worker, one shared pool (tests/conftest.py: real_models)
+REAL_MODELS = True  # tests/conftest.py: skipped without the models extra, one xdist group, one pool
 
 
 @pytest.fixture

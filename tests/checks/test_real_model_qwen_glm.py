@@ -12,7 +12,6 @@ Skipped without ``transformers`` (the ``models`` extra).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import time
@@ -29,11 +28,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 QWEN = "examples.automodel.models.qwen3_8_flash_next"
 GLM = "examples.automodel.models.glm5_next"
 
-pytestmark = [pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
-    reason="the real-model check needs transformers and nemo-automodel (the 'models' extra; scripts/bootstrap.sh "
-           "installs them unless CP_HARNESS_NO_FRAMEWORK=1)"),
-    pytest.mark.xdist_group("real_models")]  # one worker, one shared pool (tests/conftest.py: real_models)
+REAL_MODELS = True  # tests/conftest.py: skipped without the models extra, one xdist group, one pool
 
 
 def _case(spec: str, dtype: str, world_size: int, **batch) -> dict:

@@ -9,10 +9,7 @@ import importlib.util
 
 import pytest
 
-pytestmark = [pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
-    reason="the coverage table reads the framework and its model specs (the 'models' extra)"),
-    pytest.mark.xdist_group("real_models")]  # the worker that already imported the models (tests/conftest.py)
+REAL_MODELS = True  # tests/conftest.py: skipped without the models extra, one xdist group, one pool
 
 
 def _summary(**outcomes) -> dict:

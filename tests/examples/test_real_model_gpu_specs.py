@@ -17,11 +17,7 @@ import importlib.util
 import pytest
 import torch
 
-pytestmark = [pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
-    reason="the model specs need transformers and nemo-automodel (the 'models' extra; scripts/bootstrap.sh "
-           "installs them unless CP_HARNESS_NO_FRAMEWORK=1)"),
-    pytest.mark.xdist_group("real_models")]  # the worker that already imported the models (tests/conftest.py)
+REAL_MODELS = True  # tests/conftest.py: skipped without the models extra, one xdist group, one pool
 
 PACKAGE = "examples.automodel.models"
 GPU_SPECS = ("load_balanced_sdpa", "load_balanced_sdpa_alltoall", "kimi_linear_kda", "mimo_v2_flash_te_thd",
