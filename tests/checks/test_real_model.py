@@ -21,7 +21,7 @@ import pytest
 from cp_harness.checks.real_model import smoke_cases
 from cp_harness.judging.render import report_text
 
-# The subjects whose CP path these tests run and judge (examples/automodel/coverage.py reads it).
+# The subjects whose CP path these tests run and judge (examples/automodel/tools/coverage.py reads it).
 JUDGES = ("spec:deepseek_v41", "spec:kimi_linear")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -135,7 +135,7 @@ def test_a_spec_whose_requirements_are_unmet_is_skipped_with_its_reasons(model_r
 
 # A verify failure (kimi_linear, --examples 12): CP 2 differs from one device by 50.2 ULP at position 11 in bfloat16,
 # because the CP path's MLA attention is FlexAttention and one device's matmul + softmax (docs/models/kimi_linear.md,
-# "K3: bfloat16 kernels"; repro: examples/automodel/models/repro_kimi_bf16_kernels.py).
+# "K3: bfloat16 kernels"; repro: examples/automodel/repro/models/kimi_bf16_kernels.py).
 KERNEL_CASE = {"check": "real_model", "spec": KIMI, "dtype": "bfloat16", "seed": 0, "world_size": 2,
                "batch": {"kind": "plain", "seq_len": 12, "seed": 17}}
 

@@ -15,7 +15,7 @@ import pytest
 
 from cp_harness.judging.render import report_text
 
-# The subjects whose CP path these tests run and judge (examples/automodel/coverage.py reads it).
+# The subjects whose CP path these tests run and judge (examples/automodel/tools/coverage.py reads it).
 JUDGES = ("spec:kimi_linear", "spec:kimi_k3", "spec:gemma4_moe")
 
 KIMI = "examples.automodel.models.kimi_linear"

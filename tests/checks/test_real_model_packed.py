@@ -23,7 +23,7 @@ import pytest
 
 from cp_harness.judging.render import report_text
 
-# The subjects whose CP path these tests run and judge (examples/automodel/coverage.py reads it).
+# The subjects whose CP path these tests run and judge (examples/automodel/tools/coverage.py reads it).
 JUDGES = ("spec:qwen3_5_moe", "spec:deepseek_v4")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -90,7 +90,7 @@ def test_qwen3_5_moe_packed(model_runner):
 def test_deepseek_v4_packed(model_runner):
     """The smoke passes; compressed keys gathered out of rank order fail (the unpatched spec passes that case); the
     finding is pinned: document 2 of [7, 5, 6] starts at 7, not on a window of the compress ratio 4, and one device
-    drops and shifts its compressor windows where CP aligns them (repro_deepseek_v4_packed_windows.py). When that
+    drops and shifts its compressor windows where CP aligns them (repro/models/deepseek_v4_packed_windows.py). When that
     case passes, the framework has changed: update docs/models/deepseek_v4.md."""
     _smoke(model_runner, DSV4)
     plain = _case(DSV4, "float32", 2, kind="plain", seq_len=23, seed=2)

@@ -6,7 +6,7 @@ row with a single-token document, a document across every shard boundary, right 
 a document across every boundary, unpacked), an injected defect in the model's own CP machinery
 (``tests/fixtures/real_model_spec_<model>_<defect>.py``) must fail naming the tensors, parameters and positions it
 moves, and GLM's packed finding must be reported as what it is (one device attends across documents:
-``examples/automodel/models/repro_glm5_next_packed_one_device.py``). Deeper runs: ``docs/models/*.md``.
+``examples/automodel/repro/models/glm5_next_packed_one_device.py``). Deeper runs: ``docs/models/*.md``.
 Skipped without ``transformers`` (the ``models`` extra).
 """
 
@@ -20,7 +20,7 @@ import pytest
 
 from cp_harness.judging.render import report_text
 
-# The subjects whose CP path these tests run and judge (examples/automodel/coverage.py reads it).
+# The subjects whose CP path these tests run and judge (examples/automodel/tools/coverage.py reads it).
 JUDGES = ("spec:qwen3_8_flash_next", "spec:glm5_next")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

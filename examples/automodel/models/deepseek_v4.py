@@ -29,7 +29,7 @@ Status (float32 and bfloat16, CP 2 and 3 against one rank, ``docs/models/deepsee
 finding, not a CP error. One device pools windows of 4 *global* positions, so a window that straddles two
 documents is dropped and a misaligned document's windows are shifted; CP repads every document to the window
 (like every document alone), so one-device and CP training of the same packed data differ
-(``repro_deepseek_v4_packed_windows.py``, exit 1 while it shows). Packing with
+(``repro/models/deepseek_v4_packed_windows.py``, exit 1 while it shows). Packing with
 ``packed_sequence.pad_to_multiple_of=4`` makes them agree.
 """
 

@@ -1,6 +1,6 @@
 """Model spec: nemo-automodel 0.7.0's ``DeepseekV41ForCausalLM`` at a tiny random config, CP the framework's way.
 
-A *model spec* tells a driver (the harness, or ``run_standalone.py``) how to build a real model, enter
+A *model spec* tells a driver (the harness, or ``tools/run_standalone.py``) how to build a real model, enter
 context parallelism exactly as ``recipes/llm/train_ft.py`` does, and compute the loss. It holds no harness
 internals; every function works on one rank, with or without ``torch.distributed``.
 
@@ -60,7 +60,7 @@ Engram, vision or MTP. Backend ``BackendConfig(attn="eager", linear="torch", rms
 experts="torch", dispatcher="torch")``. The default ``index_topk``/``candidate_topk_blocks`` are larger
 than any compressed width used here, so the indexer keeps every visible key; smaller values exercise
 the hard top-k selection, whose ties (``relu`` zeros) make the result depend on the row width, hence on
-CP padding (see ``padding_sensitivity_repro`` in ``run_standalone.py``).
+CP padding (see ``padding_sensitivity_repro`` in ``tools/run_standalone.py``).
 """
 
 from __future__ import annotations

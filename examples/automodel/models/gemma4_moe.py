@@ -31,7 +31,7 @@ block-causal ``attention_mask``, ``_packed_seq_ids`` only when some row holds tw
 CP path gets the loader's ``cp_size > 1`` form (the indexed ``[B, S]`` mask and ``_packed_seq_ids``), which is
 what ``make_batch`` returns. (``collate_fns`` itself cannot be imported without the ``datasets`` package,
 which the pinned set does not hold, so ``one_device_batch`` applies those lines of it.) Two one-device
-findings follow (``docs/models/gemma4_moe.md``, repro ``repro_gemma4_packed_masks.py``), and such cases fail:
+findings follow (``docs/models/gemma4_moe.md``, repro ``repro/models/gemma4_packed_masks.py``), and such cases fail:
 G1, rows that are all single documents lose the sliding window (any attention); G2, with ``eager`` attention
 packs of two or more documents get no masking at all. ``overrides={"attn_implementation": "sdpa"}`` removes
 G2 (the CP path does not depend on it).

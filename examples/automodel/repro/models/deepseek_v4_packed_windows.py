@@ -1,8 +1,8 @@
 """Repro (no harness): DeepSeek V4 one-device packed training and CP packed training compute different logits for
 the same packed batch, because only the CP path aligns documents to the compressor's windows.
 
-    PYTHONPATH=. python examples/automodel/models/repro_deepseek_v4_packed_windows.py     # exit 1 while it shows
-    PYTHONPATH=. python examples/automodel/models/repro_deepseek_v4_packed_windows.py --documents 5,1,10,1 \
+    PYTHONPATH=. python examples/automodel/repro/models/deepseek_v4_packed_windows.py     # exit 1 while it shows
+    PYTHONPATH=. python examples/automodel/repro/models/deepseek_v4_packed_windows.py --documents 5,1,10,1 \
         --seq-len 17 --dtype bfloat16                                                      # one row of your own
 
 nemo-automodel 0.7.0, ``DeepseekV4ForCausalLM`` at a tiny random config (compress ratios ``[0, 4, 4, 0]``), eager

@@ -1,7 +1,7 @@
 """Forward-only check of a model spec at CP 1, 2, 3 against one device, without the harness (logits and loss).
 
-    PYTHONPATH=. python examples/automodel/models/run_forward_only.py --model examples.automodel.models.gemma4_moe
-    PYTHONPATH=. python examples/automodel/models/run_forward_only.py --model examples.automodel.models.kimi_linear \
+    PYTHONPATH=. python examples/automodel/tools/run_forward_only.py --model examples.automodel.models.gemma4_moe
+    PYTHONPATH=. python examples/automodel/tools/run_forward_only.py --model examples.automodel.models.kimi_linear \
         --dtypes float32,bfloat16 --cp 1,2,3 --repeat 2
 
 For specs whose CP path cannot run a backward on this device (``spec.FORWARD_ONLY_ON``): every forward runs

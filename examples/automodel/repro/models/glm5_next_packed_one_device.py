@@ -18,7 +18,7 @@ one device given the same documents in a key its forward reads (``_packed_seq_id
 one-device run differs from CP on documents 2 and 3 (the defect); 0 once one device honours ``seq_lens``; 2 when
 it could not run.
 
-    PYTHONPATH=. python examples/automodel/models/repro_glm5_next_packed_one_device.py
+    PYTHONPATH=. python examples/automodel/repro/models/glm5_next_packed_one_device.py
 """
 import os
 import sys

@@ -8,7 +8,7 @@ No harness: torch, the framework, two gloo ranks this script forks. ``KimiMLAAtt
 ``ContextParallelSharder(model, mesh, batch).shard(batch)`` and the forward (read in the code, run here: the
 infrastructure itself is not run).
 
-    PYTHONPATH=. python examples/automodel/models/repro_kimi_cp_without_ep.py     # exit 1 while it raises
+    PYTHONPATH=. python examples/automodel/repro/models/kimi_cp_without_ep.py     # exit 1 while it raises
 """
 import os
 import sys
@@ -20,7 +20,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 
-from examples.automodel.models.repro_kimi_thd_one_device import build  # noqa: E402
+from examples.automodel.repro.models.kimi_thd_one_device import build  # noqa: E402
 from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder  # noqa: E402
 from nemo_automodel.components.distributed.context_parallel.utils import attach_context_parallel_hooks  # noqa: E402
 

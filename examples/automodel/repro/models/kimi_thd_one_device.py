@@ -12,7 +12,7 @@ K1  One device: ``ContextParallelSharder`` at cp_size 1 is the identity (no TE, 
     CP 2: ``shard_batch_for_kimi_cp`` builds the document map from ``seq_lens_padded``: documents separated.
 The expected logits of a document are the model's logits on that document alone.
 
-    PYTHONPATH=. python examples/automodel/models/repro_kimi_thd_one_device.py     # exit 1 while K1 shows
+    PYTHONPATH=. python examples/automodel/repro/models/kimi_thd_one_device.py     # exit 1 while K1 shows
 """
 import contextlib
 import os

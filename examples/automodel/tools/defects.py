@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-KNOWN = HERE / "known_defects.json"
+KNOWN = HERE.parent / "known_defects.json"
 
 DEFECT_FIELDS = ("id", "title", "classification", "doc", "repro", "backends", "signature", "rows")
 ROW_FIELDS = ("row", "why", "case")

@@ -16,7 +16,7 @@ G2  two documents, attention "eager" (what the Gemma4 MoE recipes set): ``_packe
     document masking at all (every position differs). With "sdpa" the same masks are right.
 CP 2 (the ring, FlexAttention run uncompiled on CPU under no_grad) matches the per-document logits in both.
 
-    PYTHONPATH=. python examples/automodel/models/repro_gemma4_packed_masks.py     # exit 1 while G1 or G2 shows
+    PYTHONPATH=. python examples/automodel/repro/models/gemma4_packed_masks.py     # exit 1 while G1 or G2 shows
 """
 import os
 import sys

@@ -1,7 +1,7 @@
 """Calibration figures of one model spec under the real-model judge: every drawn case is run (none is shrunk or
 stopped at), and the worst CP error, reference spread and error / bound are printed per dtype and tensor kind.
 
-    PYTHONPATH=. python examples/automodel/models/calibrate_spec.py \
+    PYTHONPATH=. python examples/automodel/tools/calibrate_spec.py \
         --model examples.automodel.models.glm5_next --examples 40 --world-sizes 1,2,3
 
 Cases: the real-model rows' own strategy (``cp_harness.checks.real_model.real_model_cases``, as ``verify`` draws

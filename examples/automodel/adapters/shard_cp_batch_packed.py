@@ -30,7 +30,7 @@ from nemo_automodel.components.distributed.context_parallel.sharder import (
 from nemo_automodel.components.models.deepseek_v41.cp import shard_cp_batch
 
 import cp_impl
-from examples.automodel._compose import compose
+from examples.automodel.adapters._compose import compose
 
 FRAMEWORK_FUNCTION = shard_cp_batch
 ALIGNMENT = 4  # a document starts at a multiple of 4: the re-pad moves tokens whenever a document is not

@@ -13,7 +13,7 @@ Translation only. The path keeps the primary global, so it serves the hooks
 whose contract keeps it global: ``inkling2.prepare_cp_inputs`` and
 ``mistral_large4.prepare_cp_inputs`` with ``shard_primary=False``
 (``shard_primary=True`` rows are the load-balanced path's,
-``examples.automodel.shard_batch_load_balanced``, and stay ``cp_impl``'s here,
+``examples.automodel.adapters.shard_batch_load_balanced``, and stay ``cp_impl``'s here,
 as do packs). The model side: the harness' models shard their global
 embeddings with the sharder's documented ``shard_token_tensor(x, fill=...)``;
 :class:`AuxOnlySharder` (the framework's ``ContextParallelSharder``, same
@@ -39,7 +39,7 @@ from nemo_automodel.components.distributed.context_parallel.sharder import (
 )
 
 import cp_impl
-from examples.automodel._compose import compose
+from examples.automodel.adapters._compose import compose
 
 FRAMEWORK_FUNCTION = shard_batch_aux_only
 _STRATEGY = "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_aux_only"

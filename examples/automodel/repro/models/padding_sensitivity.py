@@ -3,8 +3,8 @@
 With a small indexer selection (index_topk=3, candidate_topk_blocks=2) the indexer's hard top-k meets exact
 ties (relu() zeros, and -inf for masked keys); torch.topk breaks them by the row width, and one masked pad
 token changes that width. CP 2 pads a 15-token row to 16 the same way, so CP 2 differs from one rank by
-exactly this amount (run_standalone.py --case plain:15:1 --overrides index_topk=3,candidate_topk_blocks=2
---padding-check). Run: PYTHONPATH=. python examples/automodel/models/repro_padding_sensitivity.py
+exactly this amount (tools/run_standalone.py --case plain:15:1 --overrides index_topk=3,candidate_topk_blocks=2
+--padding-check). Run: PYTHONPATH=. python examples/automodel/repro/models/padding_sensitivity.py
 """
 import torch
 

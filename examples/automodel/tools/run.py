@@ -1,14 +1,14 @@
 """Gate nemo-automodel's own CP code: verify every adapter and every model spec, replay the documented defects,
 judge, and print the coverage table.
 
-``python -m examples.automodel.run [--examples N] [--reports DIR] [SUBJECT ...]`` (``scripts/real_clients``
+``python -m examples.automodel.tools.run [--examples N] [--reports DIR] [SUBJECT ...]`` (``scripts/real_clients``
 installs the pinned framework first, then runs this). Subjects are the adapters of
-``examples.automodel.ADAPTERS`` (each: ``python -m cp_harness verify --impl examples.automodel.<adapter>``, on the
+``examples.automodel.adapters.ADAPTERS`` (each: ``python -m cp_harness verify --impl examples.automodel.adapters.<adapter>``, on the
 rows and CP sizes the adapter declares) and the model specs of ``examples.automodel.models.SPECS`` (each:
 ``verify --model examples.automodel.models.<spec>``; a spec whose ``REQUIRES`` is unmet here is skipped, with its
 reason, and left to the nightly GPU job). Then the case of every row a documented defect reaches
-(``known_defects.json``, ``examples/automodel/defects.py``) is replayed on one pool, and ``<reports>/summary.json``
-and ``<reports>/summary.md`` get the status, the verdicts, the coverage table (``examples/automodel/coverage.py``:
+(``known_defects.json``, ``examples/automodel/tools/defects.py``) is replayed on one pool, and ``<reports>/summary.json``
+and ``<reports>/summary.md`` get the status, the verdicts, the coverage table (``examples/automodel/tools/coverage.py``:
 every CP function of the installed framework, what exercises it, where it runs) and the verify tables.
 ``main(argv, pool=...)`` runs the adapters in this process on a warm ``RankPool`` (the default command's test of
 the gate does).
@@ -36,10 +36,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from examples.automodel.defects import KNOWN, Failure, holds, load_defects, load_known  # noqa: F401 - load_defects re-exported
+from examples.automodel.tools.defects import KNOWN, Failure, holds, load_defects, load_known  # noqa: F401 - load_defects re-exported
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+ROOT = HERE.parents[2]
 REQUIREMENTS = ROOT / "constraints" / "framework.txt"  # the one home of the framework pin
 
 OK, NEW_FINDING, CANNOT_RUN, DOCUMENTED_ONLY = 0, 1, 2, 3
@@ -104,10 +104,10 @@ def _sizes(declared, wanted: str) -> str:
 def run_adapter(adapter: str, args, json_path: Path, pool=None) -> int:
     """``cp_harness verify`` on one adapter, on the rows (``ROWS``) and CP sizes (``WORLD_SIZES``) it declares:
     in its own process (its output goes to ours), or, given a warm ``pool``, in this process on that pool."""
-    module = importlib.import_module(f"examples.automodel.{adapter}")
+    module = importlib.import_module(f"examples.automodel.adapters.{adapter}")
     sizes = _sizes(getattr(module, "WORLD_SIZES", None), args.world_sizes)
     rows = tuple(getattr(module, "ROWS", ()))
-    cmd = [sys.executable, "-m", "cp_harness", "verify", "--impl", f"examples.automodel.{adapter}",
+    cmd = [sys.executable, "-m", "cp_harness", "verify", "--impl", f"examples.automodel.adapters.{adapter}",
            "--examples", str(args.examples), "--seed", str(args.seed), "--world-sizes", sizes,
            "--backend", args.backend, "--shrink-seconds", str(args.shrink_seconds), "--json", str(json_path)]
     if rows:
@@ -118,7 +118,7 @@ def run_adapter(adapter: str, args, json_path: Path, pool=None) -> int:
     from cp_harness.cases.descriptions import parse_world_sizes
     from cp_harness.verify import VerifySettings, result_text, run_verify
 
-    settings = VerifySettings(impl=f"examples.automodel.{adapter}", world_sizes=parse_world_sizes(sizes),
+    settings = VerifySettings(impl=f"examples.automodel.adapters.{adapter}", world_sizes=parse_world_sizes(sizes),
                               examples=args.examples, backend=args.backend, seed=args.seed, rows=rows,
                               shrink_seconds=args.shrink_seconds)
     with open(os.devnull, "w") as quiet:
@@ -154,7 +154,7 @@ def replay(defect: dict, backend: str, pool=None) -> tuple[bool, str]:
 
     case = dict(defect["case"])
     if "adapter" in defect:
-        case["impl"] = f"examples.automodel.{defect['adapter']}"
+        case["impl"] = f"examples.automodel.adapters.{defect['adapter']}"
     if pool is not None:
         runner = CaseRunner(pool.config, pool=pool)
     else:
@@ -225,7 +225,7 @@ def _replay_all(rows: list[dict], backend: str, pool=None) -> list[dict]:
 
 
 def _subjects(names: list[str]) -> list[str]:
-    from examples.automodel import ADAPTERS
+    from examples.automodel.adapters import ADAPTERS
     from examples.automodel.models import SPECS
 
     every = [f"adapter:{a}" for a in ADAPTERS] + [f"spec:{s}" for s in SPECS]
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
     """The gate's command line; returns its exit status. ``pool``: run the adapters' verify and the replays in
     this process on this warm ``RankPool`` (it needs ``max(--world-sizes)`` ranks) instead of fresh pools (the
     model specs always run in their own process)."""
-    parser = argparse.ArgumentParser(prog="python -m examples.automodel.run", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m examples.automodel.tools.run", description=__doc__.split("\n")[0])
     parser.add_argument("subjects", nargs="*", help="adapters or model specs by name (default: all)")
     parser.add_argument("--examples", type=int, default=25, help="examples per verify row (default 25)")
     parser.add_argument("--seed", type=int, default=0)
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
         print(f"real clients: cannot run: {args.known}: {exc}", file=sys.stderr)
         return CANNOT_RUN
 
-    from examples.automodel import coverage
+    from examples.automodel.tools import coverage
 
     reports = Path(args.reports)
     reports.mkdir(parents=True, exist_ok=True)

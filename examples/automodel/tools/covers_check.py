@@ -1,6 +1,6 @@
 """Check a model spec's ``COVERS``: every framework CP callable it names is really executed by its CP path.
 
-    PYTHONPATH=. python examples/automodel/models/covers_check.py --model examples.automodel.models.glm5_next
+    PYTHONPATH=. python examples/automodel/tools/covers_check.py --model examples.automodel.models.glm5_next
 
 Forks ``max(--cp)`` gloo ranks (no harness). Each rank builds the spec's model, replaces every reference to each
 ``COVERS`` callable (in every loaded module, and on its class for methods) by a counting wrapper, runs one

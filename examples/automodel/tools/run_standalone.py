@@ -1,10 +1,10 @@
 """Drive a model spec at CP 1, 2, 3 on forked gloo ranks, without the harness, and print the worst errors.
 
-    PYTHONPATH=. python examples/automodel/models/run_standalone.py                     # default cases, float32
-    PYTHONPATH=. python examples/automodel/models/run_standalone.py --dtypes float32,bfloat16 --cp 2,3
-    PYTHONPATH=. python examples/automodel/models/run_standalone.py --cases 1 --cp 2    # one case (fresh time)
-    PYTHONPATH=. python examples/automodel/models/run_standalone.py --overrides index_topk=3,candidate_topk_blocks=2
-    PYTHONPATH=. python examples/automodel/models/run_standalone.py --padding-repro     # one process, no ranks
+    PYTHONPATH=. python examples/automodel/tools/run_standalone.py                     # default cases, float32
+    PYTHONPATH=. python examples/automodel/tools/run_standalone.py --dtypes float32,bfloat16 --cp 2,3
+    PYTHONPATH=. python examples/automodel/tools/run_standalone.py --cases 1 --cp 2    # one case (fresh time)
+    PYTHONPATH=. python examples/automodel/tools/run_standalone.py --overrides index_topk=3,candidate_topk_blocks=2
+    PYTHONPATH=. python examples/automodel/tools/run_standalone.py --padding-repro     # one process, no ranks
 
 One launcher imports torch and the spec (``--model``, default ``examples.automodel.models.deepseek_v41``),
 builds each (dtype, overrides) model once, then forks ``max(--cp)`` ranks that join one gloo group and

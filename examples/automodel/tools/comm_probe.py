@@ -1,6 +1,6 @@
 """Bytes each framework primitive moves against the harness' analytic minimum, counted on every c10d call.
 
-``python -m examples.automodel.comm_probe [--world-sizes 2,4,8]`` spawns the ranks itself (gloo) and prints a
+``python -m examples.automodel.tools.comm_probe [--world-sizes 2,4,8]`` spawns the ranks itself (gloo) and prints a
 Markdown table for ``docs/real_clients.md``. Per primitive: one forward and one backward on a float64 shard
 ``[B=2, L=4, C=8]`` (``P = 512`` bytes per rank); the halo with ``W - 1 = 2`` rows (inside the previous shard)
 and ``W - 1 = 12`` rows (three shards back).
@@ -102,7 +102,7 @@ def primitives(rank: int, mesh):
     from nemo_automodel.components.models.deepseek_v41.cp import gather_sequence as deepseek
     from nemo_automodel.components.models.kimi_linear.cp import all_gather_sequence as kimi
 
-    from examples.automodel import qwen3_8_flash_next_halo
+    from examples.automodel.adapters import qwen3_8_flash_next_halo
 
     group, n = mesh.get_group(), mesh.size()
     gather_case = {"check": "gather_sequence", "world_size": n, "shape": list(SHAPE), "dtype": "float64",

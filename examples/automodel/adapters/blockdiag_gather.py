@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from nemo_automodel.components.distributed.blockdiag_cp import exchange as framework
 
-from examples.automodel._compose import autograd_if, compose, cp_group
+from examples.automodel.adapters._compose import autograd_if, compose, cp_group
 
 FRAMEWORK_FUNCTION = framework._AllGatherSeqDiff.apply
 SERVES = {

@@ -35,7 +35,7 @@ from nemo_automodel.components.distributed.context_parallel.sharder import (
 )
 
 import cp_impl
-from examples.automodel._compose import compose
+from examples.automodel.adapters._compose import compose
 
 FRAMEWORK_FUNCTION = shard_batch_contiguous
 _STRATEGY = "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_contiguous"

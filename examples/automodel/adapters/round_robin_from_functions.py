@@ -27,7 +27,7 @@ from nemo_automodel.components.distributed.context_parallel.sharder import (
 )
 
 import cp_impl
-from examples.automodel._compose import compose
+from examples.automodel.adapters._compose import compose
 
 FRAMEWORK_FUNCTION = shard_sequence_for_cp_round_robin
 _SHARDER = "nemo_automodel.components.distributed.context_parallel.sharder"

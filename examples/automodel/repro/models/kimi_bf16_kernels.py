@@ -14,7 +14,7 @@ at the largest eager logit (``max |a - b| / (max |eager| x 2**-7)``), against th
 batch, 8 ULP (4 x reference spread 0, a one-row batch without a backward, + floor 8). It prints the worst
 position and both values and exits 1 while the two differ by more than the bound.
 
-Run: ``PYTHONPATH=. python examples/automodel/models/repro_kimi_bf16_kernels.py [--spec kimi_k3]
+Run: ``PYTHONPATH=. python examples/automodel/repro/models/kimi_bf16_kernels.py [--spec kimi_k3]
 [--seq-len 12 --seed 17]`` (default: both specs, each on the smallest plain batch verify failed on, ``CASES``).
 """
 from __future__ import annotations

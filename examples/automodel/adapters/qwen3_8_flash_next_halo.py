@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from nemo_automodel.components.models.qwen3_8_flash_next import cp as framework
 
-from examples.automodel._compose import compose, cp_group
+from examples.automodel.adapters._compose import compose, cp_group
 
 FRAMEWORK_FUNCTION = framework.qwen3_8_flash_next_cp_left_halo
 SERVES = {"inkling2.convolution_history": "nemo_automodel.components.models.qwen3_8_flash_next.cp.qwen3_8_flash_next_cp_left_halo"}

@@ -6,8 +6,8 @@ adapter's translation copied in), exits 1 while the defect is there and 0 with `
 for the gathers: ``FixedGather``, the fix proposed upstream). D1's model case is narrowed to the gather whose
 gradient is wrong, with the inputs and the permuted upstream gradient it received in the model run.
 
-    python -m examples.automodel.export_repros            # rewrite examples/automodel/repro/exported/
-    python -m examples.automodel.export_repros --check    # exit 1 when a committed file is not what is written now
+    python -m examples.automodel.tools.export_repros            # rewrite examples/automodel/repro/exported/
+    python -m examples.automodel.tools.export_repros --check    # exit 1 when a committed file is not what is written now
 
 Run from the repository root (the scripts' run lines name paths relative to it). ``tests/repro`` checks that
 the committed files are current and that each fails and passes as said.
@@ -22,9 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from examples.automodel.defects import load_known
+from examples.automodel.tools.defects import load_known
 
-EXPORTED = Path(__file__).resolve().parent / "repro" / "exported"
+EXPORTED = Path(__file__).resolve().parents[1] / "repro" / "exported"
 
 
 def _row_ids() -> dict[str, str]:
@@ -44,7 +44,7 @@ def export_all(runner, directory: str) -> dict[str, object]:
     write its repro into ``directory``: ``{name: Exported}``. A case that no longer fails is an error."""
     out = {}
     for entry in entries():
-        case = {**entry["case"], "impl": f"examples.automodel.{entry['adapter']}"}
+        case = {**entry["case"], "impl": f"examples.automodel.adapters.{entry['adapter']}"}
         report = runner.run(case)
         if report.ok:
             raise RuntimeError(f"{entry['name']}: the documented case passes now; nothing to export")
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from cp_harness.runner import CaseRunner
 
     known = entries()
-    impls = sorted({f"examples.automodel.{e['adapter']}" for e in known})
+    impls = sorted({f"examples.automodel.adapters.{e['adapter']}" for e in known})
     from cp_harness.cases.meshes import ranks_needed
 
     runner = CaseRunner(PoolConfig(world_size=max(ranks_needed(e["case"]) for e in known),
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     stale = [f for f in sorted(os.listdir(target)) if not (EXPORTED / f).exists()
              or not filecmp.cmp(os.path.join(target, f), EXPORTED / f, shallow=False)]
     for f in stale:
-        print(f"{f}: not what the exporter writes now (python -m examples.automodel.export_repros)", file=sys.stderr)
+        print(f"{f}: not what the exporter writes now (python -m examples.automodel.tools.export_repros)", file=sys.stderr)
     return 1 if stale or missing else 0
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from nemo_automodel.components.models.kimi_linear import cp as framework
 
-from examples.automodel._compose import autograd_if, compose, cp_group
+from examples.automodel.adapters._compose import autograd_if, compose, cp_group
 
 FRAMEWORK_FUNCTION = framework.all_gather_sequence
 SERVES = {

@@ -15,7 +15,7 @@ Translation only: the path shards the primary stream (``input_ids``), so it
 serves the hooks whose contract shards it: ``mistral_large4.prepare_cp_inputs``
 with ``shard_primary=True``. The hooks that keep ``input_ids`` global
 (inkling2, ``shard_primary=False``) are the aux-only peer's
-(``examples.automodel.shard_batch_aux_only``) and stay ``cp_impl``'s here, as do
+(``examples.automodel.adapters.shard_batch_aux_only``) and stay ``cp_impl``'s here, as do
 packs (the path has no notion of documents). A ``None`` CP mesh (one rank)
 gets the framework's identity sharder, as its dispatch does at
 ``cp_size <= 1``.
@@ -34,7 +34,7 @@ from nemo_automodel.components.distributed.context_parallel.sharder import (
 )
 
 import cp_impl
-from examples.automodel._compose import compose
+from examples.automodel.adapters._compose import compose
 
 FRAMEWORK_FUNCTION = shard_batch_load_balanced
 _STRATEGY = "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_load_balanced"

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from nemo_automodel.components.distributed.context_parallel.sharder import ContextParallelSharder
 
 import cp_impl
-from examples.automodel._compose import compose
+from examples.automodel.adapters._compose import compose
 
 FRAMEWORK_FUNCTION = ContextParallelSharder
 _CLASS = "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder"
