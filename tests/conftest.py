@@ -19,9 +19,14 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
-CPU_SPECS = tuple(f"examples.automodel.models.{name}" for name in (
-    "deepseek_v41", "deepseek_v4", "qwen3_8_flash_next", "glm5_next", "qwen3_5_moe", "gemma4_moe", "kimi_linear",
-    "kimi_k3"))
+
+
+def cpu_specs() -> tuple[str, ...]:
+    """The model specs that run on the CPU (no ``"cuda"`` in their ``REQUIRES``), as module names; imports them."""
+    from examples.automodel.models import PACKAGE, SPECS, needs_cuda
+
+    return tuple(f"{PACKAGE}.{name}" for name in SPECS if not needs_cuda(name))
+
 
 REAL_MODEL_PACKAGES = ("transformers", "nemo_automodel")
 
@@ -57,7 +62,7 @@ def real_models():
     # scripts/real_clients and the nightly run them as the framework does.
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
     runner = CaseRunner(PoolConfig(world_size=3, impl="cp_impl", case_timeout=180.0, collective_timeout=90.0,
-                                   preload=CPU_SPECS))
+                                   preload=cpu_specs()))
     try:
         runner.pool.start()
     finally:

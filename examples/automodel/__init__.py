@@ -2,7 +2,7 @@
 
 - ``adapters/``: one module per framework CP primitive, served inside ``cp_impl`` (``ADAPTERS``, ``NOT_ADAPTED``);
 - ``models/``: the model specs, real framework models a driver builds, shards the framework's way and compares
-  (``SPECS``), and their shared helpers (``_gpu_spec_common``, ``model_owned_cp``);
+  (``SPECS``), and their shared helpers (``_base``, ``model_owned_cp``);
 - ``repro/``: standalone repros without the harness: hand-written ones of the primitives' defects (``_launch`` their
   launcher), of the models' findings (``repro/models/``), and the exported ones (``repro/exported/``, written by
   ``tools/export_repros``);
