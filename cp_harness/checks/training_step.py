@@ -1,7 +1,7 @@
 """Check ``training_step``: one training step of a real model as the framework's recipe runs it at CP > 1, with a
 data-parallel dimension (``dp_shard x cp = 2 x 2`` on 4 ranks), against one device on the whole global batch.
 
-The ranks run a *step driver* (case key ``driver``, default ``examples.automodel.training_step``: the framework's
+The ranks run a *step driver* (case key ``driver``, default ``examples.automodel.training.train_ft_step``: the framework's
 mesh with ``dp_shard_cp`` flattened, its parallelizer (FSDP2 over ``dp_shard_cp``), the spec's CP ``shard``, the
 recipe's label count summed over ``dp`` and its loss scaling, backward, the clip-grad helper) and hand back what the
 optimizer sees: each parameter's gradient (its FSDP2 shards gathered whole), the gradient norm the recipe clips
@@ -35,7 +35,7 @@ from cp_harness.checks import real_model as rm
 from cp_harness.judging.verdicts import CaseReport
 from cp_harness.usage import model_specs
 
-DRIVER = "examples.automodel.training_step"
+DRIVER = "examples.automodel.training.train_ft_step"
 DP_SHARD, CP = 2, 2
 NORM = rm.Quantity("grad_norm")
 # float32 only: a bfloat16 spec model keeps some parameters in float32 (DeepSeek V4.1: LM head, hyper-connections,

@@ -25,7 +25,7 @@ import textwrap
 from cp_harness.repro import fixes
 from cp_harness.repro.script import SCRIPT, NotExportable
 
-_COMPOSE = "examples.automodel._compose"
+_COMPOSE = "examples.automodel.adapters._compose"
 
 
 @dataclasses.dataclass
@@ -178,7 +178,7 @@ def _first_docstring_line(text: str, node: ast.stmt) -> str:
 
 def inline(module_name: str, names: list[str]) -> tuple[list[str], list[str]]:
     """``(framework import lines, source blocks)``: the definitions ``names`` of ``module_name`` and everything of
-    that module (or of ``examples.automodel._compose``) they use, dependencies first. The standard library,
+    that module (or of ``examples.automodel.adapters._compose``) they use, dependencies first. The standard library,
     torch and the framework are imported, never copied."""
     imports: dict[str, str] = {}
     blocks: dict[tuple[str, str], str] = {}
