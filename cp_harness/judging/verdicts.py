@@ -46,7 +46,7 @@ class ProblemKind(StrKind):
     ROW = "row"
 
     @classmethod
-    def of_rank_failure(cls, failure_kind: str) -> "ProblemKind":
+    def of_rank_failure(cls, failure_kind: str) -> ProblemKind:
         """The kind of the problem a ``RankFailure`` of kind ``failure_kind`` becomes (``raised``: ``RANK_RAISED``)."""
         return cls(f"rank {failure_kind}")
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import types
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 

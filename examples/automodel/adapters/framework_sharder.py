@@ -12,7 +12,8 @@ case of the sharder contract: the class is the framework's, the strategy ours.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from nemo_automodel.components.distributed.context_parallel.sharder import ContextParallelSharder
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from nemo_automodel.components.distributed.context_parallel.sharder import (

@@ -26,7 +26,8 @@ sharder, as the framework's dispatch does at ``cp_size <= 1``.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from nemo_automodel.components.distributed.context_parallel.sharder import (

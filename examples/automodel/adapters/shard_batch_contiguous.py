@@ -24,7 +24,8 @@ requires (``docs/real_clients.md``, ``cp_impl/README.md``).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from nemo_automodel.components.distributed.context_parallel.sharder import (
     ContextParallelSharder,

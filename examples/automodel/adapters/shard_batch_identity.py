@@ -19,7 +19,8 @@ it is the framework's own choice; at ``N > 1`` the framework never picks it
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from nemo_automodel.components.distributed.context_parallel.sharder import (
     ContextParallelSharder,

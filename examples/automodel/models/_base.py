@@ -41,10 +41,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
-
 from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
 from nemo_automodel.components.loss.masked_ce import MaskedCrossEntropy
 from nemo_automodel.components.utils.model_utils import filter_forward_kwargs

@@ -38,17 +38,26 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
+from nemo_automodel.components.datasets.utils import pack_features_for_thd, packed_sequence_thd_collater
 from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.deepseek_v4.config import DeepseekV4Config
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
-from nemo_automodel.components.datasets.utils import pack_features_for_thd, packed_sequence_thd_collater
-
 from examples.automodel.models import _base
 from examples.automodel.models._base import (  # noqa: F401  (the shared half of the interface)
-    DTYPES, IGNORE_INDEX, build_seeded, dtype_name, forward, local_labels, loss, num_label_tokens, pad_batch, shard,
-    tiny, valid_positions)
+    DTYPES,
+    IGNORE_INDEX,
+    build_seeded,
+    dtype_name,
+    forward,
+    local_labels,
+    loss,
+    num_label_tokens,
+    pad_batch,
+    shard,
+    tiny,
+    valid_positions,
+)
 from examples.automodel.models.deepseek_v41 import BACKEND
 
 NAME = "deepseek_v4"

@@ -24,14 +24,27 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
 from examples.automodel.models._base import (  # noqa: F401 - the common verbs are this spec's
-    BATCH_KEYS, DTYPES, IGNORE_INDEX, build_seeded, dtype_name, forward, gather_logits, local_labels, loss, make_batch,
-    num_label_tokens, pad_batch, shard, tiny, valid_positions)
+    BATCH_KEYS,
+    DTYPES,
+    IGNORE_INDEX,
+    build_seeded,
+    dtype_name,
+    forward,
+    gather_logits,
+    local_labels,
+    loss,
+    make_batch,
+    num_label_tokens,
+    pad_batch,
+    shard,
+    tiny,
+    valid_positions,
+)
 
 NAME = "deepseek_v41"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.deepseek_v41.model.DeepseekV41ForCausalLM"

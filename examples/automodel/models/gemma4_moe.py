@@ -56,17 +56,26 @@ default ``flex``).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
-
-from examples.automodel.models import _base, model_owned_cp
-from examples.automodel.models._base import (  # noqa: F401  (re-exported: same verbs, same semantics)
-    DTYPES, IGNORE_INDEX, gather_logits, local_labels, loss, num_label_tokens, pad_batch, valid_positions)
 from nemo_automodel.components.datasets.utils import _indexed_mask_to_4d_block_causal
 from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
 from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.gemma4_moe.model import Gemma4Config, Gemma4ForConditionalGeneration
+
+from examples.automodel.models import _base, model_owned_cp
+from examples.automodel.models._base import (  # noqa: F401  (re-exported: same verbs, same semantics)
+    DTYPES,
+    IGNORE_INDEX,
+    gather_logits,
+    local_labels,
+    loss,
+    num_label_tokens,
+    pad_batch,
+    valid_positions,
+)
 
 NAME = "gemma4_moe"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.gemma4_moe.model.Gemma4ForConditionalGeneration"

@@ -48,14 +48,23 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.glm5_next.config import Glm5NextConfig
 from nemo_automodel.components.models.glm5_next.model import Glm5NextForConditionalGeneration
 
 from examples.automodel.models._base import (  # noqa: F401  (the shared half of the interface)
-    DTYPES, IGNORE_INDEX, build_seeded, dtype_name, gather_logits, local_labels, loss, num_label_tokens, pad_batch,
-    tiny, valid_positions)
+    DTYPES,
+    IGNORE_INDEX,
+    build_seeded,
+    dtype_name,
+    gather_logits,
+    local_labels,
+    loss,
+    num_label_tokens,
+    pad_batch,
+    tiny,
+    valid_positions,
+)
 from examples.automodel.models.qwen3_8_flash_next import forward, make_batch, shard  # noqa: F401
 
 NAME = "glm5_next"

@@ -23,18 +23,32 @@ import contextlib
 from typing import Any
 
 import torch
-
-from examples.automodel.models import _base
-from examples.automodel.models.kimi_linear import (  # noqa: F401  (re-exported: same verbs, same semantics)
-    BATCH_KEYS, BATCH_KINDS, DTYPES, IGNORE_INDEX, WORLD_SIZES, cp_padded_length, gather_logits, local_labels, loss,
-    make_batch, num_label_tokens, pad_batch, shard, valid_positions)
-from examples.automodel.models.kimi_linear import forward as _kimi_forward
-from examples.automodel.models.kimi_linear import mla_cp_kernels, no_cpu_backward
 from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.kimi_k3 import cp as k3_cp
 from nemo_automodel.components.models.kimi_k3 import model as k3_model
 from nemo_automodel.components.models.kimi_k3.config import KimiK3TextConfig
 from nemo_automodel.components.models.kimi_k3.model import KimiK3ForCausalLM, KimiMLAAttention
+
+from examples.automodel.models import _base
+from examples.automodel.models.kimi_linear import (  # noqa: F401  (re-exported: same verbs, same semantics)
+    BATCH_KEYS,
+    BATCH_KINDS,
+    DTYPES,
+    IGNORE_INDEX,
+    WORLD_SIZES,
+    cp_padded_length,
+    gather_logits,
+    local_labels,
+    loss,
+    make_batch,
+    mla_cp_kernels,
+    no_cpu_backward,
+    num_label_tokens,
+    pad_batch,
+    shard,
+    valid_positions,
+)
+from examples.automodel.models.kimi_linear import forward as _kimi_forward
 
 NAME = "kimi_k3"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.kimi_k3.model.KimiK3ForCausalLM"

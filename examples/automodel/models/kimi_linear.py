@@ -55,13 +55,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
-
-from examples.automodel.models import _base, model_owned_cp
-from examples.automodel.models._base import (  # noqa: F401  (re-exported: same verbs, same semantics)
-    DTYPES, IGNORE_INDEX, gather_logits, local_labels, loss, num_label_tokens, pad_batch, valid_positions)
 from nemo_automodel.components.datasets.utils import neat_packed_collater, packed_sequence_thd_collater
 from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.common.packing import PackingCapabilities
@@ -69,6 +66,18 @@ from nemo_automodel.components.models.kimi_linear import cp as kimi_cp
 from nemo_automodel.components.models.kimi_linear import model as kimi_model
 from nemo_automodel.components.models.kimi_linear.config import KimiLinear48BConfig
 from nemo_automodel.components.models.kimi_linear.model import KimiLinear48BForCausalLM, KimiMLAAttention
+
+from examples.automodel.models import _base, model_owned_cp
+from examples.automodel.models._base import (  # noqa: F401  (re-exported: same verbs, same semantics)
+    DTYPES,
+    IGNORE_INDEX,
+    gather_logits,
+    local_labels,
+    loss,
+    num_label_tokens,
+    pad_batch,
+    valid_positions,
+)
 
 NAME = "kimi_linear"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.kimi_linear.model.KimiLinear48BForCausalLM"
@@ -193,7 +202,7 @@ class _OneRank:
     this object, and over it the all-gather of the latent is the identity (a world of one holds the whole
     sequence); see ``mla_cp_kernels``."""
 
-    def get_group(self) -> "_OneRank":
+    def get_group(self) -> _OneRank:
         return self
 
 

@@ -50,17 +50,32 @@ measured limit).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
-
 from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
 from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.kimi_linear.config import KimiLinear48BConfig
 
 from ._base import (  # noqa: F401 - part of the spec interface
-    DTYPES, IGNORE_INDEX, batch_to, build_seeded, dtype_name, forward, gather_trimmed as gather_logits, local_labels,
-    loss, make_batch, model_device, num_label_tokens, pad_batch, rank_device, tiny, valid_positions)
+    DTYPES,
+    IGNORE_INDEX,
+    batch_to,
+    build_seeded,
+    dtype_name,
+    forward,
+    local_labels,
+    loss,
+    make_batch,
+    model_device,
+    num_label_tokens,
+    pad_batch,
+    rank_device,
+    tiny,
+    valid_positions,
+)
+from ._base import gather_trimmed as gather_logits  # noqa: F401 - the spec interface
 
 NAME = "kimi_linear_kda"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.kimi_linear.model.KimiLinear48BForCausalLM"

@@ -71,19 +71,32 @@ memory-efficient ring; bfloat16: the flash ring); ``num_key_value_heads=1`` exer
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from transformers import LlamaConfig
-
 from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
 from nemo_automodel.components.distributed.context_parallel.utils import attach_context_parallel_hooks
 from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.llama.model import LlamaForCausalLM
+from transformers import LlamaConfig
 
 from ._base import (  # noqa: F401 - part of the spec interface
-    DTYPES, IGNORE_INDEX, batch_to, forward, gather_trimmed as gather_logits, local_labels, loss, make_batch,
-    model_device, num_label_tokens, pad_batch, rank_device, seeded, valid_positions)
+    DTYPES,
+    IGNORE_INDEX,
+    batch_to,
+    forward,
+    local_labels,
+    loss,
+    make_batch,
+    model_device,
+    num_label_tokens,
+    pad_batch,
+    rank_device,
+    seeded,
+    valid_positions,
+)
+from ._base import gather_trimmed as gather_logits  # noqa: F401 - the spec interface
 
 NAME = "load_balanced_sdpa"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.llama.model.LlamaForCausalLM"

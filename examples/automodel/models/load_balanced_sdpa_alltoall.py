@@ -17,6 +17,7 @@ batches and layout. GPU only, for the reason in ``load_balanced_sdpa.REQUIRES``;
 
 from __future__ import annotations
 
+from . import load_balanced_sdpa as _base
 from .load_balanced_sdpa import (  # noqa: F401 - the same spec interface
     BACKEND,
     BATCH_KINDS,
@@ -39,7 +40,6 @@ from .load_balanced_sdpa import (  # noqa: F401 - the same spec interface
     pad_batch,
     valid_positions,
 )
-from . import load_balanced_sdpa as _base
 
 NAME = "load_balanced_sdpa_alltoall"
 ROTATE_METHOD = "alltoall"

@@ -46,18 +46,28 @@ dispatcher="torch", rope_fusion=False)``.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
-
 from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
 from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.mimo_v2_flash.config import MiMoV2FlashConfig
 from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
 
 from ._base import (  # noqa: F401 - part of the spec interface
-    DTYPES, IGNORE_INDEX, build_seeded, dtype_name, loss, make_batch, model_device, num_label_tokens, rank_device,
-    tiny, valid_positions)
+    DTYPES,
+    IGNORE_INDEX,
+    build_seeded,
+    dtype_name,
+    loss,
+    make_batch,
+    model_device,
+    num_label_tokens,
+    rank_device,
+    tiny,
+    valid_positions,
+)
 
 NAME = "mimo_v2_flash_te_thd"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.mimo_v2_flash.model.MiMoV2FlashForCausalLM"

@@ -25,10 +25,10 @@ import importlib.util
 import sys
 import types
 import weakref
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
-
 from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
 from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
 
@@ -64,7 +64,7 @@ def apply_moe_cp(model: torch.nn.Module, cp_mesh: Any) -> None:
         apply_cp(model, cp_mesh)
 
 
-_TWINS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[int, tuple[Any, torch.nn.Module]]]" = (
+_TWINS: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, tuple[Any, torch.nn.Module]]] = (
     weakref.WeakKeyDictionary())
 
 

@@ -38,17 +38,32 @@ Backend ``BackendConfig(attn="sdpa", linear="torch", rms_norm="torch_fp32", rope
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
-
 from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
 from nemo_automodel.components.models.common import BackendConfig
+from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
 
 from ._base import (  # noqa: F401 - part of the spec interface
-    DTYPES, IGNORE_INDEX, batch_to, build_seeded, dtype_name, forward, gather_trimmed as gather_logits, local_labels,
-    loss, make_batch, model_device, num_label_tokens, pad_batch, rank_device, tiny, valid_positions)
+    DTYPES,
+    IGNORE_INDEX,
+    batch_to,
+    build_seeded,
+    dtype_name,
+    forward,
+    local_labels,
+    loss,
+    make_batch,
+    model_device,
+    num_label_tokens,
+    pad_batch,
+    rank_device,
+    tiny,
+    valid_positions,
+)
+from ._base import gather_trimmed as gather_logits  # noqa: F401 - the spec interface
 from .load_balanced_sdpa import BACKEND, _context_parallel_hooks, cp_padded_length  # noqa: F401 - same layout
 
 NAME = "nemotron_v3_mamba"

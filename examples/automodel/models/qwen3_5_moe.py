@@ -72,10 +72,10 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
-
 from nemo_automodel.components.datasets.utils import neat_packed_collater
 from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
 from nemo_automodel.components.models.common import BackendConfig
@@ -87,7 +87,15 @@ from nemo_automodel.components.models.qwen3_5_moe.model import (
 
 from examples.automodel.models import _base, model_owned_cp
 from examples.automodel.models._base import (  # noqa: F401  (the shared half of the interface)
-    DTYPES, IGNORE_INDEX, dtype_name, forward, gather_logits, local_labels, loss, num_label_tokens)
+    DTYPES,
+    IGNORE_INDEX,
+    dtype_name,
+    forward,
+    gather_logits,
+    local_labels,
+    loss,
+    num_label_tokens,
+)
 
 NAME = "qwen3_5_moe"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.qwen3_5_moe.model.Qwen3_5MoeForConditionalGeneration"
@@ -178,7 +186,7 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
 
 # ---- entering CP: the framework's apply_cp, undone before the next call --------------------------------------
 
-_PRISTINE: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_PRISTINE: weakref.WeakKeyDictionary[torch.nn.Module, dict] = weakref.WeakKeyDictionary()
 _TORCH_SLOTS = ("_parameters", "_buffers", "_modules", "training")
 
 

@@ -59,24 +59,31 @@ micro-batch (the model rejects more, with or without CP).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from typing import Any
 from unittest import mock
 
 import torch
-
 from nemo_automodel.components.datasets.utils import packed_sequence_thd_collater
 from nemo_automodel.components.models.qwen3_8_flash_next import model as _qwen_model
 from nemo_automodel.components.models.qwen3_8_flash_next.backend import Qwen3_8_FlashNextBackendConfig
 from nemo_automodel.components.models.qwen3_8_flash_next.config import Qwen3_8_FlashNextConfig
 from nemo_automodel.components.models.qwen3_8_flash_next.engram import Qwen3_8_FlashNextEngramTableConfig
-from nemo_automodel.components.moe.megatron.moe_utils import MoEAuxLossAutoScaler
 
 from examples.automodel.models import _base, model_owned_cp
 from examples.automodel.models._base import (  # noqa: F401  (the shared half of the interface)
-    DTYPES, IGNORE_INDEX, build_seeded, dtype_name, gather_logits, local_labels, loss, num_label_tokens, pad_batch,
-    tiny, valid_positions)
+    DTYPES,
+    IGNORE_INDEX,
+    build_seeded,
+    dtype_name,
+    gather_logits,
+    local_labels,
+    loss,
+    num_label_tokens,
+    pad_batch,
+    tiny,
+    valid_positions,
+)
 
 NAME = "qwen3_8_flash_next"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.qwen3_8_flash_next.model.Qwen3_8_FlashNextForConditionalGeneration"

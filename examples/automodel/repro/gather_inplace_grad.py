@@ -21,7 +21,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-
 from _launch import FixedGather, command_line, run
 
 FUNCTIONS = {  # kimi_k3.cp and glm5_next.cp hold the same backward, but their packages import transformers

@@ -26,7 +26,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-
 from _launch import FixedGather, command_line, run
 
 FUNCTIONS = {  # name -> (module, function, how it is called with (tensor, group))

@@ -18,7 +18,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-
 from _launch import FixedGather, command_line, run
 
 

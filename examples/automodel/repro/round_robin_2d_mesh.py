@@ -22,15 +22,14 @@ import sys
 
 import torch
 import torch.distributed as dist
-
 from _launch import command_line, leave, run
 
 FRAMEWORK = "nemo_automodel.components.distributed.context_parallel.sharder"
 
 
 def main(rank: int, world: int, args) -> int:
-    from torch.distributed.device_mesh import init_device_mesh
     from nemo_automodel.components.distributed.context_parallel import sharder as fw
+    from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib
 import json
 import os
 import sys
@@ -26,7 +25,8 @@ import time
 
 
 def draw_cases(model: str, examples: int, world_sizes: tuple[int, ...], seed: int, admits) -> list[dict]:
-    from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hypothesis_seed
 
     from cp_harness.cases.profiles import CaseSpace
     from cp_harness.checks.real_model import real_model_cases
@@ -62,10 +62,9 @@ def main() -> int:
     args = parser.parse_args()
     overrides = {k: json.loads(v) for k, v in (item.split("=") for item in filter(None, args.overrides.split(",")))}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from cp_harness.checks.real_model import C, FLOOR, smoke_cases
+    from cp_harness.checks.real_model import FLOOR, C, smoke_cases
     from cp_harness.ranks.pool import PoolConfig
     from cp_harness.runner import CaseRunner
-
     from cp_harness.usage.model_specs import spec_traits
 
     traits = spec_traits(args.model)

@@ -98,11 +98,11 @@ def install() -> None:
 
 def primitives(rank: int, mesh):
     """``{name: (run, minimum case)}``; ``run()`` does one forward and backward on this rank."""
-    import cp_impl
     from nemo_automodel.components.distributed.blockdiag_cp.exchange import _AllGatherSeqDiff
     from nemo_automodel.components.models.deepseek_v41.cp import gather_sequence as deepseek
     from nemo_automodel.components.models.kimi_linear.cp import all_gather_sequence as kimi
 
+    import cp_impl
     from examples.automodel.adapters import qwen3_8_flash_next_halo
 
     group, n = mesh.get_group(), mesh.size()

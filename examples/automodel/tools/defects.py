@@ -38,13 +38,13 @@ class Failure:
     problems: tuple[str, ...]
 
     @classmethod
-    def of_row(cls, row: dict) -> "Failure":
+    def of_row(cls, row: dict) -> Failure:
         """From a verify JSON row (``failing_tensors``, ``problems``)."""
         return cls(tuple(row["failing_tensors"]),
                    tuple(f"{p['message']}\n{p.get('detail', '')}" for p in row["problems"]))
 
     @classmethod
-    def of_report(cls, report) -> "Failure":
+    def of_report(cls, report) -> Failure:
         """From a ``CaseReport``."""
         return cls(tuple(c.as_dict() for c in report.failures()),
                    tuple(f"{p.message}\n{p.detail}" for p in report.problems))

@@ -82,7 +82,7 @@ def mixed_precision():
                                 cast_forward_inputs=False)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mesh_context(dp_shard: int, cp: int):
     """The framework's ``MeshContext`` over the whole default group (``dp_shard * cp`` ranks), built once per
     process (every rank builds it in the same case, so the process groups are created in the same order)."""
@@ -147,9 +147,11 @@ class RecipeStep:
         the same on every rank. ``model``: already through ``parallelize_model``; ``rows``: rows per dp rank."""
         from nemo_automodel.components.distributed.utils import get_sync_ctx
         from nemo_automodel.components.moe.megatron.moe_utils import MoEAuxLossAutoScaler
-        from nemo_automodel.components.training.utils import (prepare_for_final_backward,
-                                                              prepare_for_grad_accumulation,
-                                                              scale_grads_and_clip_grad_norm)
+        from nemo_automodel.components.training.utils import (
+            prepare_for_final_backward,
+            prepare_for_grad_accumulation,
+            scale_grads_and_clip_grad_norm,
+        )
         from torch.distributed.tensor import DTensor
 
         mesh = context.device_mesh

@@ -41,14 +41,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
-
 from nemo_automodel.components.datasets.utils import pack_features_for_thd, packed_sequence_thd_collater  # noqa: E402
 from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder  # noqa: E402
 from nemo_automodel.components.models.common import BackendConfig  # noqa: E402
 from nemo_automodel.components.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCausalLM  # noqa: E402
 from nemo_automodel.components.utils.model_utils import filter_forward_kwargs  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 
 CONFIG = dict(
     vocab_size=64, hidden_size=16, moe_intermediate_size=8, num_hidden_layers=4, num_attention_heads=2,

@@ -26,14 +26,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
-from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
-
 from nemo_automodel.components.datasets.utils import _indexed_mask_to_4d_block_causal  # noqa: E402
 from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder  # noqa: E402
 from nemo_automodel.components.models.common import BackendConfig  # noqa: E402
-from nemo_automodel.components.models.gemma4_moe.model import (  # noqa: E402
-    Gemma4Config, Gemma4ForConditionalGeneration)
+from nemo_automodel.components.models.gemma4_moe.model import Gemma4Config, Gemma4ForConditionalGeneration  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
+from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 
 torch.set_num_threads(1)
 TEXT = dict(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=4, sliding_window=4,

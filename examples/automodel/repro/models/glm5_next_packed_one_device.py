@@ -29,13 +29,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
-
 from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder  # noqa: E402
 from nemo_automodel.components.utils.model_utils import filter_forward_kwargs  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 
-from examples.automodel.models.model_owned_cp import apply_moe_cp  # noqa: E402
 from examples.automodel.models import glm5_next as spec  # noqa: E402  (spec.build: the tiny config; spec.make_batch:
+from examples.automodel.models.model_owned_cp import apply_moe_cp  # noqa: E402
+
 #                                                        the framework's packed_sequence_thd_collater)
 
 DOCUMENTS = [7, 5, 6]  # in a row of 19: one pad token at the end

@@ -18,11 +18,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder  # noqa: E402
+from nemo_automodel.components.distributed.context_parallel.utils import attach_context_parallel_hooks  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 
 from examples.automodel.repro.models.kimi_thd_one_device import build  # noqa: E402
-from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder  # noqa: E402
-from nemo_automodel.components.distributed.context_parallel.utils import attach_context_parallel_hooks  # noqa: E402
 
 
 def rank_main(rank, store, out):

@@ -24,15 +24,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
-from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
-
 from nemo_automodel.components.datasets.utils import packed_sequence_thd_collater  # noqa: E402
 from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder  # noqa: E402
 from nemo_automodel.components.models.common import BackendConfig  # noqa: E402
 from nemo_automodel.components.models.kimi_linear import cp as kimi_cp  # noqa: E402
 from nemo_automodel.components.models.kimi_linear.config import KimiLinear48BConfig  # noqa: E402
 from nemo_automodel.components.models.kimi_linear.model import KimiLinear48BForCausalLM  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
+from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 
 torch.set_num_threads(1)
 DOCS = [7, 5, 6]
