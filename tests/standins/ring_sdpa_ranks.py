@@ -6,7 +6,8 @@ rounding: the baseline), all computed on every rank from the same seed; then, un
 ``context_parallel`` shards Q, K, V, the upstream gradient and every reference by its own load balancer, SDPA runs
 torch's ring with the CPU op, and the LSE comes from the op called on the ``Shard(2)`` DTensors. Each rank measures
 ``max |x - ref64| / max |ref64|`` over its shard (CP and one-device); rank 0 writes the maxima over the ranks as
-JSON to ``--out``. ``--no-f32-merge`` turns torch's ``_cp_options.convert_to_f32`` off (float64 merges).
+JSON to ``--out``. A variant with ``"convert_to_f32": false`` runs with torch's ``_cp_options.convert_to_f32`` off
+(torch's merge then works in the inputs' dtype).
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ def run_variant(mesh, variant: dict) -> dict:
     buffers = [q, k, v, grad_out] + [ref[n] for n in QUANTITIES] + [one[n] for n in QUANTITIES]
     buffers = [b.clone().contiguous() for b in buffers]
     dims = [2] * len(buffers)
-    previous = torch_cp._cp_options.enable_load_balance
+    previous = torch_cp._cp_options.enable_load_balance, torch_cp._cp_options.convert_to_f32
     torch_cp._cp_options.enable_load_balance = causal  # torch's load balancer requires causal attention
+    torch_cp._cp_options.convert_to_f32 = variant.get("convert_to_f32", True)
     try:
         with standins.entered(("ring_sdpa_cpu",), "cpu") as record, context_parallel(mesh, buffers=buffers,
                                                                                       buffer_seq_dims=dims):
@@ -95,7 +97,7 @@ def run_variant(mesh, variant: dict) -> dict:
                                    [relative(local[f"one_{n}"], local[f"ref_{n}"]) for n in QUANTITIES]],
                                   dtype=torch.float64)
     finally:
-        torch_cp._cp_options.enable_load_balance = previous
+        torch_cp._cp_options.enable_load_balance, torch_cp._cp_options.convert_to_f32 = previous
     dist.all_reduce(errors, op=dist.ReduceOp.MAX)
     return {"variant": variant, "cp": dict(zip(QUANTITIES, errors[0].tolist())),
             "one_device": dict(zip(QUANTITIES, errors[1].tolist())),
@@ -106,13 +108,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variants", required=True, help="JSON list of variants")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--no-f32-merge", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
-    if args.no_f32_merge:
-        torch_cp._cp_options.convert_to_f32 = False
     results = [run_variant(mesh, v) for v in json.loads(args.variants)]
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
