@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 CPU_SPECS = tuple(f"examples.automodel.models.{name}" for name in (
     "deepseek_v41", "deepseek_v4", "qwen3_8_flash_next", "glm5_next", "qwen3_5_moe", "gemma4_moe", "kimi_linear",
-    "kimi_k3"))
+    "kimi_k3", "load_balanced_sdpa", "load_balanced_sdpa_alltoall"))  # the last two on the ring SDPA CPU stand-in
 
 @pytest.fixture(scope="session")
 def real_models():
