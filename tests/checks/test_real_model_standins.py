@@ -57,6 +57,11 @@ def test_smoke_judges_gradients_on_the_cpu_stand_in(real_models, case):
     grads = [c for c in report.comparisons if c.name.startswith("grad ")]
     assert any("k_proj" in c.name for c in grads) and any("q_proj" in c.name for c in grads)
     assert report.standins == STANDIN
+    # torch's own rotation ran: K/V all-gathered once (allgather) or passed by all-to-all (alltoall); dK/dV always
+    # by all-to-all
+    kernels = {call["kernel"] for rank in report.comm for call in rank["calls"]}
+    assert "_c10d_functional::all_to_all_single" in kernels, kernels
+    assert ("_c10d_functional::all_gather_into_tensor" in kernels) == (case["spec"] == SDPA), kernels
 
 
 def test_at_cp_1_the_ring_never_runs_and_no_stand_in_is_reported(real_models):
