@@ -24,7 +24,8 @@ JUDGES = ("spec:load_balanced_sdpa", "spec:load_balanced_sdpa_alltoall")
 SDPA = "examples.automodel.models.load_balanced_sdpa"
 ALLTOALL = "examples.automodel.models.load_balanced_sdpa_alltoall"
 DEFECT = "real_model_spec_load_balanced_sdpa_dkv_not_passed"
-STANDIN = {"ring_sdpa_cpu": "CPU, stand-in: ring SDPA per-step kernel = aten._scaled_dot_product_flash_attention_for_cpu"}
+STANDIN = {"ring_sdpa_cpu": "CPU, stand-in: ring SDPA per-step kernel = "
+                            "aten._scaled_dot_product_flash_attention_for_cpu"}
 
 pytestmark = [pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
