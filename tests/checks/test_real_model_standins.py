@@ -68,6 +68,15 @@ def test_smoke_judges_gradients_on_the_cpu_stand_in(real_models, case):
     assert ("_c10d_functional::all_gather_into_tensor" in kernels) == (case["spec"] == SDPA), kernels
 
 
+def test_the_stand_in_is_entered_around_the_cp_step_only(real_models):
+    """``real_model_spec_load_balanced_sdpa_standin_scope`` raises on any rank where the stand-in is installed
+    around a one-device run (the reference, the reordered run), or missing around the CP step (checked to fail
+    with the stand-in entered around rank 0's one-device runs)."""
+    case = _case("real_model_spec_load_balanced_sdpa_standin_scope", "float32", 2, kind="plain", seq_len=13, seed=5)
+    report = real_models.run(case)
+    assert report.ok and report.standins == STANDIN, report_text(report)
+
+
 def test_at_cp_1_the_ring_never_runs_and_no_stand_in_is_reported(real_models):
     report = real_models.run(_case(SDPA, "float32", 1, kind="plain", seq_len=9, seed=2))
     assert report.ok and report.standins == {}, report_text(report)
