@@ -1,4 +1,6 @@
-"""One rank of the ring SDPA stand-in test (``test_ring_sdpa_cpu.py`` starts ``WORLD_SIZE`` of these).
+"""The ranks of the ring SDPA stand-in test (``test_ring_sdpa_cpu.py``): this process imports torch once, then
+forks every rank of every CP size in ``--worlds`` (gloo, one process group per size), as the harness's launcher
+does; it exits non-zero (after ending the others) when a rank fails.
 
 Per variant (dtype, causal, heads, length): float64 math references on the whole sequence (output, natural-log
 LSE, dQ/dK/dV of ``sum(out * grad_out)``) and the one-device CPU flash kernel in the variant's dtype (its own
@@ -6,15 +8,20 @@ rounding: the baseline), all computed on every rank from the same seed; then, un
 ``context_parallel`` shards Q, K, V, the upstream gradient and every reference by its own load balancer, SDPA runs
 torch's ring with the CPU op, and the LSE comes from the op called on the ``Shard(2)`` DTensors. Each rank measures
 ``max |x - ref64| / max |ref64|`` over its shard (CP and one-device); rank 0 writes the maxima over the ranks as
-JSON to ``--out``. A variant with ``"convert_to_f32": false`` runs with torch's ``_cp_options.convert_to_f32`` off
+JSON to ``<--out-dir>/<world>.json``. A variant with ``"convert_to_f32": false`` runs with torch's ``_cp_options.convert_to_f32`` off
 (torch's merge then works in the inputs' dtype).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import signal
+import socket
+import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -104,21 +111,64 @@ def run_variant(mesh, variant: dict) -> dict:
             "handlers_after": sorted(map(str, ring_sdpa_cpu.handlers())), "used": sorted(record.used())}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--variants", required=True, help="JSON list of variants")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def rank_main(variants: list[dict], out: str) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
-    results = [run_variant(mesh, v) for v in json.loads(args.variants)]
+    results = [run_variant(mesh, v) for v in variants]
     if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
+        with open(out, "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variants", required=True, help="JSON list of variants")
+    parser.add_argument("--worlds", default="1,2,3", help="CP sizes, comma-separated")
+    parser.add_argument("--out-dir", required=True)
+    args = parser.parse_args()
+    variants = json.loads(args.variants)
+    torch.set_num_threads(1)  # before any tensor work: no OpenMP pool may exist at the fork
+    children: dict[int, tuple[int, int]] = {}
+    for world in (int(w) for w in args.worlds.split(",")):
+        env = {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+               "TORCH_GLOO_LAZY_INIT": "1"}
+        for rank in range(world):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    os.environ.update(env, RANK=str(rank))
+                    rank_main(variants, os.path.join(args.out_dir, f"{world}.json"))
+                    code = 0
+                except BaseException:  # noqa: BLE001 - the traceback is the test's message
+                    print(f"CP {world}, rank {rank}:", file=sys.stderr)
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            children[pid] = (world, rank)
+    status = 0
+    while children:
+        pid, wait_status = os.wait()
+        world, rank = children.pop(pid)
+        if os.waitstatus_to_exitcode(wait_status) != 0:
+            print(f"CP {world}, rank {rank} failed; ending the other ranks", file=sys.stderr)
+            status = 1
+            for other in children:
+                try:
+                    os.kill(other, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    return status
+
+
 if __name__ == "__main__":
-    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
-    main()
+    sys.exit(main())
