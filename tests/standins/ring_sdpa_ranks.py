@@ -8,8 +8,8 @@ rounding: the baseline), all computed on every rank from the same seed; then, un
 ``context_parallel`` shards Q, K, V, the upstream gradient and every reference by its own load balancer, SDPA runs
 torch's ring with the CPU op, and the LSE comes from the op called on the ``Shard(2)`` DTensors. Each rank measures
 ``max |x - ref64| / max |ref64|`` over its shard (CP and one-device); rank 0 writes the maxima over the ranks as
-JSON to ``<--out-dir>/<world>.json``. A variant with ``"convert_to_f32": false`` runs with torch's ``_cp_options.convert_to_f32`` off
-(torch's merge then works in the inputs' dtype).
+JSON to ``<--out-dir>/<world>.json``. A variant with ``"convert_to_f32": false`` runs with torch's
+``_cp_options.convert_to_f32`` off (torch's merge then works in the inputs' dtype).
 """
 
 from __future__ import annotations
