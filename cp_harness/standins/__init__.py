@@ -4,7 +4,8 @@ whose only device-specific part is that kernel runs, unchanged otherwise, on a C
 * ``registry`` -- what a stand-in is (``StandIn``: name, device, the kernel it replaces, the computation instead,
   the requirement it meets, its installer, the report line), the registry, and entering a spec's stand-ins.
 * ``ring_sdpa_cpu`` -- torch ``context_parallel``'s own ring SDPA with
-  ``aten._scaled_dot_product_flash_attention_for_cpu`` as its per-step op (DTensor handlers that call torch's ring templates; nothing of the ring re-implemented).
+  ``aten._scaled_dot_product_flash_attention_for_cpu`` as its per-step op (DTensor handlers that call torch's
+  ring templates; nothing of the ring re-implemented).
 """
 
 from cp_harness.standins import ring_sdpa_cpu  # noqa: F401 - registers the bundled stand-ins

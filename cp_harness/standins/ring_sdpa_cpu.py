@@ -78,6 +78,11 @@ def _handler(op_call: torch._ops.OpOverload, args: tuple, kwargs: dict) -> objec
     if mesh.ndim != 1 or wrong:
         raise NotImplementedError(f"stand-in ring_sdpa_cpu: {op_call} takes Shard(2) DTensors on one 1-D mesh "
                                   f"(torch's ring SDPA layout); got mesh of {mesh.ndim} dims, placements {wrong}")
+    uneven = [tuple(s.shape) for s, t in zip(info.schema.args_schema, info.local_args)
+              if isinstance(s, DTensorSpec) and s.shape[SEQ_DIM] != t.shape[SEQ_DIM] * mesh.size()]
+    if uneven:
+        raise NotImplementedError(f"stand-in ring_sdpa_cpu: {op_call} takes evenly sharded sequences (torch's ring "
+                                  f"and its load balancer shard evenly); global shapes {uneven} on {mesh.size()} ranks")
     a = _bound(op_call, info.local_args, info.local_kwargs)
     if a.get("attn_mask") is not None:
         raise NotImplementedError("stand-in ring_sdpa_cpu: attn_mask is not supported (torch's ring SDPA takes "

@@ -70,7 +70,33 @@ def relative(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
 
 
+def refusal(mesh, variant: dict) -> dict:
+    """What the stand-in raises on inputs it must not take: ``"placement"`` (K replicated, not ``Shard(2)``) or
+    ``"uneven"`` (a global sequence that is not the local one times the CP size)."""
+    from torch.distributed.tensor import Replicate
+
+    n = mesh.size()
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    if variant["refusal"] == "placement":
+        args = [DTensor.from_local(q, mesh, [Shard(2)], run_check=False),
+                DTensor.from_local(k, mesh, [Replicate()], run_check=False),
+                DTensor.from_local(v, mesh, [Shard(2)], run_check=False)]
+    else:
+        shape, stride = torch.Size([1, 2, 4 * n + 1, 8]), (8 * (4 * n + 1), 8 * (4 * n + 1) // 2, 8, 1)
+        args = [DTensor.from_local(t, mesh, [Shard(2)], run_check=False, shape=shape, stride=stride) for t in (q, k, v)]
+    try:
+        buffer = torch.zeros(1, 1, 2 * n)  # context_parallel needs one buffer to shard
+        with standins.entered(("ring_sdpa_cpu",), "cpu"), context_parallel(mesh, buffers=[buffer],
+                                                                            buffer_seq_dims=[2]):
+            ring_sdpa_cpu.FORWARD(*args, 0.0, True)
+    except NotImplementedError as exc:
+        return {"variant": variant, "error": str(exc)}
+    return {"variant": variant, "error": None}
+
+
 def run_variant(mesh, variant: dict) -> dict:
+    if "refusal" in variant:
+        return refusal(mesh, variant)
     dtype, causal = DTYPES[variant["dtype"]], variant["causal"]
     heads, kv_heads, seq, dim = variant["heads"], variant["kv_heads"], variant["seq"], 8
     gqa = heads != kv_heads

@@ -54,18 +54,19 @@ def _run(worlds: tuple[int, ...], variants: list[dict], tmp_path) -> dict[int, l
 
 
 NO_F32_MERGE = {**_variant("float64", True, seed=2), "convert_to_f32": False}  # torch's merge in float64
+REFUSALS = [{"refusal": "placement"}, {"refusal": "uneven"}]
 
 
 @pytest.fixture(scope="module")
 def ring_results(tmp_path_factory) -> dict[int, list[dict]]:
     """Every variant at CP 1, 2, 3 (all six ranks forked after one import: the imports were most of the time)."""
-    return _run((1, 2, 3), VARIANTS + [NO_F32_MERGE], tmp_path_factory.mktemp("ring"))
+    return _run((1, 2, 3), VARIANTS + [NO_F32_MERGE] + REFUSALS, tmp_path_factory.mktemp("ring"))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_torchs_ring_with_the_cpu_kernel_computes_sdpa(world, ring_results):
     results = ring_results[world]
-    assert [r["variant"] for r in results] == VARIANTS + [NO_F32_MERGE]
+    assert [r["variant"] for r in results] == VARIANTS + [NO_F32_MERGE] + REFUSALS
     results = results[:len(VARIANTS)]
     for result in results:
         for name, error in result["cp"].items():
@@ -82,11 +83,19 @@ def test_torchs_ring_with_the_cpu_kernel_computes_sdpa(world, ring_results):
 def test_the_float64_rounding_is_torchs_float32_merge(world, ring_results):
     """With torch's ``convert_to_f32`` off, the same float64 ring is float64-accurate: the stand-in's kernel
     calls are float64 throughout, the float32-level error comes from torch's merge."""
-    result = ring_results[world][-1]
+    result = ring_results[world][len(VARIANTS)]
     assert result["variant"] == NO_F32_MERGE and result["used"] == ["ring_sdpa_cpu"]
     eps = torch.finfo(torch.float64).eps
     for name, error in result["cp"].items():
         assert error <= C * result["one_device"][name] + 8 * eps, (name, error)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_inputs_outside_torchs_ring_layout_are_refused_not_resharded(world, ring_results):
+    """The stand-in invents no sharding strategy: K replicated, or a sequence not split evenly, raise."""
+    placement, uneven = ring_results[world][-2:]
+    assert placement["error"] and "takes Shard(2) DTensors" in placement["error"] and "Replicate" in placement["error"]
+    assert uneven["error"] and "evenly sharded" in uneven["error"], uneven
 
 
 def test_installed_only_inside_install_and_removed_on_exit():
