@@ -28,17 +28,15 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
 
 from cp_harness.standins.registry import StandIn, register
 
+# DTensor and torch's CP module are imported where used: importing torch.distributed.tensor costs seconds, and
+# every process that loads the harness's checks imports this registry.
 aten = torch.ops.aten
 FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
 BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 SEQ_DIM = 2  # torch's ring hard-codes it too ([B, H, S, D]; the LSE [B, H, S])
-PLACEMENT = (Shard(SEQ_DIM),)
 _CALLS = collections.Counter()  # op -> ring calls made through this stand-in in this process
 
 
@@ -55,8 +53,17 @@ def _bound(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, An
     return out
 
 
-def _global_spec(local: torch.Tensor, mesh) -> DTensorSpec:
-    """The ``Shard(2)`` spec of an evenly sharded ``local`` shard (torch's ring shards the sequence evenly)."""
+def _torch_cp():
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    return _attention
+
+
+def _global_spec(local: torch.Tensor, mesh):
+    """The ``Shard(2)`` ``DTensorSpec`` of an evenly sharded ``local`` shard (torch's ring shards evenly)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
     shape = list(local.shape)
     shape[SEQ_DIM] *= mesh.size()
     order = sorted(range(local.dim()), key=lambda d: local.stride(d), reverse=True)
@@ -65,16 +72,20 @@ def _global_spec(local: torch.Tensor, mesh) -> DTensorSpec:
     for d in reversed(order):
         stride[d] = running
         running *= shape[d]
-    return DTensorSpec(mesh, PLACEMENT, tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensorSpec(mesh, (Shard(SEQ_DIM),), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
 
 
 def _handler(op_call: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
     """DTensor handler for the CPU flash op and its backward: local shards -> torch's ring template -> Shard(2)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    torch_cp = _torch_cp()
     info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
     mesh = info.compute_mesh
     specs = [s for s in list(info.schema.args_schema) + list(info.schema.kwargs_schema.values())
              if isinstance(s, DTensorSpec)]
-    wrong = sorted({str(s.placements) for s in specs if s.mesh != mesh or tuple(s.placements) != PLACEMENT})
+    wrong = sorted({str(s.placements) for s in specs if s.mesh != mesh or tuple(s.placements) != (Shard(SEQ_DIM),)})
     if mesh.ndim != 1 or wrong:
         raise NotImplementedError(f"stand-in ring_sdpa_cpu: {op_call} takes Shard(2) DTensors on one 1-D mesh "
                                   f"(torch's ring SDPA layout); got mesh of {mesh.ndim} dims, placements {wrong}")
@@ -104,7 +115,9 @@ def _handler(op_call: torch._ops.OpOverload, args: tuple, kwargs: dict) -> objec
 def handlers() -> dict[torch._ops.OpOverload, object]:
     """The DTensor handlers live in this process for the two CPU ops: DTensor's dispatcher's and torch CP's table
     (empty when the stand-in is not installed and no CP context holds it)."""
-    tables = (DTensor._op_dispatcher._custom_op_handlers, torch_cp.custom_ops)
+    from torch.distributed.tensor import DTensor
+
+    tables = (DTensor._op_dispatcher._custom_op_handlers, _torch_cp().custom_ops)
     return {op: table[op] for table in tables for op in (FORWARD, BACKWARD) if op in table}
 
 
@@ -115,10 +128,15 @@ def install() -> Iterator[None]:
     Enter it *before* ``context_parallel`` (torch merges its table into DTensor's dispatcher on entry): entered
     inside a CP context it would not be seen, so that raises. If torch already handles either op, this stand-in
     is obsolete, and that raises too (rather than replacing torch's own handler)."""
+    from torch.distributed.tensor import DTensor
+
+    torch_cp = _torch_cp()
     if DTensor._op_dispatcher._custom_op_handlers is not torch_cp.existing_custom_ops:
         raise RuntimeError("stand-in ring_sdpa_cpu entered inside a context_parallel context: enter it before "
                            "(torch merges its handler table into DTensor's dispatcher when the context starts)")
     present = handlers()
+    if any(handler is _handler for handler in present.values()):
+        raise RuntimeError("stand-in ring_sdpa_cpu is already installed (entered twice)")
     if present:
         raise RuntimeError(f"stand-in ring_sdpa_cpu: torch already has DTensor handlers for {sorted(map(str, present))}"
                            f"; the stand-in is not needed (remove it from the spec's STANDINS)")

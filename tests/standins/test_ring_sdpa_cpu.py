@@ -123,8 +123,15 @@ def test_entered_twice_or_inside_a_cp_context_refuses():
     from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
 
     with ring_sdpa_cpu.install():
+        with pytest.raises(RuntimeError, match="already installed"), ring_sdpa_cpu.install():
+            pass
+    custom_ops = torch_cp.custom_ops
+    custom_ops[ring_sdpa_cpu.FORWARD] = object()  # as if torch handled the op itself
+    try:
         with pytest.raises(RuntimeError, match="not needed"), ring_sdpa_cpu.install():
             pass
+    finally:
+        custom_ops.pop(ring_sdpa_cpu.FORWARD)
     saved = DTensor._op_dispatcher._custom_op_handlers
     DTensor._op_dispatcher._custom_op_handlers = {**torch_cp.existing_custom_ops, **torch_cp.custom_ops}
     try:
