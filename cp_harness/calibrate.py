@@ -22,10 +22,12 @@ import collections
 import json
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
-
-from hypothesis import given, seed as hypothesis_seed
+from hypothesis import given
+from hypothesis import seed as hypothesis_seed
 
 from cp_harness import checks, options
 from cp_harness.cases.descriptions import canonical
@@ -43,7 +45,7 @@ MEASURES = {"elementwise": 1 / 1024, "f1/32": 1 / 32, "normwise": 1.0}
 def _terms(comp, ref, fraction: float) -> dict:
     """CP and one-rank errors of a comparison in the measure with floor ``fraction``, and the ``c`` each floor needs."""
     ulp, _ = excess.element_terms(comp, 0.0, fraction)
-    out = {"cp": float(ulp.max()) if ulp.size else 0.0, "one_rank": None, "need": {}}
+    out: dict[str, Any] = {"cp": float(ulp.max()) if ulp.size else 0.0, "one_rank": None, "need": {}}
     if ref is not None:
         base_ulp, _ = excess.element_terms(ref, 0.0, fraction)
         base = float(base_ulp.max()) if base_ulp.size else 0.0
@@ -54,7 +56,7 @@ def _terms(comp, ref, fraction: float) -> dict:
     return out
 
 
-def _rows(dtypes) -> list[tuple[str, object]]:
+def _rows(dtypes) -> list[tuple[str, Callable[..., Any]]]:
     """``(name, strategy factory)`` of every arithmetic check's verify rows (each row draws one dtype, or
     several: then one row per dtype it has a budget for), for the ``dtypes`` asked. A new arithmetic check is
     calibrated as soon as it is registered."""
@@ -101,8 +103,8 @@ def measure(runner: CaseRunner, strategy, space: CaseSpace, examples: int, seed:
 
 def summary(name: str, pairs: list[dict]) -> dict:
     multi = [p for p in pairs if p["one_rank"] is not None and not p["problems"]]
-    out = {"row": name, "tensors": len(pairs), "cases": len({p["case"] for p in pairs}),
-           "multi_rank_tensors": len(multi), "by_measure": {}}
+    out: dict[str, Any] = {"row": name, "tensors": len(pairs), "cases": len({p["case"] for p in pairs}),
+                           "multi_rank_tensors": len(multi), "by_measure": {}}
     for label in MEASURES:
         m = [p["by_measure"][label] for p in multi if p["by_measure"][label]["one_rank"] is not None]
         n1 = [p["by_measure"][label]["cp"] for p in pairs if p["n"] == 1 and not p["problems"]]

@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 DEFAULT_IMPL = "cp_impl"
 
@@ -143,6 +144,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("model_specs", "--model", "model spec module(s), comma-separated: the real-model rows (the framework's own CP "
            "path against the same model on one device); the ranks import them once, before they are forked",
            (), _names, commands=frozenset({_VERIFY, _NODE}), plugin=True, metavar="MODULE"),
+    Option("step", "--step", "with --model: forward-backward judges the model's CP forward and backward against one "
+           "device (the real-model rows); training judges one training step as the recipe runs it on dp_shard x cp = "
+           "2 x 2 (FSDP2 over dp_shard_cp, the recipe's loss scaling, the clip-grad norm; --world-sizes 4; "
+           "docs/training_step.md)", "forward-backward", choices=("forward-backward", "training"),
+           commands=frozenset({_VERIFY})),
     Option("error_dir", "--error-maps", "where failing cases write error-map PNGs (default: "
            "$CP_HARNESS_ERROR_MAP_DIR, else <temp>/cp-harness-error-maps)", None, commands=_ALL, plugin=True,
            env="CP_HARNESS_ERROR_MAP_DIR", metavar="DIR"),

@@ -22,25 +22,26 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from cp_harness import checks, repro
-from cp_harness.repro import calls as repro_calls
-from cp_harness.judging import excess
-from cp_harness.cases.descriptions import canonical, payload_dtype
-from cp_harness.judging.policy import STRICT, JudgingPolicy
-from cp_harness.judging.verdicts import CaseReport, merge_groups
 from cp_harness.cases import meshes
+from cp_harness.cases.descriptions import canonical, payload_dtype
 from cp_harness.cases.implementation import case_impl, primary_impl
+from cp_harness.judging import excess
+from cp_harness.judging.policy import STRICT, JudgingPolicy
 from cp_harness.judging.render import failure_message
+from cp_harness.judging.verdicts import CaseReport, ProblemKind, merge_groups
 from cp_harness.ranks.pool import PoolConfig, RankFailure, RankPool, Ticket
+from cp_harness.repro import calls as repro_calls
 
 
 def _baseline_of(case: dict) -> dict | None:
     return checks.check_of(case).baseline_case(case)
 
 
-def per_group(outputs: list, layout: "meshes.MeshLayout | None") -> list[list]:
+def per_group(outputs: list, layout: meshes.MeshLayout | None) -> list[list]:
     """The outputs of each CP group that ran a case, each in CP rank order with ``rank`` its CP rank (what a
     check's ``evaluate`` reads); today's case: the one group of all outputs, as they are."""
     if layout is None:
@@ -233,6 +234,7 @@ class CaseRunner:
         job.expected_done = True
 
     def _collect(self, job: _Job):
+        assert job.ticket is not None  # a job that was not sent has its error, raised before collecting
         started = time.perf_counter()
         try:
             return self.pool.collect(job.ticket)
@@ -251,7 +253,8 @@ class CaseRunner:
                 outputs = self._collect(job)
             except RankFailure as exc:
                 report = CaseReport(case=case)
-                report.problem(f"rank {exc.rank} {exc.kind}: {exc}", rank=exc.rank, kind=f"rank {exc.kind}")
+                report.problem(f"rank {exc.rank} {exc.kind}: {exc}", rank=exc.rank,
+                               kind=ProblemKind.of_rank_failure(exc.kind))
             else:
                 if job.expect_error is not None:
                     raise job.expect_error
@@ -270,7 +273,8 @@ class CaseRunner:
         if base.problems:
             first = base.problems[0]
             report.problem("the one-rank baseline of this case (same implementation, world_size 1) failed: "
-                           + first.message + (f"\n{first.detail}" if first.detail else ""), kind="baseline failed")
+                           + first.message + (f"\n{first.detail}" if first.detail else ""),
+                           kind=ProblemKind.BASELINE_FAILED)
             return
         excess.apply(report, base, self.policy.excess_rule(report.case.get("dtype", "float64")))
 
@@ -289,7 +293,8 @@ class CaseRunner:
             report = CaseReport(case=job.case)
             layout = meshes.MeshLayout.of(job.case)
             where = f" ({layout.describe(exc.rank)})" if layout is not None and exc.rank is not None else ""
-            report.problem(f"rank {exc.rank}{where} {exc.kind}: {exc}", rank=exc.rank, kind=f"rank {exc.kind}")
+            report.problem(f"rank {exc.rank}{where} {exc.kind}: {exc}", rank=exc.rank,
+                           kind=ProblemKind.of_rank_failure(exc.kind))
             if layout is not None:
                 self._compare_with_prefix_mesh(report, timeout=timeout)
             return report
@@ -310,6 +315,7 @@ class CaseRunner:
             self._compare_with_prefix_mesh(report, timeout=timeout)
         if not report.ok:
             self.tally.failures += 1
+        assert job.ticket is not None  # collected above
         report.timing = {**job.ticket.timing, "oracle": job.oracle_seconds, "compare": compared - started,
                          "excess": time.perf_counter() - compared}
         return report
@@ -323,7 +329,7 @@ class CaseRunner:
             report.problem(f"the same case passes on a one-dimensional mesh over ranks 0..{int(twin['world_size']) - 1} "
                            f"(where a CP rank is its global rank): the implementation mistakes a global rank for a CP "
                            f"rank (dist.get_rank(), a peer addressed by CP rank) or communicates outside "
-                           f"mesh['cp']'s group; the problems above say where", kind="mesh finding")
+                           f"mesh['cp']'s group; the problems above say where", kind=ProblemKind.MESH_FINDING)
 
     def run(self, case: dict, *, timeout: float | None = None) -> CaseReport:
         """Run and evaluate ``case``; a rank fault becomes a failed report naming the rank.
@@ -386,7 +392,7 @@ class CaseRunner:
         return report
 
     def export_repro(self, case: dict, report: CaseReport, directory: str, *, note: str = "",
-                     name: str | None = None) -> "Exported":
+                     name: str | None = None) -> Exported:
         """Write the standalone repro of the failing ``case`` (judged as ``report``) into ``directory`` (as
         ``name``.py, default the case's id): the script's path, or why none was written (a check without one, a
         kind of case no script family covers)."""
@@ -402,7 +408,7 @@ class CaseRunner:
         except repro.NotExportable as why:
             return Exported(None, why=str(why), case=case)
 
-    def _narrowed(self, case: dict, check: checks.Check, directory: str, name: str | None) -> "Exported":
+    def _narrowed(self, case: dict, check: checks.Check, directory: str, name: str | None) -> Exported:
         """A model failure narrowed: the first documented call of the run that is wrong on its own, replayed on
         the ranks with what it received (judged by the check that replays that function), else the first failing
         case of ``check.repro.narrow``."""
@@ -424,6 +430,7 @@ class CaseRunner:
                 plan = repro_calls.plan(expected, request.subject(call.function), f"{request.name}-call{call.index + 1}",
                                         request.case_text)
                 return Exported(repro.write(repro.on_world_mesh(plan, case), directory, name), case=case, note=note)
+        assert check.repro is not None and check.repro.narrow is not None  # export_repro narrows only then
         for other in check.repro.narrow(case):
             report = self.run(other)
             if not report.ok:
@@ -432,7 +439,7 @@ class CaseRunner:
         return Exported(None, case=case, why="no documented call of the model run is wrong on its own, and no case it "
                                               "was narrowed to fails: the model's failure has no standalone repro")
 
-    def sharing_pool(self) -> "CaseRunner":
+    def sharing_pool(self) -> CaseRunner:
         """A runner with its own counters on this runner's pool (the harness's own tests judge deliberately
         broken modules on the session's ranks without counting them as examples of the gate)."""
         return CaseRunner(self.config, pool=self.pool, policy=self.policy, admit=self.admit, error_dir=self.error_dir,

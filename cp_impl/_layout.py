@@ -22,8 +22,9 @@ Layout conventions (``B`` rows, ``S`` global sequence):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 

@@ -9,8 +9,8 @@ when ``shard_primary``) and in the packed path of mistral_large4 (which adds
 from __future__ import annotations
 
 import functools
-from collections.abc import MutableMapping
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
 
 import torch
 
@@ -18,10 +18,10 @@ from ._layout import (
     IGNORE_INDEX,
     PACKED_KEYS,
     DerivedLayout,
+    batch_dims,
     check_images,
     check_num_chunks,
     check_token_tensor,
-    batch_dims,
     derive_layout,
     primary_key,
 )
@@ -106,6 +106,7 @@ def _shard_prepared(
         plan[primary] = TokenKey(padding_token_id if primary == "input_ids" else 0)
     if packed:
         document_ids = check_token_tensor(batch, "document_ids", b, s, "int", api)
+        assert document_ids is not None  # required when packed: missing raised above
         plan["document_ids"] = TokenKey(-1)
         if labels is not None:
             replace["labels"] = mask_first_document_labels(labels, document_ids)

@@ -19,7 +19,8 @@ Communication per call (``N`` ranks, local payload ``P`` bytes):
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -162,6 +163,7 @@ def agree(
     bad = [i for i, row in enumerate(rows) if row[3] != 0]
     if bad:
         if err_code:
+            assert local_error is not None  # err_code is its code
             raise ValueError(f"{local_error[1]} (CP ranks {bad} rejected their input; every rank raises)")
         texts = dict(error_texts or {})
         first = rows[bad[0]][3]

@@ -33,8 +33,10 @@ batch); ``gather_token_tensor`` does.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Mapping
+from typing import Any
 
 import torch
 
@@ -50,7 +52,7 @@ __all__ = [
     "load_balanced_local_token_global_indices",
 ]
 
-CtxFactory = Callable[[], ContextManager[Any]]
+CtxFactory = Callable[[], AbstractContextManager[Any]]
 
 
 @dataclass(frozen=True)
@@ -346,6 +348,7 @@ class ContextParallelSharder:
             if fill is None:
                 raise ValueError("sharding an input-coordinate tensor on a repositioned layout requires `fill`")
             positions = layout.input_token_stream_positions.to(tensor.device)
+            assert layout.padded_seq_len is not None  # a layout that moves tokens says where to
             valid = positions >= 0
             moved = torch.full((tensor.shape[0], layout.padded_seq_len), fill, dtype=tensor.dtype, device=tensor.device)
             moved[valid.nonzero(as_tuple=True)[0], positions[valid]] = tensor[valid]

@@ -403,7 +403,7 @@ def _attention_block(
     return out.reshape(batch, sequence, config.num_heads * config.head_dim) @ wo
 
 
-def _check_labels(batch: Mapping, shape: tuple[int, int]) -> Tensor | None:
+def _check_labels(batch: Mapping, shape: tuple[int, ...]) -> Tensor | None:
     labels = batch.get("labels")
     if labels is not None and tuple(labels.shape) != shape:
         raise ValueError(f"labels must be [batch, sequence] = {list(shape)}, got shape {tuple(labels.shape)}")

@@ -5,15 +5,15 @@
 # and scripts/verify; safe to run again: it reinstalls only when pyproject.toml
 # or the pins changed. CP_HARNESS_NO_FRAMEWORK=1 leaves the framework out (its
 # tests then skip, saying how to install it). The framework's real models also need transformers and its
-# dependencies: the pins of examples/automodel/models/requirements.txt (the `models` extra), installed the same
+# dependencies: the pins of constraints/models.txt (the `models` extra), installed the same
 # way (--no-deps) and left out the same way.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${CP_HARNESS_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
 stamp="$venv/.cp-harness-stamp"
-want="$(cat "$root/pyproject.toml" "$root/constraints/cpu.txt" "$root/constraints/framework.txt" \
-  "$root/examples/automodel/models/requirements.txt" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$root/pyproject.toml" "$root/constraints/cpu.txt" "$root/constraints/test.txt" \
+  "$root/constraints/framework.txt" "$root/constraints/models.txt" | sha256sum | cut -d' ' -f1)"
 if [ ! -x "$venv/bin/python" ]; then
   echo "bootstrap: creating $venv" >&2
   # The venv's own pip, installed by this Python's pip without compiling it (ensurepip compiles: 5 s -> 2.5 s);
@@ -36,7 +36,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile --no-deps \
       -r "$root/constraints/framework.txt"
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile --no-deps \
-      -r "$root/examples/automodel/models/requirements.txt"
+      -r "$root/constraints/models.txt"
   fi
   "$venv/bin/python" -c "import torch, torch.distributed, torch.distributed.device_mesh, numpy, hypothesis, pytest, xdist
 import cp_harness.checks, cp_harness.ranks.pool, cp_harness.verify, cp_impl, oracle"

@@ -3,12 +3,15 @@
 ``real_models``: one warm pool of 3 ranks for every real-model test module of the session (or xdist worker), whose
 launcher imports every CPU model spec once before it forks (``PoolConfig.preload``): a pool start with the
 framework's models imported costs 15-40 s on 2 cores, and each rank's first case of a model compiles its kernels.
-The modules that use it carry ``pytest.mark.xdist_group("real_models")`` (``./scripts/test`` distributes with
-``--dist loadgroup``), so one worker starts it once.
+The modules that use it declare ``REAL_MODELS = True``; ``pytest_collection_modifyitems`` below gives each of their
+tests the real-model header: skipped without transformers and nemo-automodel (the ``models`` extra) and
+``pytest.mark.xdist_group("real_models")`` (``./scripts/test`` distributes with ``--dist loadgroup``), so one worker
+starts the pool once.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 
@@ -16,9 +19,41 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
-CPU_SPECS = tuple(f"examples.automodel.models.{name}" for name in (
-    "deepseek_v41", "deepseek_v4", "qwen3_8_flash_next", "glm5_next", "qwen3_5_moe", "gemma4_moe", "kimi_linear",
-    "kimi_k3", "load_balanced_sdpa", "load_balanced_sdpa_alltoall"))  # the last two on the ring SDPA CPU stand-in
+
+
+def cpu_specs() -> tuple[str, ...]:
+    """The model specs that run on the CPU (no ``"cuda"`` in their ``REQUIRES``, or a declared kernel stand-in that
+    meets it: ``cp_harness.standins``), as module names; imports them."""
+    from cp_harness import standins
+    from examples.automodel.models import PACKAGE, SPECS, needs_cuda
+
+    def stood_in(name: str) -> bool:
+        declared = getattr(importlib.import_module(f"{PACKAGE}.{name}"), "STANDINS", ())
+        return any(standins.get(s).meets == "cuda" and standins.get(s).device_type == "cpu" for s in declared)
+
+    return tuple(f"{PACKAGE}.{name}" for name in SPECS if not needs_cuda(name) or stood_in(name))
+
+
+REAL_MODEL_PACKAGES = ("transformers", "nemo_automodel")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """The real-model header of every test in a module declaring ``REAL_MODELS = True``.
+
+    ``tryfirst``: xdist's worker hook of this name reads ``xdist_group`` into the node ids ``--dist loadgroup``
+    places, so the mark must be there before it runs.
+    """
+    missing = [name for name in REAL_MODEL_PACKAGES if importlib.util.find_spec(name) is None]
+    for item in items:
+        if not getattr(getattr(item, "module", None), "REAL_MODELS", False):
+            continue
+        if missing:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs {' and '.join(missing)} (the 'models' extra; scripts/bootstrap.sh installs it and "
+                       "nemo-automodel unless CP_HARNESS_NO_FRAMEWORK=1)"))
+        item.add_marker(pytest.mark.xdist_group("real_models"))
+
 
 @pytest.fixture(scope="session")
 def real_models():
@@ -33,7 +68,7 @@ def real_models():
     # scripts/real_clients and the nightly run them as the framework does.
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
     runner = CaseRunner(PoolConfig(world_size=3, impl="cp_impl", case_timeout=180.0, collective_timeout=90.0,
-                                   preload=CPU_SPECS))
+                                   preload=cpu_specs()))
     try:
         runner.pool.start()
     finally:

@@ -20,7 +20,7 @@ _MIN_TIMEOUT_S = 900.0
 
 
 def measure(runner, options: BenchOptions) -> dict:
-    rows = {}
+    rows: dict[str, dict] = {}
     for n in sorted(options.memory_sizes):
         case = memory_case(n, options.memory_seq_len, options.memory_dtype)
         log(f"memory: {options.memory_seq_len} tokens at N={n}")
@@ -34,7 +34,7 @@ def measure(runner, options: BenchOptions) -> dict:
         if "cuda_peak_bytes" in per_rank[0]:
             rows[str(n)]["cuda_peak_bytes_max"] = max(r["cuda_peak_bytes"] for r in per_rank)
     base = rows.get("1")
-    for n, row in rows.items():
+    for row in rows.values():
         if base:
             row["peak_vs_n1"] = row["peak_bytes_max"] / base["peak_bytes_max"]
             row["saved_vs_n1"] = row["saved_bytes_max"] / base["saved_bytes_max"]

@@ -19,8 +19,14 @@ from typing import Any
 from cp_harness.bench import communication, memory, suite, throughput
 from cp_harness.bench.options import BenchOptions
 from cp_harness.bench.progress import log
-from cp_harness.bench.report import (comm_tables, memory_tables, suite_table, targets_table, throughput_tables,
-                                     write_json)
+from cp_harness.bench.report import (
+    comm_tables,
+    memory_tables,
+    suite_table,
+    targets_table,
+    throughput_tables,
+    write_json,
+)
 from cp_harness.bench.targets import targets, targets_spec
 from cp_harness.bench.timed_runs import BenchCaseFailed
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from cp_harness.bench.cases import floor_case, standard_case
 from cp_harness.bench.options import BenchOptions
@@ -112,6 +113,7 @@ def _oracle_thread_probe(repeats: int) -> dict:
     run, what the default would cost on this machine (see ``docs/benchmarks.md``).
     """
     import torch
+
     from cp_harness.checks import models
 
     default = torch.get_num_threads()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 PARTS = ("ranks", "transport", "oracle", "compare")
 
@@ -81,8 +81,8 @@ def run_pipelined(runner, cases: Iterable[dict]) -> tuple[list[dict], float]:
 def run_fresh(case: dict, impl: str, backend: str) -> dict:
     """The naive way: a new ``torchrun`` for this one case, then judge it and shut it down."""
     from cp_harness import checks
-    from cp_harness.ranks.pool import PoolConfig, RankPool
     from cp_harness.judging.render import failure_message
+    from cp_harness.ranks.pool import PoolConfig, RankPool
 
     started = time.perf_counter()
     pool = RankPool(PoolConfig(world_size=int(case["world_size"]), backend=backend, impl=impl, launcher="torchrun"))

@@ -95,6 +95,7 @@ def accumulate(tensors, dtype: torch.dtype) -> torch.Tensor:
     total = None
     for t in tensors:
         total = t.to(wide) if total is None else total + t.to(wide)
+    assert total is not None, "accumulate needs at least one tensor"
     return total.to(dtype)
 
 
@@ -216,6 +217,7 @@ def build_batch(case: dict) -> dict[str, Any]:
     if images:
         gi = generator(case, "images")
         image_mask = torch.zeros(B, S, dtype=torch.bool)
+        pixel_values: torch.Tensor | list[torch.Tensor]  # inkling2: one tensor per image
         if model == "inkling2":
             pixel_values = []
             for row, start, h, w in images:
@@ -251,7 +253,7 @@ def _given_positions(spec: dict, keep: torch.Tensor) -> torch.Tensor:
 
 def clone_batch(batch: dict[str, Any]) -> dict[str, Any]:
     """A deep copy of a batch (tensors cloned, lists copied) to detect in-place changes."""
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in batch.items():
         if isinstance(value, torch.Tensor):
             out[key] = value.clone()

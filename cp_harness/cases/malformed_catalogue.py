@@ -71,6 +71,8 @@ GATHER_SEQ, HISTORY = "inkling2.gather_sequence", "inkling2.convolution_history"
 M4_PREP, M4_PACKED = "mistral_large4.prepare_cp_inputs", "mistral_large4.prepare_packed_cp_inputs"
 GATHER_TOK, LOSS = "mistral_large4.gather_tokens", "mistral_large4.shifted_cp_loss"
 
+# The catalogue is data: one entry a line, read as a table (the formatter would give each field a line of its own)
+# fmt: off
 CATALOGUE: tuple[Malformed, ...] = (
     # ---- inkling2.unpack_row_layout: THD metadata ------------------------------------------------
     Malformed(name="unpack/negative_real_length", function=UNPACK, base="inkling2_thd",
@@ -319,6 +321,7 @@ CATALOGUE: tuple[Malformed, ...] = (
         base="inkling2_bshd_mesh", mutations=(_op("mesh", kind="2d"),), fields=("mesh",),
         why="shard_batch given a (dp=1, cp=N) 2-D mesh as its CP mesh", errors=BOTH),
 )
+# fmt: on
 
 BY_NAME: dict[str, Malformed] = {m.name: m for m in CATALOGUE}
 if len(BY_NAME) != len(CATALOGUE):  # pragma: no cover - a catalogue edit error

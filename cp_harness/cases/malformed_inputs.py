@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -182,7 +183,7 @@ def _mutate(inputs: dict, m: dict, *, rank: int, cp_size: int, mesh_factory: Cal
     ranks = m.get("ranks")
     if ranks is not None and rank not in [r % cp_size for r in ranks]:
         return
-    op, key = m["op"], m.get("key")
+    op, key = m["op"], m.get("key", "")  # every op but "mesh" names its key
     device = _device_of(inputs)
     if op == "set":
         old = _value(inputs, key)
@@ -255,7 +256,7 @@ def build_inputs(case: dict, *, rank: int, cp_size: int, mesh: Any,
 
 def snapshot_inputs(inputs: dict) -> dict:
     """What ``input_changes`` needs to tell later whether a call changed its inputs (dicts and tensors)."""
-    snap = {}
+    snap: dict[str, tuple[str, Any, Any, dict | None]] = {}
     for name, value in inputs.items():
         if isinstance(value, dict):
             snap[name] = ("dict", value, clone_batch(value), dict(value))
@@ -272,7 +273,7 @@ def input_changes(inputs: dict, snap: dict) -> list[str]:
     """
     out = []
     for name, (kind, obj, saved, shallow) in snap.items():
-        if inputs.get(name) is not obj:
+        if name not in inputs or inputs[name] is not obj:
             out.append(f"{name} was replaced")
             continue
         if kind == "tensor":

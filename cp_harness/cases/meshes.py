@@ -51,7 +51,7 @@ class MeshLayout:
 
     # ------------------------------------------------------------------ reading and checking
     @classmethod
-    def of(cls, case: dict, pool_size: int | None = None) -> "MeshLayout | None":
+    def of(cls, case: dict, pool_size: int | None = None) -> MeshLayout | None:
         """The layout ``case`` names (``None``: today's one-dimensional mesh over ``0..N-1``), checked against
         the case's CP size and, given ``pool_size``, the pool; ``MeshLayoutError`` naming the field otherwise."""
         spec = case.get(KEY)
@@ -60,7 +60,7 @@ class MeshLayout:
         return cls.parse(spec, cp_size=int(case["world_size"]), pool_size=pool_size)
 
     @classmethod
-    def parse(cls, spec, *, cp_size: int | None = None, pool_size: int | None = None) -> "MeshLayout":
+    def parse(cls, spec, *, cp_size: int | None = None, pool_size: int | None = None) -> MeshLayout:
         if not isinstance(spec, dict):
             raise MeshLayoutError(f"{KEY}: expected an object with dims and shape, got {type(spec).__name__}")
         unknown = sorted(set(spec) - {"dims", "shape", "ranks", "run"})

@@ -31,6 +31,7 @@ test module is imported; ``verify`` and ``calibrate`` pass their own space to ev
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from hypothesis import HealthCheck, Phase, settings
 
@@ -104,7 +105,7 @@ def register(load_default: bool = False) -> None:
     global _registered
     if _registered:
         return
-    common = dict(deadline=None, suppress_health_check=_SUPPRESS, print_blob=True)
+    common: dict[str, Any] = dict(deadline=None, suppress_health_check=_SUPPRESS, print_blob=True)
     # ci: the same examples on every run, nothing written to an example database.
     settings.register_profile("ci", max_examples=100, derandomize=True, database=None, **common)
     settings.register_profile("nightly", max_examples=1000, derandomize=False, **common)
@@ -112,8 +113,8 @@ def register(load_default: bool = False) -> None:
                               phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink], **common)
     # The commands: seeded by @seed (the same cases for the same seed), no database, nothing reported but the
     # shrunk failure; verify shrinks (its own time budget stops it), calibrate only generates.
-    command = dict(deadline=None, database=None, derandomize=False, suppress_health_check=list(HealthCheck),
-                   report_multiple_bugs=False)
+    command: dict[str, Any] = dict(deadline=None, database=None, derandomize=False,
+                                   suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
     settings.register_profile("verify", phases=[Phase.explicit, Phase.generate, Phase.shrink], **command)
     settings.register_profile("calibrate", phases=[Phase.generate], **command)
     _registered = True
@@ -123,7 +124,9 @@ def register(load_default: bool = False) -> None:
 
 def examples(fraction: float) -> int:
     """``fraction`` of the active profile's ``max_examples`` (at least 1)."""
-    return max(1, int(round(settings.default.max_examples * fraction)))
+    active = settings.default
+    assert active is not None  # hypothesis always has a profile loaded
+    return max(1, int(round(active.max_examples * fraction)))
 
 
 _SPACES: dict[str, CaseSpace] = {"default": CaseSpace()}

@@ -20,7 +20,13 @@ from hypothesis import strategies as st
 from cp_harness.cases import meshes, profiles
 from cp_harness.cases.descriptions import PATCH_SIZE, spec_layout
 from cp_harness.cases.profiles import (  # noqa: F401 - the case space's vocabulary, used with the strategies
-    ALL_DTYPES, CI_FULL_WEIGHT_MAX_SIZE, DEFAULT_WORLD_SIZES, FLOAT_DTYPES, VALUE_DTYPES, CaseSpace)
+    ALL_DTYPES,
+    CI_FULL_WEIGHT_MAX_SIZE,
+    DEFAULT_WORLD_SIZES,
+    FLOAT_DTYPES,
+    VALUE_DTYPES,
+    CaseSpace,
+)
 
 seeds = st.integers(min_value=0, max_value=2**31 - 1)
 
@@ -138,7 +144,7 @@ def padded_layout(draw, min_len: int = 1, max_len: int = 40, max_rows: int = 3) 
             continue
         real = draw(st.integers(min_value=1, max_value=seq_len))
         room = seq_len - real
-        left = {"none": 0, "left": room, "right": 0}.get(style)
+        left = {"none": 0, "left": room, "right": 0}.get(style, 0)  # "both": drawn below
         if style == "none":
             real, left = seq_len, 0
         elif style == "both":
@@ -203,7 +209,8 @@ def inkling2_images(draw, spec: dict, cp_size: int | None = None) -> dict:
     placed across a shard boundary half of the time."""
     boundaries = _boundaries(spec, cp_size)
     runs = _real_runs(spec)
-    images, taken = [], set()
+    images: list[list[int]] = []
+    taken: set[tuple[int, int]] = set()
     for _ in range(draw(st.integers(min_value=0, max_value=2))):
         h, w = draw(st.sampled_from(_IMAGE_SIZES))
         n = (h // PATCH_SIZE) * (w // PATCH_SIZE)

@@ -13,8 +13,8 @@ Modules (every module of this package not starting with ``_`` is a check
 module, loaded with ``pkgutil``):
 
 * ``transport`` -- ``gather_sequence``, ``gather_tokens``, ``convolution_history``
-  (bit-exact data movement, forward and backward) and ``sharder_roundtrip``
-  (the sharder's verbs).
+  (bit-exact data movement, forward and backward).
+* ``sharder_roundtrip`` -- ``sharder_roundtrip``: the sharder's verbs, shard then gather, judged the same way.
 * ``layout`` -- ``inkling2_layout``, ``mistral_large4_layout``: the prepared
   batch and the layout the sharder reports.
 * ``sharder_verbs`` -- the sharder's verbs on tensors of rank 2-5, ``seq_dim`` 1 and 2, every payload
@@ -26,6 +26,8 @@ module, loaded with ``pkgutil``):
 * ``models`` -- ``model``: both miniature models end to end, forward and backward.
 * ``real_model`` -- a real framework model through a model spec: its own CP path against the same model on
   one device, within a bound scaled by a measured reference spread; padding sensitivity told apart.
+* ``training_step`` -- a real model's training step as the framework's recipe runs it on ``dp_shard x cp`` (FSDP2,
+  the recipe's loss scaling, the clip-grad norm) against one device on the whole global batch (``--step training``).
 * ``malformed`` -- ``malformed``: every entry of the malformed-input catalogue raises a clear error on every rank.
 * ``meshes`` -- ``mesh_identity`` (the pool hands each rank the right ``world_mesh["cp"]``) and the verify rows
   that run the other checks' cases on world meshes of two and three dimensions (``cp_harness.cases.meshes``).
@@ -45,17 +47,18 @@ import contextlib
 import dataclasses
 import importlib
 import pkgutil
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from cp_harness.cases import meshes
+from cp_harness.checks._token_layout import NotShardedLikeTokens
 from cp_harness.instruments import coverage
 from cp_harness.judging.budgets import Budget
 from cp_harness.judging.policy import STRICT, JudgingPolicy
-from cp_harness.judging.verdicts import CaseReport
-from cp_harness.checks._token_layout import NotShardedLikeTokens
+from cp_harness.judging.verdicts import CaseReport, ProblemKind
 
 
 @dataclasses.dataclass
@@ -120,6 +123,7 @@ class VerifyRow:
     explicit: tuple[dict, ...] = ()
     position: float = 0
     needs_model: bool = False  # a real-model row: runs only when a model spec is given (``--model``)
+    step: str = "forward-backward"  # a real-model row's ``--step`` mode: it runs only when that mode is asked for
     id: str = ""  # a stable identifier apart from the label (``register`` gives the check's name by default)
     # Why the row cannot run in a case space (``None``: it can), e.g. every model spec it would draw needs CUDA.
     skip: Callable[[Any], str | None] | None = None
@@ -326,7 +330,7 @@ def evaluate(case: dict, outputs: list, expected: Any = NOT_GIVEN, *, policy: Ju
         report = CaseReport(case=case)
         for o in raised:
             report.problem(f"rank {o.rank} raised {o.error_type}: {o.message}\n{o.traceback}", rank=o.rank,
-                           kind="rank raised")
+                           kind=ProblemKind.RANK_RAISED)
     else:
         check = check_of(case)
         args = [case, outputs]
@@ -338,7 +342,7 @@ def evaluate(case: dict, outputs: list, expected: Any = NOT_GIVEN, *, policy: Ju
                 report = check.evaluate(*args, policy=policy) if takes_policy else check.evaluate(*args)
             except NotShardedLikeTokens as finding:
                 report = CaseReport(case=case)
-                report.problem(str(finding), kind="not sharded like the tokens")
+                report.problem(str(finding), kind=ProblemKind.NOT_SHARDED_LIKE_THE_TOKENS)
     report.comm = [{"rank": o.rank, "calls": o.comm} for o in outputs]
     report.called = set().union(*(o.called for o in outputs)) if outputs else set()
     return report

@@ -59,7 +59,7 @@ class ReportedLayout:
                     f"rank {o.rank}: local {name} holds {held} positions along its sequence axis, but the rank's index "
                     f"map lists {len(indices)} tokens: {name} is not sharded like the tokens "
                     f"(global length {self.seq_len}, padded {self.padded_len})")
-            where = [slice(None)] * len(shape)
+            where: list[slice | np.ndarray] = [slice(None)] * len(shape)
             where[axis] = indices
             out[tuple(where)] = local
         return out

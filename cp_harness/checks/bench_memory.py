@@ -39,9 +39,9 @@ from torch.utils._pytree import tree_leaves
 
 from cp_harness.cases.descriptions import padded_length
 from cp_harness.checks import register
-from cp_harness.judging.verdicts import CaseReport
 from cp_harness.checks.models import cp_forward, rank_inputs
 from cp_harness.judging.compare import compare_exact
+from cp_harness.judging.verdicts import CaseReport
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -97,7 +97,7 @@ class SavedTensorBytes:
             self.bytes += storage.nbytes()
         return t
 
-    def __enter__(self) -> "SavedTensorBytes":
+    def __enter__(self) -> SavedTensorBytes:
         self._hooks.__enter__()
         return self
 

@@ -27,17 +27,33 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
 from hypothesis import strategies as st
 
-from cp_harness.cases.descriptions import (IGNORE_INDEX, batches_equal, build_batch, clone_batch, fixed_num_chunks, layout_rows, padded_length)
-from cp_harness.cases.strategies import (as_space, inkling2_images, layouts, mistral_image, packed_layout, seeds,
-                                         with_extras, with_impl, world_sizes)
+from cp_harness.cases.descriptions import (
+    IGNORE_INDEX,
+    batches_equal,
+    build_batch,
+    clone_batch,
+    fixed_num_chunks,
+    layout_rows,
+    padded_length,
+)
+from cp_harness.cases.strategies import (
+    as_space,
+    inkling2_images,
+    layouts,
+    mistral_image,
+    packed_layout,
+    seeds,
+    with_extras,
+    with_impl,
+    world_sizes,
+)
 from cp_harness.checks import GoldenContents, Repro, VerifyRow, register
 from cp_harness.checks._token_layout import ReportedLayout, judge_token_layout
 from cp_harness.judging import comm_minimum
 from cp_harness.judging.compare import compare_exact
-from cp_harness.judging.verdicts import CaseReport
+from cp_harness.judging.verdicts import CaseReport, ProblemKind
 from cp_harness.repro import sharding
 from cp_harness.usage.resolve_sharder import hook_sharder, layout_report, sharded
 from oracle.layout import layout_from_batch
@@ -248,7 +264,7 @@ _LAYOUT_WHAT = ("a hook returns an unresolved sharder; once resolved, the local 
 
 def failing_keys(report, keys) -> list[str]:
     """The keys of ``keys`` a report's failing comparisons or problems name (all of them without a report)."""
-    if report is None or any(p.kind == "rank raised" for p in report.problems):
+    if report is None or any(p.kind is ProblemKind.RANK_RAISED for p in report.problems):
         return list(keys)
     text = " ".join([c.name for c in report.failures() if not c.name.startswith("unpack_row_layout")]
                     + [p.message for p in report.problems if "unpack_row_layout" not in p.message])
@@ -359,6 +375,9 @@ def _golden(cases: dict, token_arrays: set[str]) -> GoldenContents:
 _SHARDER = ("sharder.shard", "sharder.shard_token_tensor", "sharder.local_token_global_indices")
 _TOKEN_ARRAYS = {"keep", "padding_mask", "position_ids", "labels", "input_ids"}
 
+# The two registrations are mostly case descriptions (named examples, golden cases, explicit rows): one case a
+# line, read as a table (the formatter would give each field a line of its own).
+# fmt: off
 # The gate suite's named explicit examples of this check (regressions that must stay).
 INKLING2_LAYOUT_EXAMPLES = {
     "n3-thd-seed7": {"check": "inkling2_layout", "world_size": 3, "seed": 7, "model": "inkling2", "num_chunks": 1,
@@ -423,3 +442,4 @@ MISTRAL_LARGE4_LAYOUT = register(
                                "num_chunks": 1, "shard_primary": False,
                                "batch": {"format": "bshd", "seq_len": 7, "rows": [[2, 5], [0, 7]]}})),),
     examples=MISTRAL_LARGE4_LAYOUT_EXAMPLES, repro=Repro(plan=_layout_repro))
+# fmt: on

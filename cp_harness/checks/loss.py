@@ -20,13 +20,18 @@ is a problem.
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
-
 from hypothesis import strategies as st
 
-from cp_harness.cases.descriptions import IGNORE_INDEX, LOW_PRECISION, build_batch, dtype_of, padded_length, random_tensor
+from cp_harness.cases.descriptions import (
+    IGNORE_INDEX,
+    LOW_PRECISION,
+    build_batch,
+    dtype_of,
+    padded_length,
+    random_tensor,
+)
 from cp_harness.cases.strategies import FLOAT_DTYPES, as_space, float_dtypes, layouts, seeds, with_extras, world_sizes
 from cp_harness.checks import GoldenContents, Repro, VerifyRow, register
 from cp_harness.checks._token_layout import stack_ranks

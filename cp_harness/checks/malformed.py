@@ -21,8 +21,8 @@ import torch
 from cp_harness.cases import malformed_inputs as malformed
 from cp_harness.cases.malformed_catalogue import Malformed
 from cp_harness.checks import register
-from cp_harness.judging.verdicts import CaseReport
 from cp_harness.judging.compare import compare_exact
+from cp_harness.judging.verdicts import CaseReport
 
 # Meshes built on demand in this rank process, keyed by (kind, CP size): process groups are created once.
 _MESHES: dict[tuple[str, int], object] = {}

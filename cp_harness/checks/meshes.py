@@ -26,7 +26,8 @@ from cp_harness.cases.strategies import as_space, seeds, with_mesh_layout, world
 from cp_harness.checks import VerifyRow, register
 from cp_harness.checks.loss import SHIFTED_CP_LOSS
 from cp_harness.checks.models import MODEL
-from cp_harness.checks.transport import CONVOLUTION_HISTORY, GATHER_SEQUENCE, GATHER_TOKENS, SHARDER_ROUNDTRIP
+from cp_harness.checks.sharder_roundtrip import SHARDER_ROUNDTRIP
+from cp_harness.checks.transport import CONVOLUTION_HISTORY, GATHER_SEQUENCE, GATHER_TOKENS
 from cp_harness.judging.compare import compare_exact
 from cp_harness.judging.verdicts import CaseReport
 
@@ -53,12 +54,10 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     report = CaseReport(case=case)
     layout = MeshLayout.of(case)
     n = int(case["world_size"])
-    members = None
-    if layout is None:
-        members = list(range(n))
     for o in outputs:
         info = o.info
-        expected = members or list(next(g for g in layout.groups() if info.get("global_rank") in g))
+        expected = list(range(n)) if layout is None else list(
+            next(g for g in layout.groups() if info.get("global_rank") in g))
         report.add(compare_exact(f"global ranks gathered over the CP group@rank{o.rank}", o.tensors["gathered"],
                                  np.array(expected, dtype=np.int64), rank=o.rank))
         if info.get("size", 1) == 1 and "members" not in info:

@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
 # Bound at import, before the worker installs the meter (``imported_by_name``).
 from torch.distributed import all_gather as all_gather_imported_by_name
 
-from cp_harness.instruments import comm_meter as comm
 from cp_harness.checks import register
-from cp_harness.judging.verdicts import CaseReport
+from cp_harness.instruments import comm_meter as comm
 from cp_harness.judging.compare import compare_exact
+from cp_harness.judging.verdicts import CaseReport
 
 THREAD_TIMEOUT_S = 60.0
 UNKNOWN_OP = "c10d::_cp_harness_unknown_collective"

@@ -22,30 +22,41 @@ float32 ULPs. Case keys: ``model``, ``batch``, ``num_chunks``, ``shard_primary``
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
-
 from hypothesis import strategies as st
 
 from cp_harness.cases.descriptions import IGNORE_INDEX, build_batch, dtype_of, fixed_num_chunks, layout_rows
-from cp_harness.cases.strategies import (as_space, float_dtypes, inkling2_images, layouts, mistral_image,
-                                         packed_layout, seeds, with_extras, with_impl, world_sizes)
+from cp_harness.cases.strategies import (
+    as_space,
+    float_dtypes,
+    inkling2_images,
+    layouts,
+    mistral_image,
+    packed_layout,
+    seeds,
+    with_extras,
+    with_impl,
+    world_sizes,
+)
 from cp_harness.checks import GoldenContents, Repro, VerifyRow, register
 from cp_harness.checks._token_layout import judge_token_layout
-from cp_harness.judging.budgets import Budget
-from cp_harness.judging.verdicts import CaseReport
 from cp_harness.checks.layout import INKLING2_LAYOUT, MISTRAL_LARGE4_LAYOUT, pad_sequence
 from cp_harness.checks.loss import compare_rank_losses, per_position_ce
 from cp_harness.checks.transport import CONVOLUTION_HISTORY, GATHER_SEQUENCE, GATHER_TOKENS
+from cp_harness.judging.budgets import Budget
 from cp_harness.judging.compare import compare_exact, compare_ulp
+from cp_harness.judging.verdicts import CaseReport
 from cp_harness.usage import miniature_models as cp_models
 from cp_harness.usage.resolve_sharder import layout_report
 from oracle import models as oracle_models
 from oracle.layout import layout_from_batch
 
-MODELS = {
+# model -> (its config class, its parameters' initializer, its forward)
+MODELS: dict[str, tuple[type, Callable[..., dict[str, torch.Tensor]], Callable[..., Any]]] = {
     "inkling2": (oracle_models.Inkling2Config, oracle_models.init_inkling2_params, oracle_models.inkling2_forward),
     "mistral_large4": (oracle_models.MistralLarge4Config, oracle_models.init_mistral_large4_params,
                        oracle_models.mistral_large4_forward),
@@ -104,7 +115,7 @@ def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
 def _to_device(batch: dict, device: torch.device) -> dict:
     if device.type == "cpu":
         return batch
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in batch.items():
         if isinstance(v, torch.Tensor):
             out[k] = v.to(device)

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from cp_harness.checks import register
-from cp_harness.judging.verdicts import CaseReport
 from cp_harness.judging.compare import compare_exact
+from cp_harness.judging.verdicts import CaseReport
 
 
 def _rank(case: dict, ctx) -> tuple[dict, dict]:

@@ -18,6 +18,8 @@ exactly when there is one, and on every rank alike.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from hypothesis import strategies as st
 
@@ -88,7 +90,7 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
     before = positions.clone()
     try:
         ctx.impl.inkling2.validate_document_positions(keep.to(ctx.device), positions.to(ctx.device))
-        info = {"raised": None, "message": ""}
+        info: dict[str, Any] = {"raised": None, "message": ""}
     except (ValueError, TypeError) as exc:
         info = {"raised": type(exc).__name__, "message": str(exc)}
     info["unchanged"] = bool(torch.equal(before, positions))

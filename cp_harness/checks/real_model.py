@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,7 +51,7 @@ from cp_harness.cases.profiles import current_space
 from cp_harness.cases.strategies import as_space
 from cp_harness.checks import Repro, VerifyRow, register
 from cp_harness.judging.compare import ExcessVerdict, UlpComparison
-from cp_harness.judging.verdicts import CaseReport
+from cp_harness.judging.verdicts import CaseReport, ProblemKind
 from cp_harness.repro import real_model as repro_real_model
 from cp_harness.usage import model_specs, spec_contract
 
@@ -162,7 +163,7 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
             Run.REORDERED: _quantities(model_specs.step(spec, model, None, batch, split=max(2, ctx.cp_size),
                                                         reverse=True, backward=backward))}
     valid = spec.valid_positions(batch).to(torch.bool)
-    info = {"padded_len": None, "not_judged": {}, "standins": stood_in.used()}
+    info: dict[str, Any] = {"padded_len": None, "not_judged": {}, "standins": stood_in.used()}
     if forward_only is not None:
         count = sum(1 for p in model.parameters() if p.requires_grad)
         info["not_judged"][f"the gradients of all {count} parameters on {ctx.device.type}"] = forward_only
@@ -303,31 +304,34 @@ def _explained(case: dict, valid: np.ndarray, runs: dict[Run, dict[Quantity, np.
     return explained, against
 
 
-def _explanation(case: dict, run: Run, tensors: list[Quantity], judged: dict, info: dict) -> tuple[str, str]:
+def _explanation(case: dict, run: Run, tensors: list[Quantity], judged: dict, info: dict) -> tuple[str, ProblemKind]:
     """``(problem line, kind)`` for the tensors ``run`` explains."""
     dtype, padded_len, kernels = case["dtype"], info.get("padded_len"), info.get("kernels")
     worst = max(tensors, key=lambda q: judged[q]["error"])
     names = ", ".join(sorted(q.label for q in tensors))
     where = f"worst: {worst.label} at {_where(worst, judged[worst]['worst_index'])}"
     padded = run is not Run.KERNELS
-    command = (model_specs.padding_repro_command if run is Run.PADDED else model_specs.kernel_repro_command)(
-        case["spec"], dtype, int(case.get("seed", 0)), case.get("overrides") or {}, case["batch"],
-        padded_len if padded else None)
+    given = (case["spec"], dtype, int(case.get("seed", 0)), case.get("overrides") or {}, case["batch"])
+    if run is Run.PADDED:
+        assert padded_len is not None  # the padded run records the length it padded to
+        command = model_specs.padding_repro_command(*given, padded_len)
+    else:
+        command = model_specs.kernel_repro_command(*given, padded_len if padded else None)
     if run is Run.PADDED:
         return (f"PADDING SENSITIVITY, not a CP failure: padding changes this model's result on one rank. Appending "
                 f"masked pad tokens up to the CP padded length {padded_len} changes {names} on one device by as much "
                 f"as CP does ({where}), and CP matches that padded one-device run. One-process repro (no ranks): "
-                f"{command}", "padding sensitivity")
+                f"{command}", ProblemKind.PADDING_SENSITIVITY)
     if run is Run.KERNELS:
         return (f"KERNEL SENSITIVITY, not a CP failure: the CP path's kernels ({kernels}) round differently from "
                 f"the one-device path's by as much as CP differs. On one device, without CP, under the spec's "
                 f"cp_kernels, {names} move by as much as CP does ({where}), and CP matches that one-device run. "
-                f"One-process repro (no ranks): {command}", "kernel sensitivity")
+                f"One-process repro (no ranks): {command}", ProblemKind.KERNEL_SENSITIVITY)
     return (f"PADDING AND KERNEL SENSITIVITY, not a CP failure: padding changes this model's result on one rank and "
             f"the CP path's kernels ({kernels}) round differently from the one-device path's; neither alone, but "
             f"the two together (one device, the batch padded to the CP padded length {padded_len}, under the spec's "
             f"cp_kernels) change {names} by as much as CP does ({where}), and CP matches that run. One-process "
-            f"repro (no ranks): {command}", "padding and kernel sensitivity")
+            f"repro (no ranks): {command}", ProblemKind.PADDING_AND_KERNEL_SENSITIVITY)
 
 
 _AGAINST = {Run.PADDED: "CP vs one device padded to {padded_len}",
@@ -355,13 +359,14 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
             report.problem(text, kind=kind)
     if failing and info.get("kernels_error"):
         report.problem(f"the kernel-sensitivity run (one device under {case['spec']}.cp_kernels) raised "
-                       f"{info['kernels_error']}; the failure is not told apart from a CP failure", kind="contract")
+                       f"{info['kernels_error']}; the failure is not told apart from a CP failure",
+                       kind=ProblemKind.CONTRACT)
     for q, verdict in judged.items():
         shape = tuple(runs[Run.CP][q].shape)
-        run = explained.get(q)
-        if run is not None:
-            label = _AGAINST[run].format(padded_len=info.get("padded_len"))
-            report.add(_comparison(q, against[run][q], shape, dtype, label))
+        explaining = explained.get(q)
+        if explaining is not None:
+            label = _AGAINST[explaining].format(padded_len=info.get("padded_len"))
+            report.add(_comparison(q, against[explaining][q], shape, dtype, label))
         else:
             report.add(_comparison(q, verdict, shape, dtype, "CP vs one device"))
     return report
@@ -385,7 +390,8 @@ def _batches(draw, kinds: tuple[str, ...] = spec_contract.BATCH_KINDS, rows_for=
     elif kind == "packed":
         documents = []
         for _ in range(rows):
-            lengths, left = [], seq_len
+            lengths: list[int] = []
+            left = seq_len
             while left > 0 and len(lengths) < 5:
                 length = draw(st.integers(1, left))  # single-token documents included
                 lengths.append(length)

@@ -46,8 +46,17 @@ import torch
 from hypothesis import strategies as st
 
 from cp_harness.cases.descriptions import build_batch
-from cp_harness.cases.strategies import (FLOAT_DTYPES, VALUE_DTYPES, as_space, packed_layout, payload_dtypes, seeds,
-                                         with_impl, with_payload, world_sizes)
+from cp_harness.cases.strategies import (
+    FLOAT_DTYPES,
+    VALUE_DTYPES,
+    as_space,
+    packed_layout,
+    payload_dtypes,
+    seeds,
+    with_impl,
+    with_payload,
+    world_sizes,
+)
 from cp_harness.checks import Repro, VerifyRow, register
 from cp_harness.checks._token_layout import judge_token_layout
 from cp_harness.judging.compare import compare_exact
@@ -152,6 +161,7 @@ def form_shape(case: dict, form: dict, f: Fields) -> tuple[list[int], int]:
     if form["coords"] == "padded":
         return [*lead, 1 if case["layout"] == "thd" else B, f.padded, *trail], 1 + len(lead)
     if case["layout"] == "repositioned" or f.positions is not None:
+        assert f.positions is not None, "a repositioned layout reports its positions (_judge_fields checks)"
         return list(f.positions.shape), 1
     return [*lead, B, int(case["seq_len"]), *trail], 1 + len(lead)
 
@@ -180,6 +190,7 @@ def to_stream(x: torch.Tensor, seq_dim: int, fill, f: Fields) -> tuple[torch.Ten
     """The caller's tensor in padded-stream coordinates, and its sequence dim (``ValueError``: it must raise)."""
     kind, dim = interpret(x.shape, seq_dim, f)
     if kind == "positions":
+        assert f.positions is not None and f.padded is not None  # interpret's "positions"; forms need padded
         if fill is None:
             raise ValueError("fill is required on a repositioned layout")
         out = torch.full((x.shape[0], f.padded), fill, dtype=x.dtype)
@@ -187,6 +198,7 @@ def to_stream(x: torch.Tensor, seq_dim: int, fill, f: Fields) -> tuple[torch.Ten
         out[valid.nonzero(as_tuple=True)[0], f.positions[valid]] = x[valid]
         return out, 1
     if kind == "rows":
+        assert f.rows is not None  # interpret's "rows"
         x = x.reshape(-1, *x.shape[len(f.rows):])
     if f.padded is not None and x.shape[dim] != f.padded:
         if fill is None or f.original is None or x.shape[dim] != f.original:
@@ -203,6 +215,7 @@ def trimmed(full: torch.Tensor, dim: int, fill, f: Fields) -> torch.Tensor:
         return out.masked_fill(f.positions < 0, fill)
     if f.rows is not None:
         return full.reshape(*f.rows, *full.shape[dim + 1:])
+    assert f.original is not None  # _judge_fields passes fields without rows only with original_seq_len
     return full.narrow(dim, 0, f.original)
 
 
@@ -217,6 +230,7 @@ def untrim_grad(grad: torch.Tensor, stream_shape, dim: int, trim: bool, f: Field
     elif f.rows is not None:
         out = grad.reshape(stream_shape)
     else:
+        assert f.original is not None  # as in trimmed
         out.narrow(dim, 0, f.original).copy_(grad)
     return out
 
@@ -225,6 +239,7 @@ def stream_to_caller(g: torch.Tensor, shape, seq_dim: int, f: Fields) -> torch.T
     """A padded-stream gradient in the caller's coordinates (the adjoint of ``to_stream``)."""
     kind, dim = interpret(shape, seq_dim, f)
     if kind == "positions":
+        assert f.positions is not None  # interpret's "positions"
         return g.gather(1, f.positions.clamp(min=0)).masked_fill(f.positions < 0, 0)
     if kind == "rows":
         return g.narrow(0, 0, shape[0] * shape[1]).reshape(shape)
@@ -339,10 +354,11 @@ def _judge_fields(report: CaseReport, case: dict, outputs: list) -> Fields | Non
                        "(the verbs pad caller-coordinate tensors from it)")
         report.require(f.padded is not None, "the strategy reported no padded_seq_len: the verbs cannot validate "
                        "or pad a caller's tensor")
-        return f if f.padded is not None else None
+        # Without original_seq_len (reported above) the caller's length of flat rows is unknown: no form is judged.
+        return f if f.padded is not None and (f.original is not None or f.rows is not None) else None
     same = (f.original == want.original and f.padded == want.padded and f.rows == want.rows
             and (f.positions is None) == (want.positions is None)
-            and (want.positions is None or torch.equal(f.positions, want.positions)))
+            and (want.positions is None or f.positions is not None and torch.equal(f.positions, want.positions)))
     report.require(same, f"after shard() the sharder holds shard_layout fields original={f.original} padded={f.padded} "
                    f"rows={f.rows} positions={'set' if f.positions is not None else None}; its strategy reported "
                    f"original={want.original} padded={want.padded} rows={want.rows} "
@@ -359,6 +375,7 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     if f is None:
         return report
     seq_len = f.original if f.original is not None else f.padded
+    assert seq_len is not None  # _judge_fields returns only fields with padded_seq_len
     reported = judge_token_layout(report, outputs, seq_len, local_name="local_slot")
     if reported is None:
         return report
@@ -385,10 +402,11 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
         out = trimmed(padded, dim, fill, f) if form["trim"] else padded
         grad_total = None
         if x.is_floating_point():
-            total = sum(upstream(case, i, o.rank, tuple(out.shape), dtype).double() for o in outputs).to(x.dtype)
+            total = sum((upstream(case, i, o.rank, tuple(out.shape), dtype).double() for o in outputs),
+                        torch.zeros((), dtype=torch.float64)).to(x.dtype)
             grad_total = untrim_grad(total, padded.shape, dim, bool(form["trim"]), f)
-        for o, owned in zip(outputs, reported.index_maps):
-            owned = torch.as_tensor(owned)
+        for o, index_map in zip(outputs, reported.index_maps):
+            owned = torch.as_tensor(index_map)
             report.add(compare_exact(f"shard_token_tensor({what})@rank{o.rank}", o.tensors[f"local{i}"],
                                padded.index_select(dim, owned), rank=o.rank))
             report.add(compare_exact(f"gather_token_tensor({what})@rank{o.rank}", o.tensors[f"out{i}"], out, rank=o.rank))
@@ -457,6 +475,9 @@ def _example(n: int, seed: int, layout: str, dtype: str, forms: list[dict], **ke
     return with_payload(case, dtype)
 
 
+# The check's named examples are case descriptions: one entry a line, read as a table (the formatter would give
+# each field a line of its own).
+# fmt: off
 EXAMPLES = {
     # mRoPE positions [3, B, S] (seq_dim=2) of a length not a multiple of 2N, padded with -1, trimmed back.
     "mrope-int64-n3": _example(3, 11, "strategy", "int64", [
@@ -480,6 +501,7 @@ EXAMPLES = {
         {"lead": [], "trail": [2, 2], "coords": "caller", "fill": -1, "trim": True},
         {"lead": [2], "trail": [], "coords": "padded", "fill": 0, "trim": False}], seq_len=8),
 }
+# fmt: on
 
 _VERBS = ("sharder.shard", "sharder.shard_token_tensor", "sharder.gather_token_tensor",
           "sharder.local_token_global_indices")

@@ -42,14 +42,28 @@ Modules:
 * ``cli`` -- the command line.
 """
 
-from cp_harness.golden.contents import (ARRAY_FILES, CASES, FORMAT_VERSION, GOLDEN_DIR, IMPL_FILE, MANIFEST,
-                                        ORACLE_FILE, REGENERATE, ZIP_DATE, GoldenError, combine_rule, impl_arrays,
-                                        numerics_platform, oracle_arrays, rank_outputs)
-from cp_harness.golden.storage import Golden, _array_specs, build_files, encode_npz, load, seal_manifest
-from cp_harness.golden.comparison import Verdict, compare_arrays, verify
-from cp_harness.golden.regeneration import Change, regenerate, remove_stale, stale_folders, summarize, update
-from cp_harness.golden.textual import format_comm, halo_plan
 from cp_harness.golden.cli import main
+from cp_harness.golden.comparison import Verdict, compare_arrays, verify
+from cp_harness.golden.contents import (
+                                        ARRAY_FILES,
+                                        CASES,
+                                        FORMAT_VERSION,
+                                        GOLDEN_DIR,
+                                        IMPL_FILE,
+                                        MANIFEST,
+                                        ORACLE_FILE,
+                                        REGENERATE,
+                                        ZIP_DATE,
+                                        GoldenError,
+                                        combine_rule,
+                                        impl_arrays,
+                                        numerics_platform,
+                                        oracle_arrays,
+                                        rank_outputs,
+)
+from cp_harness.golden.regeneration import Change, regenerate, remove_stale, stale_folders, summarize, update
+from cp_harness.golden.storage import Golden, build_files, encode_npz, load, seal_manifest
+from cp_harness.golden.textual import format_comm, halo_plan
 
 __all__ = ["ARRAY_FILES", "CASES", "FORMAT_VERSION", "GOLDEN_DIR", "IMPL_FILE", "MANIFEST", "ORACLE_FILE",
            "REGENERATE", "ZIP_DATE", "Change", "Golden", "GoldenError", "Verdict", "build_files", "combine_rule",

@@ -11,12 +11,18 @@ import torch
 
 from cp_harness import checks
 from cp_harness.cases.descriptions import padded_length
-from cp_harness.golden.contents import REGENERATE, GoldenError, combine_rule, impl_arrays, numerics_platform, oracle_arrays
+from cp_harness.golden.contents import (
+    REGENERATE,
+    GoldenError,
+    combine_rule,
+    impl_arrays,
+    numerics_platform,
+    oracle_arrays,
+)
 from cp_harness.golden.storage import Golden, encode_npz
 from cp_harness.judging.compare import Comparison, TokenGrid, compare_exact, compare_ulp
 from cp_harness.judging.policy import STRICT
-from cp_harness.judging.render import golden_text
-from cp_harness.judging.render import report_text
+from cp_harness.judging.render import golden_text, report_text
 
 
 def _grid(case: dict, kind: str, name: str, arr: np.ndarray) -> TokenGrid | None:
@@ -25,7 +31,9 @@ def _grid(case: dict, kind: str, name: str, arr: np.ndarray) -> TokenGrid | None
     if kind == "impl":
         token = combine_rule(case, name) == {"combine": "concat", "axis": 1}
     else:
-        token = name in checks.check_of(case).golden.token_arrays
+        golden = checks.check_of(case).golden
+        assert golden is not None  # golden arrays are compared only for checks with golden files
+        token = name in golden.token_arrays
     if not token or arr.ndim < 2:
         return None
     if "batch" in case:
@@ -36,7 +44,9 @@ def _grid(case: dict, kind: str, name: str, arr: np.ndarray) -> TokenGrid | None
 
 def _impl_mask(case: dict, name: str, arr: np.ndarray, oracle: dict[str, np.ndarray]) -> np.ndarray | None:
     """What the contract specifies of an implementation array (``None``: all of it)."""
-    specified = checks.check_of(case).golden.impl_mask
+    golden = checks.check_of(case).golden
+    assert golden is not None  # golden arrays are compared only for checks with golden files
+    specified = golden.impl_mask
     return None if specified is None else specified(case, name, arr, oracle)
 
 
@@ -54,7 +64,8 @@ def compare_arrays(case: dict, kind: str, actual: dict[str, np.ndarray], expecte
     budget) or ``"impl"`` (the case's dtype and budget; layout arrays only
     where the contract specifies them, using ``oracle["keep"]``).
     """
-    comparisons, problems = [], []
+    comparisons: list[Comparison] = []
+    problems: list[str] = []
     missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
     if missing:
         problems.append(f"{kind}: arrays {missing} are in the golden file but were not produced now")

@@ -7,14 +7,24 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import numpy as np
 
 from cp_harness import checks
-from cp_harness.golden.contents import (ARRAY_FILES, CASES, GOLDEN_DIR, IMPL_FILE, MANIFEST, ORACLE_FILE,
-                                        GoldenError, _jsonable, impl_arrays, oracle_arrays)
+from cp_harness.golden.contents import (
+    ARRAY_FILES,
+    CASES,
+    GOLDEN_DIR,
+    IMPL_FILE,
+    MANIFEST,
+    ORACLE_FILE,
+    GoldenError,
+    _jsonable,
+    impl_arrays,
+    oracle_arrays,
+)
 from cp_harness.golden.storage import Golden, build_files, encode_npz, load
 from cp_harness.judging.compare import compare_ulp
 from cp_harness.judging.render import report_text

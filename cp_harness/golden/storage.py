@@ -14,9 +14,22 @@ import numpy as np
 import torch
 
 from cp_harness.cases.descriptions import GENERATOR_VERSION, canonical, case_id
-from cp_harness.golden.contents import (ARRAY_FILES, CASES, FORMAT_VERSION, GOLDEN_DIR, IMPL_FILE, MANIFEST,
-                                        ORACLE_FILE, REGENERATE, ZIP_DATE, GoldenError, _fail, _jsonable,
-                                        numerics_platform, rank_outputs)
+from cp_harness.golden.contents import (
+    ARRAY_FILES,
+    CASES,
+    FORMAT_VERSION,
+    GOLDEN_DIR,
+    IMPL_FILE,
+    MANIFEST,
+    ORACLE_FILE,
+    REGENERATE,
+    ZIP_DATE,
+    GoldenError,
+    _fail,
+    _jsonable,
+    numerics_platform,
+    rank_outputs,
+)
 
 
 def _normalize(arr: np.ndarray, where: str) -> np.ndarray:

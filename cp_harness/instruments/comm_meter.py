@@ -77,10 +77,10 @@ import contextlib
 import dataclasses
 import functools
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from cp_harness.instruments.leaks import CommLeak, UnknownGroup, leak  # noqa: F401 - CommLeak: raised here
 from cp_harness.instruments.leaks import process_group as _process_group
@@ -435,4 +435,8 @@ def totals(calls: list[CollectiveCall]) -> dict[str, int]:
     missing = unaccounted(calls)
     if missing:
         raise ValueError(f"unaccounted communication: {', '.join(missing)}")
-    return {"sent": sum(c.sent for c in calls), "recv": sum(c.recv for c in calls), "calls": len(calls)}
+    sent = recv = 0
+    for c in calls:
+        assert c.sent is not None and c.recv is not None  # only an unaccounted call (raised above) has no bytes
+        sent, recv = sent + c.sent, recv + c.recv
+    return {"sent": sent, "recv": recv, "calls": len(calls)}

@@ -33,7 +33,8 @@ import contextlib
 import dataclasses
 import functools
 import types
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -120,7 +121,8 @@ def memory_order(value: torch.Tensor) -> list[int] | None:
     dense tensor)."""
     if value.dim() < 2 or value.is_contiguous():
         return None
-    order = sorted(range(value.dim()), key=lambda d: (-value.stride(d), d))
+    strides = value.stride()
+    order = sorted(range(value.dim()), key=lambda d: (-strides[d], d))
     return order if value.permute(*order).is_contiguous() else None
 
 
@@ -136,7 +138,8 @@ def replay(captured: list[Captured]) -> tuple[list[dict], dict[str, torch.Tensor
     originals did), the same other arguments, then the backward of its output with the captured upstream gradient.
     ``(calls, tensors)``: per call its function and what travels under ``call{i}/...`` (``input{j}``, ``upstream``,
     ``output``, ``grad{j}``; dtypes and strides in ``calls[i]["tensors"]``)."""
-    calls, tensors = [], {}
+    calls: list[dict] = []
+    tensors: dict[str, torch.Tensor] = {}
     for i, entry in enumerate(captured):
         described: dict[str, Any] = {}
         leaves = []

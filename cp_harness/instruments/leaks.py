@@ -32,7 +32,8 @@ def process_group(a: dict):
             if isinstance(name, dist.ProcessGroup):
                 return name
             if isinstance(name, str):
-                return dist.distributed_c10d._resolve_process_group(name)
+                # torch types the name as its GroupName, a NewType of str: any str is one at run time
+                return dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
             raise UnknownGroup(f"group_name is {type(name).__name__}")
         return pg if isinstance(pg, dist.ProcessGroup) else dist.ProcessGroup.unbox(pg)
     except UnknownGroup:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -72,7 +72,7 @@ class TokenGrid:
     start: int = 0
 
     @classmethod
-    def from_index_maps(cls, index_maps: list, seq_len: int | None = None) -> "TokenGrid":
+    def from_index_maps(cls, index_maps: list, seq_len: int | None = None) -> TokenGrid:
         """The grid of a layout given each rank's ``local_token_global_indices`` (rank order)."""
         local_len = len(index_maps[0]) if index_maps else 0
         total = sum(len(m) for m in index_maps)
@@ -83,7 +83,7 @@ class TokenGrid:
                     owners[g] = rank
         return cls(local_len, len(index_maps), tuple(owners), seq_len)
 
-    def sliced(self, start: int) -> "TokenGrid":
+    def sliced(self, start: int) -> TokenGrid:
         """The grid of a comparison of positions ``start:`` (index ``j`` is global position ``start + j``)."""
         return dataclasses.replace(self, start=self.start + start)
 
@@ -258,8 +258,11 @@ def _selection(e: np.ndarray, mask) -> np.ndarray:
     return np.broadcast_to(m.reshape(m.shape + (1,) * (e.ndim - m.ndim)), e.shape)
 
 
-def _locate(comp: Comparison, a: np.ndarray, e: np.ndarray, bad: np.ndarray, score: np.ndarray,
-            diff: np.ndarray, select: np.ndarray, grid: TokenGrid | None) -> Comparison:
+_C = TypeVar("_C", bound="Comparison")
+
+
+def _locate(comp: _C, a: np.ndarray, e: np.ndarray, bad: np.ndarray, score: np.ndarray,
+            diff: np.ndarray, select: np.ndarray, grid: TokenGrid | None) -> _C:
     """The parts both kinds share once each element has a score: counts, worst element, locations, error map."""
     comp.mismatched = int(bad.sum())
     comp.max_abs = float(np.max(np.where(select, diff, 0.0))) if diff.size else 0.0

@@ -23,6 +23,7 @@ import re
 import struct
 import tempfile
 import zlib
+from typing import Any
 
 import numpy as np
 
@@ -227,7 +228,7 @@ def render(error_map: np.ndarray, local_len: int, cp_size: int, *, title: list[s
 def _titles(report, comp) -> list[str]:
     case = report.case
     grid = comp.grid
-    x = getattr(comp, "excess", None)
+    x: Any = getattr(comp, "excess", None)  # an ExcessVerdict or None: read only when it failed
     failed = x is not None and x.failed
     lines = [f"{comp.name}", f"{case_id(case)}  N={case.get('world_size')}  L={grid.local_len if grid else '?'}"
              + (f"  {x.mismatched} of {comp.compared} elements above the excess allowance"

@@ -12,9 +12,9 @@ the pool (``tickets``) gathers the evidence and tears itself down after a failur
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
-from cp_harness.ranks.outputs import RankFailure, RankOutput
+from cp_harness.ranks.outputs import RankFailure, RankFailureKind, RankOutput
 
 # How the fork launcher (``worker.launch``) reports a rank that exited abnormally: the first such line names
 # the rank that started the failure; the launcher then ends the others (their lines follow, with -9).
@@ -23,7 +23,7 @@ _EXITED = re.compile(r"^cp_harness\.ranks\.worker: rank (\d+) \(pid \d+\) exited
 STACK_LINES = 25  # lines of each stuck rank's stack dump that a failure shows
 
 
-def exit_line(rank: int, pid: int, code: int, others: Sequence[int]) -> str:
+def exit_line(rank: int, pid: int, code: int, others: Iterable[int]) -> str:
     """The launcher's log line for a rank that exited with ``code`` (negative: killed by that signal)."""
     return f"{_EXIT_PREFIX} {rank} (pid {pid}) exited with {code}; ending ranks {sorted(others)}"
 
@@ -143,10 +143,11 @@ def diagnose(case: dict, *, timeout: float, replies: Mapping[int, RankOutput], u
         rank, why = lost
         ended = f"; launcher exit code {launcher_exit}" if launcher_exit is not None else ""
         return _failure(case, f"rank {rank} exited while running the case: {why}{ended}. Its node is lost; its "
-                              f"peers cannot finish the case.", rank=rank, kind="exited", outputs=outputs, where=where)
+                              f"peers cannot finish the case.", rank=rank, kind=RankFailureKind.EXITED, outputs=outputs,
+                        where=where)
     if send_error is not None:
         rank, message = send_error
-        return _failure(case, message, rank=rank, kind="exited", outputs=[], where=where)
+        return _failure(case, message, rank=rank, kind=RankFailureKind.EXITED, outputs=[], where=where)
     if closed is not None:
         rank, error = closed
         # The fork launcher ends the other ranks when one exits, so the first closed connection may be a rank
@@ -164,10 +165,10 @@ def diagnose(case: dict, *, timeout: float, replies: Mapping[int, RankOutput], u
         return _failure(case, f"rank {culprit} exited while running the case ({error}{seen}; "
                               f"{launcher} exit code {launcher_exit}).\n{told}"
                               f"{launcher} log tail:\n{log}",
-                        rank=culprit, kind="exited", outputs=outputs, where=where)
+                        rank=culprit, kind=RankFailureKind.EXITED, outputs=outputs, where=where)
     if off_protocol is not None:
         rank, message = off_protocol
-        return _failure(case, message, rank=rank, kind="protocol", outputs=outputs, where=where)
+        return _failure(case, message, rank=rank, kind=RankFailureKind.PROTOCOL, outputs=outputs, where=where)
     errors = sorted((o for o in outputs if not o.ok), key=lambda o: o.seconds)
     stuck = sorted(unanswered)
     if not stuck and not errors:
@@ -182,17 +183,17 @@ def diagnose(case: dict, *, timeout: float, replies: Mapping[int, RankOutput], u
                               + (f"ranks {stuck} then did not answer (waiting in a collective for it).\n"
                                  if stuck else "")
                               + f"--- traceback of rank {root.rank} ---\n{root.traceback}{dumps}",
-                        rank=root.rank, kind="raised", outputs=outputs, where=where)
+                        rank=root.rank, kind=RankFailureKind.RAISED, outputs=outputs, where=where)
     if stuck:
         return _failure(case, f"ranks {stuck} did not answer within {timeout:.1f} s (hung)"
                               + (f"; ranks {followers} timed out in a collective waiting for them" if followers else "")
                               + f"; ranks {sorted(set(replies) - set(followers))} answered normally.\n{dumps}",
-                        rank=stuck[0], kind="hung", outputs=outputs, where=where)
+                        rank=stuck[0], kind=RankFailureKind.HUNG, outputs=outputs, where=where)
     first = errors[0]
     return _failure(case, f"rank {first.rank} raised {first.error_type}: {first.message}\n{first.traceback}",
-                    rank=first.rank, kind="raised", outputs=outputs, where=where)
+                    rank=first.rank, kind=RankFailureKind.RAISED, outputs=outputs, where=where)
 
 
-def _failure(case: dict, message: str, *, rank: int | None, kind: str, outputs: list[RankOutput],
+def _failure(case: dict, message: str, *, rank: int | None, kind: RankFailureKind, outputs: list[RankOutput],
              where: str = "") -> RankFailure:
     return RankFailure(f"{message}\n{where}case: {case}", rank=rank, kind=kind, case=case, outputs=outputs)

@@ -183,6 +183,7 @@ class RankProcesses:
         self._workdir = Path(tempfile.mkdtemp(prefix="cp-pool-", dir=cfg.log_dir))
         if self._listen is None or cfg.listen is None:
             self._addresses()
+        assert self._listen is not None  # _addresses sets it
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(self._listen)
@@ -216,7 +217,7 @@ class RankProcesses:
         try:
             while len(self.socks) < cfg.world_size:
                 remaining = deadline - time.monotonic()
-                exited = {node: p.poll() for node, p in self.agents.items() if p.poll() is not None}
+                exited = {node: code for node, p in self.agents.items() if (code := p.poll()) is not None}
                 if remaining <= 0 or exited:
                     raise RuntimeError(self._start_failure(exited))
                 ready = select.select([listener, *starting], [], [], min(remaining, 1.0))[0]
@@ -344,9 +345,11 @@ class RankProcesses:
 
     def rank_log_tail(self, rank: int, lines: int = 20) -> str | None:
         """The last ``lines`` non-blank lines rank ``rank`` wrote (its own log; ``None``: none here)."""
+        if self._workdir is None:  # never started
+            return None
         try:
             text = (self._workdir / f"rank{rank}.log").read_text(errors="replace")
-        except (OSError, TypeError):
+        except OSError:
             return None
         kept = [line for line in text.splitlines() if line.strip()]
         return "\n".join(kept[-lines:]) if kept else ""
@@ -376,7 +379,7 @@ class RankProcesses:
 
     def exited_agents(self) -> dict[int, int]:
         """Node -> exit code of each local launcher that has ended."""
-        return {node: p.poll() for node, p in self.agents.items() if p.poll() is not None}
+        return {node: code for node, p in self.agents.items() if (code := p.poll()) is not None}
 
     def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Ask ``ranks`` for their stacks (SIGUSR1) and return each dump that was written (rank -> its text)."""

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from cp_harness.judging.verdicts import StrKind
+
 
 @dataclasses.dataclass
 class RankOutput:
@@ -38,17 +40,27 @@ class RankOutput:
     group: int | None = None
 
 
+class RankFailureKind(StrKind):
+    """How a rank failed a case (``RankFailure.kind``); a case's problem then has the kind ``"rank <this>"``
+    (``cp_harness.judging.verdicts.ProblemKind.of_rank_failure``)."""
+
+    RAISED = "raised"  # an exception the case did not expect
+    EXITED = "exited"  # the process ended (or its node was lost) before it replied
+    HUNG = "hung"  # no reply within the case's timeout
+    PROTOCOL = "protocol"  # a reply the pool could not read as one
+
+
 class RankFailure(AssertionError):
     """A rank raised unexpectedly, exited, hung or broke the protocol while running a case.
 
-    ``rank`` is the first rank that failed, ``kind`` one of ``"raised"``,
-    ``"exited"``, ``"hung"``, ``"protocol"``; ``outputs`` holds whatever the
-    other ranks returned.
+    ``rank`` is the first rank that failed, ``kind`` a ``RankFailureKind`` (its string value is accepted and
+    converted); ``outputs`` holds whatever the other ranks returned.
     """
 
-    def __init__(self, message: str, *, rank: int | None, kind: str, case: dict, outputs: list[RankOutput]):
+    def __init__(self, message: str, *, rank: int | None, kind: RankFailureKind | str, case: dict,
+                 outputs: list[RankOutput]):
         super().__init__(message)
-        self.rank, self.kind, self.case, self.outputs = rank, kind, case, outputs
+        self.rank, self.kind, self.case, self.outputs = rank, RankFailureKind(kind), case, outputs
 
 
 # The start's deadline grows with the pool: each rank is a process to schedule, a store client to accept and,

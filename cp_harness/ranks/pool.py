@@ -62,7 +62,7 @@ class RankPool:
         self._queue.drop_all()
         self._processes.shutdown(graceful)
 
-    def __enter__(self) -> "RankPool":
+    def __enter__(self) -> RankPool:
         self.start()
         return self
 

@@ -170,6 +170,7 @@ class MeshBook:
         from torch.distributed.device_mesh import DeviceMesh
 
         group = dist.group.WORLD if n == self.world_size else dist.new_group(list(range(n)), timeout=self.timeout)
+        assert group is not None  # the rank has joined the default process group
         mesh = DeviceMesh.from_group(group, self.device_type, mesh_dim_names=("cp",)) if self.rank < n else None
         self.built[f"prefix:{n}"] = Built(mesh, 0 if self.rank < n else None, self.rank if self.rank < n else None,
                                           tuple(range(n)))

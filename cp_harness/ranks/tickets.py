@@ -42,7 +42,7 @@ class Ticket:
     pool: Any = dataclasses.field(repr=False)
     ranks: tuple[int, ...] = ()
     mesh: str | None = None
-    needed_by: "Ticket | None" = dataclasses.field(default=None, repr=False)
+    needed_by: Ticket | None = dataclasses.field(default=None, repr=False)
     case_id: int | None = None
     generation: int | None = None
     sends: int = 0
@@ -105,6 +105,7 @@ class TicketQueue:
             self._collect_head(self._inflight[0])
         if ticket.error is not None:
             raise ticket.error
+        assert ticket.outputs is not None  # a ticket done without an error has its outputs
         return ticket.outputs
 
     def _ensure_sent(self) -> None:
@@ -133,6 +134,7 @@ class TicketQueue:
         """Send ``ticket`` to its ranks; first, when the live pool was not asked for its case's mesh yet, the
         request to build it, to every rank (building a mesh creates process groups: all ranks, same order)."""
         generation = self.processes.generation
+        assert generation is not None  # _ensure_sent started the pool it sends to
         key = meshes.mesh_key(ticket.case)
         asked = self._meshes.setdefault(generation, set())
         self._meshes = {generation: asked}  # an earlier start's meshes went with its ranks
@@ -162,8 +164,8 @@ class TicketQueue:
         """Wait for the oldest case in flight; record its outputs or its ``RankFailure`` on the ticket."""
         procs = self.processes
         case, timeout = ticket.case, ticket.timeout
-        evidence = dict(case=case if ticket.needed_by is None else ticket.needed_by.case, timeout=timeout,
-                        launcher=procs.launcher, where=self._where(ticket))
+        evidence: dict[str, Any] = dict(case=case if ticket.needed_by is None else ticket.needed_by.case,
+                                        timeout=timeout, launcher=procs.launcher, where=self._where(ticket))
         if ticket.send_error is not None:
             return self._fail(ticket, diagnose(**evidence, replies={}, send_error=ticket.send_error))
         outputs: dict[int, RankOutput] = {}
@@ -239,6 +241,7 @@ class TicketQueue:
         if ticket.generation != self._free_generation:  # a fresh start: its ranks have finished nothing yet
             self._rank_free.clear()
             self._free_generation = ticket.generation
+        assert ticket.outputs is not None  # recorded just before
         ranks = max(o.seconds for o in ticket.outputs)
         transport = 0.0
         for o in ticket.outputs:
@@ -251,9 +254,12 @@ class TicketQueue:
             self._rank_free[o.rank] = o.finished_at  # o.rank: the pool rank (the CP rank is o.cp_rank)
         return {"ranks": ranks, "transport": transport}
 
-    def _fail(self, ticket: Ticket, failure: RankFailure) -> None:
+    def _fail(self, ticket: Ticket, failure: RankFailure | None) -> None:
         """Fail ``ticket`` (the oldest in flight) and tear the pool down; the cases behind it are sent again later.
         A mesh request fails the case it was for (the same request would fail again on a fresh pool)."""
+        # diagnose names a failure whenever it is told of one (a send error, a closed connection, a lost rank, an
+        # off-protocol reply); only the last call, on the replies alone, can find none, and it is checked first.
+        assert failure is not None
         self.processes.shutdown(graceful=False)
         ticket.error = failure
         ticket.done = True

@@ -90,7 +90,7 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
             sock.settimeout(None)
         try:
             chunk = sock.recv(min(n - got, 1 << 20))
-        except socket.timeout as exc:
+        except TimeoutError as exc:
             raise WireTimeout(f"timed out with {got} of {n} bytes received") from exc
         except OSError as exc:
             raise WireError(f"connection failed: {exc}") from exc

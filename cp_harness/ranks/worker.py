@@ -91,8 +91,8 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
     import torch.distributed  # noqa: F401 - imported once for every rank
     from torch.distributed.device_mesh import DeviceMesh  # noqa: F401
 
-    from cp_harness.checks import load_checks
     from cp_harness.cases.implementation import impl_names, load_impl
+    from cp_harness.checks import load_checks
     from cp_harness.ranks.diagnosis import exit_line
 
     torch.set_num_threads(1)  # before any tensor work: no OpenMP pool may exist at the fork
@@ -100,6 +100,7 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
     # explicit gradient imports symbolic_shapes, i.e. sympy and mpmath (about 490 modules, 2.5 s of CPU). On the
     # first such case 64 ranks importing it at once on 2 cores took over 60 s, past the case timeout.
     import encodings.idna  # noqa: F401 - socket.create_connection("127.0.0.1") imports it
+
     import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
     from cp_harness.instruments import comm_meter, coverage  # noqa: F401 - the rank's own imports
@@ -142,12 +143,12 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
             pid, wait_status = os.wait()
         except ChildProcessError:
             break
-        rank = children.pop(pid, None)
+        ended = children.pop(pid, None)
         code = os.waitstatus_to_exitcode(wait_status)
-        if rank is None or code == 0:
+        if ended is None or code == 0:
             continue
         # The pool names the rank of the first such line as the one that failed (diagnosis.exits_in_log).
-        print(exit_line(rank, pid, code, children.values()), file=sys.stderr, flush=True)
+        print(exit_line(ended, pid, code, children.values()), file=sys.stderr, flush=True)
         status = status or 1
         for other in children:
             try:
@@ -176,10 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from cp_harness.checks import RankContext, run_on_rank
     from cp_harness.instruments import comm_meter as comm
     from cp_harness.instruments import coverage
     from cp_harness.ranks import wire
-    from cp_harness.checks import RankContext, run_on_rank
 
     torch.set_num_threads(1)
     if args.backend == "nccl":
@@ -203,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     meshes = startup.MeshBook(rank, place.world_size, device.type, args.collective_timeout)
 
     phases.say(f"in the process group; loading {args.impl}")
-    from cp_harness.checks import load_checks
     from cp_harness.cases.implementation import case_impl, impl_names, load_impl
     from cp_harness.cases.meshes import mesh_key
+    from cp_harness.checks import load_checks
 
     # Every one imports, or the rank stops here; calls through the documented API are recorded per case.
     impls = {name: coverage.instrument(load_impl(name)) for name in impl_names(args.impl)}
@@ -233,7 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         reply: dict = {"op": "result", "case_id": body["case_id"], "rank": rank}
         try:
             if body["op"] == "mesh":  # every pool rank, in the same order: it creates process groups
-                info = meshes.layout(body["layout"]) if "layout" in body else meshes.prefix(int(body["prefix"])) or {}
+                if "layout" in body:
+                    info = meshes.layout(body["layout"])
+                else:
+                    meshes.prefix(int(body["prefix"]))
+                    info = {}
                 reply.update(ok=True, info=info, comm=[], called=[])
             else:
                 case = body["case"]
@@ -242,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                     impls[name] = coverage.instrument(load_impl(name))
                     comm.install()  # hooks operators the new module defined
                 held = meshes.get(mesh_key(case))
+                assert held.cp_rank is not None, f"rank {rank} is not on the mesh {mesh_key(case)} of its case"
                 context = RankContext(rank=held.cp_rank, cp_size=int(case["world_size"]), mesh=held.cp_mesh,
                                       device=device, backend=args.backend, impl=impls[name], global_rank=rank,
                                       group=held.group)

@@ -24,6 +24,7 @@ the defect is there, 0 once it is fixed. Each check says what its repro runs and
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -79,7 +80,7 @@ class RecordedCall:
     others: dict[str, str]
     inputs: list[dict[int, torch.Tensor]]
     upstream: list[torch.Tensor | None]
-    output: list[torch.Tensor]
+    output: list[torch.Tensor | None]
     grads: list[dict[int, torch.Tensor]]
 
 
@@ -97,16 +98,19 @@ def portable(call: RecordedCall) -> RecordedCall:
     return dataclasses.replace(call, upstream=[rounded(u) for u in call.upstream])
 
 
+def _per_rank(per_rank: list, index: int, kind: str, j: int | None = None) -> list[torch.Tensor | None]:
+    """Every rank's tensor ``call{index}/{kind}{j}`` (``None`` on a rank that recorded none)."""
+    key = f"call{index}/{kind}" + ("" if j is None else str(j))
+    return [(_restore(t[key], d[key]) if key in d else None) for d, t in per_rank]
+
+
 def recorded_calls(outputs: list) -> list[RecordedCall]:
     """The calls a ``"record_calls": true`` run recorded (``checks.run_on_rank``), every rank's side together."""
     first = outputs[0].info.get("recorded_calls", [])
     calls = []
     for i, described in enumerate(first):
         per_rank = [(o.info["recorded_calls"][i]["tensors"], o.tensors) for o in outputs]
-
-        def pick(kind: str, j: int | None = None):
-            key = f"call{i}/{kind}" + ("" if j is None else str(j))
-            return [(_restore(t[key], d[key]) if key in d else None) for d, t in per_rank]
+        pick = functools.partial(_per_rank, per_rank, i)
 
         positions = [j for j in range(described["arguments"]) if f"call{i}/input{j}" in described["tensors"]]
         inputs = [dict(zip(positions, values)) for values in zip(*(pick("input", j) for j in positions))]

@@ -191,12 +191,14 @@ def gathered(inputs: list[torch.Tensor], upstream: list[torch.Tensor | None], ax
     output is every rank's input in rank order; each rank's gradient is the sum over ranks of the upstream
     slices of its own shard (accumulated as the contract says)."""
     output = torch.cat([x.detach() for x in inputs], dim=axis)
-    if any(u is None for u in upstream):
+    given = [u for u in upstream if u is not None]
+    if len(given) < len(upstream):
         return output, None, None
     length = inputs[0].shape[axis]
-    grads = [accumulate([u.narrow(axis, r * length, length) for u in upstream], inputs[0].dtype)
+    grads = [accumulate([u.narrow(axis, r * length, length) for u in given], inputs[0].dtype)
              for r in range(len(inputs))]
-    magnitude = float(sum(u.double().abs() for u in upstream).max()) if upstream else 0.0
+    magnitude = float(sum((u.double().abs() for u in given), torch.zeros((), dtype=torch.float64)).max()) \
+        if given else 0.0
     return output, grads, sum_budget(inputs[0].dtype, len(inputs), magnitude)
 
 
@@ -227,16 +229,17 @@ def history(inputs: list[torch.Tensor], upstream: list[torch.Tensor | None], wid
     h, L = width - 1, inputs[0].shape[1]
     padded = torch.cat([torch.zeros_like(inputs[0][:, :1]).expand(-1, h, -1), *[x.detach() for x in inputs]], 1)
     outputs = [padded[:, r * L:r * L + L + h] for r in range(len(inputs))]
-    if any(u is None for u in upstream):
+    given = [u for u in upstream if u is not None]
+    if len(given) < len(upstream):
         return outputs, None, None
     parts, readers = [], torch.zeros(padded.shape[1], dtype=torch.int64)
-    for r, u in enumerate(upstream):
+    for r, u in enumerate(given):
         part = torch.zeros(padded.shape, dtype=u.dtype)
         part[:, r * L:r * L + L + h] = u
         parts.append(part)
         readers[r * L:r * L + L + h] += 1
     total = accumulate(parts, inputs[0].dtype)
-    magnitude = float(sum(p.double().abs() for p in parts).max())
+    magnitude = float(sum((p.double().abs() for p in parts), torch.zeros((), dtype=torch.float64)).max())
     return outputs, [total[:, h + r * L:h + (r + 1) * L] for r in range(len(inputs))], \
         sum_budget(inputs[0].dtype, int(readers[h:].max()), magnitude)
 

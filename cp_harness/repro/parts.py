@@ -17,14 +17,17 @@ import os
 import socket
 import sys
 import traceback
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-# The script's constants (placeholders: script.py writes each script's own).
-WORLD, RANKS, MESH, TIMEOUT, ARRAYS, SHA256 = 1, 1, True, 120, "", ""
+# The script's constants (placeholders: script.py writes each script's own). MESH is Any: a bool (whether the calls
+# get a CP mesh) or the world mesh's dict (script.Plan.mesh); the functions that index it run only with the dict.
+WORLD, RANKS, TIMEOUT, ARRAYS, SHA256 = 1, 1, 120, "", ""
+MESH: Any = True
 
 
 def options(parser: argparse.ArgumentParser) -> None:  # the family's (placeholder)

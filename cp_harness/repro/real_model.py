@@ -13,6 +13,8 @@ FLOOR`` (the spread: the worst of its kind, logits, loss or parameter gradients)
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -20,7 +22,9 @@ from cp_harness.repro import script
 from cp_harness.repro.subjects import module_subject
 
 # Placeholders of the script's constants (script.py writes each script's own).
-SPEC, DTYPE, SEED, OVERRIDES, BATCH, C, FLOOR, WORLD = "", "float32", 0, {}, {}, 4.0, 1024.0, 1
+SPEC, DTYPE, SEED, C, FLOOR, WORLD = "", "float32", 0, 4.0, 1024.0, 1
+OVERRIDES: dict[str, Any] = {}
+BATCH: dict[str, Any] = {}
 
 
 def plan(request, c: float, floor: dict) -> script.Plan:
@@ -113,7 +117,7 @@ def run_rank(rank: int, args, mesh, device) -> bool:
     ref, other = step(spec, model, None, batch), step(spec, model, None, batch, split=max(2, WORLD), reverse=True)
     valid = spec.valid_positions(batch).bool().numpy()
     kind = {name: name.split(" ")[0] for name in ref}
-    spread = {}
+    spread = {}  # type: ignore[var-annotated]  # (stripped from the script) kind -> its worst spread, filled below
     for name in ref:
         spread[kind[name]] = max(spread.get(kind[name], 0.0), normwise(other[name], ref[name],
                                                                         valid if name == "logits" else None)[0])

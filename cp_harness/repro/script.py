@@ -20,7 +20,8 @@ import os
 import re
 import textwrap
 import zipfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -102,10 +103,10 @@ def _literal(value: Any) -> str:
 
 
 def _source(fn: Callable | str) -> str:
-    """A function's source as the script holds it: without the linter notes it needs in the harness, where it
-    refers to names only the script defines."""
+    """A function's source as the script holds it: without the linter and type checker notes it needs in the
+    harness, where it refers to names only the script defines."""
     source = textwrap.dedent(fn if isinstance(fn, str) else inspect.getsource(fn)).strip("\n")
-    return re.sub(r"  # noqa[^\n]*", "", source)
+    return re.sub(r"  # (noqa|type: ignore)[^\n]*", "", source)
 
 
 def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
@@ -133,8 +134,8 @@ def _docstring(paragraphs: list[str]) -> str:
 def text(plan: Plan, sha256: str) -> str:
     """The script of ``plan`` whose arrays have digest ``sha256`` (``SCRIPT`` in its docstring: its file name)."""
     world = isinstance(plan.mesh, dict)  # on a world mesh: every rank of it, the case on its CP groups
-    constants = {"WORLD": plan.world, "RANKS": max(plan.mesh["ranks"]) + 1 if world else plan.world,
-                 "MESH": plan.mesh, "TIMEOUT": plan.timeout}
+    ranks = max(plan.mesh["ranks"]) + 1 if isinstance(plan.mesh, dict) else plan.world
+    constants = {"WORLD": plan.world, "RANKS": ranks, "MESH": plan.mesh, "TIMEOUT": plan.timeout}
     if plan.arrays:
         constants.update(ARRAYS=f"{plan.name}.npz", SHA256=sha256)
     constants.update(plan.constants)

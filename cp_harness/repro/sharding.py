@@ -26,12 +26,17 @@ import numpy as np
 import torch
 
 from cp_harness.cases.descriptions import build_batch
+from cp_harness.judging.verdicts import ProblemKind
 from cp_harness.repro import script
 from cp_harness.repro.script import NotExportable
 from cp_harness.repro.subjects import Subject, inline
 
 # Placeholders of the script's constants (script.py writes each script's own).
-S, HOOK, KEYS, BATCH_TEXT, FORMS, UNPACK, WORLD = 0, ("", "", {}), {}, {}, [], False, 1
+S, UNPACK, WORLD = 0, False, 1
+HOOK: tuple[str, str, dict[str, Any]] = ("", "", {})
+KEYS: dict[str, list[Any]] = {}
+BATCH_TEXT: dict[str, Any] = {}
+FORMS: list[dict[str, Any]] = []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +163,7 @@ def plan(case: ShardCase, subject: Subject, name: str, case_text: str, sharder=N
                        UNPACK=case.unpack is not None)
     p.functions = [subject.options_source(), _code_under_test(subject, case, constructor), *blocks, global_batch,
                    shard, judge, *([judge_keys] if case.keys else []), *([unpack] if case.unpack is not None else []),
-                   *([run_forms, upstream_of, form_differences] if case.forms else []), run_rank]
+                   *((run_forms, upstream_of, form_differences) if case.forms else ()), run_rank]
     return p
 
 
@@ -182,7 +187,7 @@ def _code_under_test(subject: Subject, case: ShardCase, constructor: str) -> str
 # (they refer to the names every script defines: load_arrays, tensor, differs, code_under_test, the constants)
 def global_batch(arrays: dict, prefix: str, device) -> dict:
     """The global batch stored under ``prefix/`` (a list's items under ``prefix/<key>/<i>``), on ``device``."""
-    batch, lists = dict(BATCH_TEXT), {}
+    batch, lists = dict(BATCH_TEXT), {}  # type: ignore[var-annotated]  # (stripped from the script) filled below
     for name in arrays:
         if name.startswith(prefix + "/"):
             key, _, item = name[len(prefix) + 1:].partition("/")
@@ -327,7 +332,7 @@ def form_differences(reports: list, arrays: dict) -> list:
         if x.is_floating_point():
             out = x if form["trim"] else padded
             total = sum(upstream_of(i, r, out.shape, out.dtype) for r in range(WORLD))
-            grad.narrow(dim, 0, total.shape[dim]).copy_(total)
+            grad.narrow(dim, 0, total.shape[dim]).copy_(total)  # type: ignore[union-attr, arg-type]  # WORLD >= 1
         for r, (m, rep) in enumerate(zip(maps, reports)):
             got, own = rep["forms"][i], torch.zeros_like(grad).index_copy(dim, m, grad.index_select(dim, m))
             checks = [("shard_token_tensor", "local", padded.index_select(dim, m)),
@@ -402,7 +407,7 @@ def verbs(request, value, fill) -> script.Plan:
     batch = build_batch({"seed": case["seed"], "batch": {"format": "bshd", "seq_len": S, "rows": [[0, S]] * B},
                          "model": case.get("model", "inkling2")})
     report = request.report
-    raised = report is None or any(p.kind == "rank raised" for p in report.problems)
+    raised = report is None or any(p.kind is ProblemKind.RANK_RAISED for p in report.problems)
     failing = " ".join(c.name for c in report.failures()) if report is not None else ""
     forms = []
     for i, form in enumerate(case["forms"]):

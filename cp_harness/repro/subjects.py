@@ -25,7 +25,7 @@ import textwrap
 from cp_harness.repro import fixes
 from cp_harness.repro.script import SCRIPT, NotExportable
 
-_COMPOSE = "examples.automodel._compose"
+_COMPOSE = "examples.automodel.adapters._compose"
 
 
 @dataclasses.dataclass
@@ -97,6 +97,7 @@ class Subject:
 def _pythonpath(module) -> tuple[str, ...]:
     """The folder a module is imported from, relative to the working directory when under it."""
     top = importlib.import_module(module.__name__.split(".")[0])
+    assert top.__file__ is not None, f"{top.__name__} is a namespace package: no folder to put on the path"
     where = os.path.dirname(os.path.abspath(top.__file__))
     folder = os.path.dirname(where) if os.path.basename(top.__file__) == "__init__.py" else where
     relative = os.path.relpath(folder)
@@ -163,19 +164,21 @@ def _names(node: ast.AST) -> list[str]:
 def _first_docstring_line(text: str, node: ast.stmt) -> str:
     """``text`` (the source of ``node``) with its docstring cut to the first line: the translation, not its essay."""
     body = getattr(node, "body", None)
-    if not body or not (isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant)
-                        and isinstance(body[0].value.value, str)) or body[0].lineno == body[0].end_lineno:
+    doc = body[0] if body else None
+    if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)) \
+            or doc.lineno == doc.end_lineno:
         return text
+    assert doc.end_lineno is not None  # ast.parse sets it
     lines = text.splitlines()
-    first, last = body[0].lineno - node.lineno, body[0].end_lineno - node.lineno
+    first, last = doc.lineno - node.lineno, doc.end_lineno - node.lineno
     indent = lines[first][:len(lines[first]) - len(lines[first].lstrip())]
-    summary = body[0].value.value.strip().splitlines()[0].strip()
+    summary = doc.value.value.strip().splitlines()[0].strip()
     return "\n".join(lines[:first] + [f'{indent}"""{summary}"""'] + lines[last + 1:])
 
 
 def inline(module_name: str, names: list[str]) -> tuple[list[str], list[str]]:
     """``(framework import lines, source blocks)``: the definitions ``names`` of ``module_name`` and everything of
-    that module (or of ``examples.automodel._compose``) they use, dependencies first. The standard library,
+    that module (or of ``examples.automodel.adapters._compose``) they use, dependencies first. The standard library,
     torch and the framework are imported, never copied."""
     imports: dict[str, str] = {}
     blocks: dict[tuple[str, str], str] = {}

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, ContextManager, Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 DEVICE_WORDS = {"cpu": "CPU"}
 
@@ -32,7 +33,7 @@ class StandIn:
     role: str
     computes_with: str
     meets: str
-    install: Callable[[], ContextManager[None]]
+    install: Callable[[], AbstractContextManager[None]]
     calls: Callable[[], int]
 
     @property

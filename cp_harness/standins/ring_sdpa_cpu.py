@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -37,10 +38,10 @@ aten = torch.ops.aten
 FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
 BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 SEQ_DIM = 2  # torch's ring hard-codes it too ([B, H, S, D]; the LSE [B, H, S])
-_CALLS = collections.Counter()  # op -> ring calls made through this stand-in in this process
+_CALLS: collections.Counter[object] = collections.Counter()  # op -> ring calls made through this stand-in in this process
 
 
-def _bound(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, Any]:
+def _bound(op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]) -> dict[str, Any]:
     """The op's arguments by schema name, defaults filled in."""
     out = {}
     for i, argument in enumerate(op._schema.arguments):
@@ -82,15 +83,16 @@ def _handler(op_call: torch._ops.OpOverload, args: tuple, kwargs: dict) -> objec
 
     torch_cp = _torch_cp()
     info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
-    mesh = info.compute_mesh
-    specs = [s for s in list(info.schema.args_schema) + list(info.schema.kwargs_schema.values())
-             if isinstance(s, DTensorSpec)]
+    mesh, schema = info.compute_mesh, info.schema
+    assert schema is not None  # unwrap_to_op_info creates it
+    specs = [s for s in list(schema.args_schema) + list(schema.kwargs_schema.values()) if isinstance(s, DTensorSpec)]
     wrong = sorted({str(s.placements) for s in specs if s.mesh != mesh or tuple(s.placements) != (Shard(SEQ_DIM),)})
     if mesh.ndim != 1 or wrong:
         raise NotImplementedError(f"stand-in ring_sdpa_cpu: {op_call} takes Shard(2) DTensors on one 1-D mesh "
                                   f"(torch's ring SDPA layout); got mesh of {mesh.ndim} dims, placements {wrong}")
-    uneven = [tuple(s.shape) for s, t in zip(info.schema.args_schema, info.local_args)
-              if isinstance(s, DTensorSpec) and s.shape[SEQ_DIM] != t.shape[SEQ_DIM] * mesh.size()]
+    uneven = [tuple(s.shape) for s, t in zip(schema.args_schema, info.local_args)
+              if isinstance(s, DTensorSpec) and isinstance(t, torch.Tensor)
+              and s.shape[SEQ_DIM] != t.shape[SEQ_DIM] * mesh.size()]
     if uneven:
         raise NotImplementedError(f"stand-in ring_sdpa_cpu: {op_call} takes evenly sharded sequences (torch's ring "
                                   f"and its load balancer shard evenly); global shapes {uneven} on {mesh.size()} ranks")

@@ -2,8 +2,8 @@
 
 from hypothesis import given, settings
 
-from cp_harness.checks.layout import INKLING2_LAYOUT, MISTRAL_LARGE4_LAYOUT, layout_cases
 from cp_harness.cases.profiles import examples
+from cp_harness.checks.layout import INKLING2_LAYOUT, MISTRAL_LARGE4_LAYOUT, layout_cases
 
 
 @settings(max_examples=examples(3.0))

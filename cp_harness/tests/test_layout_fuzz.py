@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import re
 import signal
+from typing import Any
 
 import torch
 from hypothesis import event, example, given, settings
@@ -147,7 +148,8 @@ def packed_metadata(draw, rows: int | None = None) -> dict:
     elif corruption == "dtype":
         dtype = draw(st.sampled_from((torch.int32, torch.float32, torch.bool)))
         real, padded = real.to(dtype), padded.to(dtype)
-    batch = {"input_ids": torch.arange(B * S).view(B, S) % 5, "seq_lens": real.clone(), "seq_lens_padded": padded.clone()}
+    batch: dict[str, Any] = {"input_ids": torch.arange(B * S).view(B, S) % 5, "seq_lens": real.clone(),
+                             "seq_lens_padded": padded.clone()}
     if draw(st.booleans()):
         batch["qkv_format"] = "thd"
     return batch

@@ -6,8 +6,8 @@ same implementation (``cp_harness.judging.excess``)."""
 
 from hypothesis import given, settings
 
-from cp_harness.checks.loss import SHIFTED_CP_LOSS, loss_cases
 from cp_harness.cases.profiles import examples
+from cp_harness.checks.loss import SHIFTED_CP_LOSS, loss_cases
 
 
 @settings(max_examples=examples(2.0))

@@ -10,15 +10,14 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cp_harness.checks.models import MODEL, model_cases
-from cp_harness.judging.policy import STRICT
-from cp_harness.cases.descriptions import canonical, with_changes
-from cp_harness.checks._token_layout import reported_layout
-from cp_harness.judging.compare import compare_exact, compare_ulp
-from cp_harness.judging.render import comparison_summary
+from cp_harness.cases.descriptions import build_batch, canonical, with_changes
 from cp_harness.cases.profiles import examples
+from cp_harness.checks._token_layout import reported_layout
+from cp_harness.checks.models import MODEL, model_cases
+from cp_harness.judging.compare import compare_exact, compare_ulp
+from cp_harness.judging.policy import STRICT
+from cp_harness.judging.render import comparison_summary
 from oracle.layout import layout_from_batch
-from cp_harness.cases.descriptions import build_batch
 
 
 def _real_mask(case, padded_len):

@@ -7,8 +7,8 @@ the data-movement checks and the loss only."""
 
 from hypothesis import given, settings
 
-from cp_harness.checks.models import MODEL, model_cases
 from cp_harness.cases.profiles import examples
+from cp_harness.checks.models import MODEL, model_cases
 
 
 @settings(max_examples=examples(2.0))

@@ -2,8 +2,8 @@
 
 from hypothesis import given, settings
 
-from cp_harness.checks.positions import VALIDATE_DOCUMENT_POSITIONS, position_cases
 from cp_harness.cases.profiles import examples
+from cp_harness.checks.positions import VALIDATE_DOCUMENT_POSITIONS, position_cases
 
 
 @settings(max_examples=examples(1.5))

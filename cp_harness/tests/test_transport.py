@@ -3,12 +3,11 @@
 bfloat16/float16 gradient sums over ranks must be the float32 sum rounded once (``cases.accumulate``).
 """
 
-from hypothesis import given
+from hypothesis import given, settings
 
-from cp_harness.checks.transport import (CONVOLUTION_HISTORY, GATHER_SEQUENCE, GATHER_TOKENS, SHARDER_ROUNDTRIP,
-                                         gather_cases, history_cases, sharder_cases)
 from cp_harness.cases.profiles import examples
-from hypothesis import settings
+from cp_harness.checks.sharder_roundtrip import SHARDER_ROUNDTRIP, sharder_cases
+from cp_harness.checks.transport import CONVOLUTION_HISTORY, GATHER_SEQUENCE, GATHER_TOKENS, gather_cases, history_cases
 
 
 @settings(max_examples=examples(3.0))

@@ -57,7 +57,7 @@ class CPModelOutput:
     cp_rank: int
     local_len: int
     sharder: Any
-    positions: "TokenPositions"
+    positions: TokenPositions
     caller_changes: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -208,9 +208,9 @@ def inkling2_cp_forward(impl, params: dict[str, torch.Tensor], config, batch: di
             x_global = where.global_order(ink.gather_sequence(x, mesh, True))
             tap = lambda k: x_global.index_select(1, (where.local - k).clamp(min=0))  # noqa: E731
         conv = torch.zeros_like(x)
-        for k in range(W):
-            tap_ok = (k <= positions) & keep  # same document and kept, for a validated row
-            conv = conv + params["conv_weight"][k] * tap(k) * tap_ok[..., None].to(x.dtype)
+        for lag in range(W):
+            tap_ok = (lag <= positions) & keep  # same document and kept, for a validated row
+            conv = conv + params["conv_weight"][lag] * tap(lag) * tap_ok[..., None].to(x.dtype)
         x = x + F.silu(conv) @ params["conv_out"]
 
         a = oracle_models.rms_norm(x, params["norm1"])

@@ -47,7 +47,7 @@ def _inductor_cache_per_kernel_set() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default}-{torch.backends.cpu.get_cpu_capability().lower()}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_spec(name: str) -> types.ModuleType:
     """Import the spec module ``name`` and check it against the contract (``spec_contract.check_spec``);
     ``SpecError`` names every field that is missing or wrong."""

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
-from cp_harness.instruments import coverage
 from cp_harness.cases.descriptions import PAD_ID
+from cp_harness.instruments import coverage
 
 __all__ = ["Sharded", "hook_sharder", "local_token_indices", "padded_seq_len", "resolve_sharder", "sharded"]
 

@@ -34,7 +34,8 @@ import dataclasses
 import importlib.util
 import inspect
 import types
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 

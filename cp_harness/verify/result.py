@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import platform
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from cp_harness.cases.descriptions import canonical
 from cp_harness.cases.profiles import DEFAULT_WORLD_SIZES, in_dtype_order
@@ -37,6 +38,7 @@ class VerifySettings:
     dtypes: tuple[str, ...] | None = None
     rows: tuple[str, ...] = ()
     model: tuple[str, ...] = ()
+    step: str = "forward-backward"  # which real-model rows run (``--step``): their ``VerifyRow.step``
     policy: JudgingPolicy = STRICT
     launcher: str | None = None
     error_dir: str | None = None
@@ -53,7 +55,7 @@ class VerifySettings:
         return 300.0 if self.model else 120.0
 
     @classmethod
-    def from_options(cls, values: Mapping[str, Any]) -> "VerifySettings":
+    def from_options(cls, values: Mapping[str, Any]) -> VerifySettings:
         """From the resolved options (``cp_harness.options.resolve``); unknown keys are ignored."""
         fields = {f.name for f in dataclasses.fields(cls)}
         kept = {k: v for k, v in values.items() if k in fields and v is not None}

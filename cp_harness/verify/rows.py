@@ -16,7 +16,7 @@ from cp_harness.cases.descriptions import payload_dtype
 from cp_harness.checks import VerifyRow
 from cp_harness.instruments import coverage
 from cp_harness.judging import comm_minimum
-from cp_harness.judging.verdicts import CaseReport
+from cp_harness.judging.verdicts import CaseReport, ProblemKind
 
 
 @dataclasses.dataclass
@@ -136,7 +136,7 @@ class Row:
             "ok": self.ok, "comparison": "ulp" if t.arithmetic else "exact", "comm_ratio": self.comm_ratio}
         if report is None and f is not None:  # the row failed without a verdict (a crash, a claim never run)
             data["problems"] = [{"message": f.text.strip().splitlines()[0], "detail": "", "rank": None,
-                                 "kind": "row"}]
+                                 "kind": ProblemKind.ROW}]
         return data
 
 

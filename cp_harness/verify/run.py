@@ -74,7 +74,8 @@ def run_verify(settings: VerifySettings, *, rows: list[Row] | None = None, pool:
     """
     s = settings
     result = VerifyResult(settings=s, error_map_dir=os.path.abspath(error_map_dir(s.error_dir)))
-    chosen = [r for r in (rows or default_rows()) if r.spec.needs_model == bool(s.model)]
+    chosen = [r for r in (rows or default_rows()) if r.spec.needs_model == bool(s.model)
+              and (not s.model or r.spec.step == s.step)]
     chosen = select_rows(chosen, dtypes=s.dtypes, names=s.rows)
     if not chosen:
         result.cannot_run = f"no row matches --dtypes {s.dtypes} / --rows {list(s.rows)}"

@@ -7,14 +7,16 @@ import time
 import traceback
 from typing import Any
 
-from hypothesis import example, given, seed as hypothesis_seed
+from hypothesis import example, given
+from hypothesis import seed as hypothesis_seed
 
+from cp_harness import checks
 from cp_harness.cases.descriptions import canonical
 from cp_harness.cases.meshes import ranks_needed
 from cp_harness.cases.profiles import CaseSpace, command_settings
 from cp_harness.instruments import coverage
 from cp_harness.judging.error_maps import write_error_maps
-from cp_harness.judging.render import comparison_summary, repro_command, report_text
+from cp_harness.judging.render import comparison_summary, report_text, repro_command
 from cp_harness.runner import CaseRunner
 from cp_harness.verify.progress import Progress
 from cp_harness.verify.rows import Row, RowFailure
@@ -25,8 +27,26 @@ def _traceback_head(frames: int = 4) -> str:
     return "".join("    " + line for line in traceback.format_exc(limit=-frames).splitlines(keepends=True))
 
 
+def _built_for(case: dict, claims: list[str]) -> set[str]:
+    """The claims an explicit case was built to reach: those its check covers (``Check.functions``)."""
+    functions = set(checks.check_of(case).functions)
+    return {claim for claim in claims if not coverage.covered([claim], functions)}
+
+
+def _built_for_but_not_run(never: list[str], explicit: tuple[dict, ...], fitting: list[dict]) -> list[str]:
+    """The claims in ``never`` that only explicit cases which did not fit the run were built to reach.
+
+    A claim the run did not reach is a finding when a case built to reach it ran (the implementation did not call
+    the function through its documented API), and when no case of the row was built to reach it (a claim nothing
+    backs). When its cases could not run here (they need more ranks), the verdict would depend on whether a drawn
+    case happened to reach it, so the row says it was not reached and is not failed for it."""
+    ran = set().union(*(_built_for(case, never) for case in fitting)) if fitting else set()
+    built = set().union(*(_built_for(case, never) for case in explicit)) if explicit else set()
+    return [f for f in never if f in built and f not in ran]
+
+
 def run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed: int, progress: Progress,
-            backend: str, error_dir: str, shrink_seconds: float, repro_dir: str | None = None) -> None:
+            backend: str, error_dir: str | None, shrink_seconds: float, repro_dir: str | None = None) -> None:
     """Draw, run and judge ``examples`` cases of ``row`` (its explicit cases first) into its tally; on a failure
     record the smallest failing case (``row.failure``), its reproduction command, its error maps and, with
     ``repro_dir``, its standalone repro written there (``CaseRunner.export_repro``)."""
@@ -63,12 +83,18 @@ def run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed:
         last_failure["case"], last_failure["report"] = case, report
         raise AssertionError(report_text(report))  # one raise site: Hypothesis tells failures apart by where they rise
 
-    for case in row.spec.explicit:
-        if ranks_needed(case) <= space.pool_ranks:
-            property_ = example(case=case)(property_)
+    fitting = [case for case in row.spec.explicit if ranks_needed(case) <= space.pool_ranks]
+    for case in fitting:
+        property_ = example(case=case)(property_)
     try:
         property_()
         never = coverage.covered(row.spec.functions, tally.called)
+        unreachable = _built_for_but_not_run(never, row.spec.explicit, fitting)
+        for function in unreachable:
+            tally.not_judged[f"the claim {function}"] = (
+                f"not reached: none of its {tally.examples} cases called it, and the row's cases built to reach it "
+                f"need more ranks than this run's {space.pool_ranks}")
+        never = [f for f in never if f not in unreachable]
         if never and row.failure is None and tally.examples:
             tally.failed = max(tally.failed, 1)
             row.failure = RowFailure(
@@ -91,7 +117,7 @@ def run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed:
         if crashed is not None and not in_flight.get("counted"):
             tally.examples += 1  # the crashed case counts as run and failed, never as passed
         tally.failed = max(tally.failed, 1)
-        case = crashed if crashed is not None else last_failure.get("case")
+        at = crashed if crashed is not None else last_failure.get("case")
         row.failure = RowFailure("  PROBLEM: the harness crashed on this case (no verdict on the implementation):\n"
-                                 + _traceback_head(), case=case,
-                                 reproduce=repro_command(case, runner.impl, backend) if case is not None else None)
+                                 + _traceback_head(), case=at,
+                                 reproduce=repro_command(at, runner.impl, backend) if at is not None else None)

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from cp_impl import _strategy, inkling2 as _inkling2, mistral_large4 as _mistral_large4, sharder
+from cp_impl import _strategy, sharder
+from cp_impl import inkling2 as _inkling2
+from cp_impl import mistral_large4 as _mistral_large4
 from cp_impl.sharder import LAYOUTS
 
 __all__ = ["with_layout"]

@@ -12,7 +12,6 @@ a model raising on one rank must say so. Skipped without ``transformers`` (the `
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import time
@@ -21,8 +20,9 @@ import pytest
 
 from cp_harness.checks.real_model import smoke_cases
 from cp_harness.judging.render import report_text
+from cp_harness.judging.verdicts import ProblemKind
 
-# The subjects whose CP path these tests run and judge (examples/automodel/coverage.py reads it).
+# The subjects whose CP path these tests run and judge (examples/automodel/tools/coverage.py reads it).
 JUDGES = ("spec:deepseek_v41", "spec:kimi_linear")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -30,11 +30,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 SPEC = "examples.automodel.models.deepseek_v41"
 KIMI = "examples.automodel.models.kimi_linear"  # forward-only on CPU; has cp_kernels (kernel sensitivity)
 
-pytestmark = [pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
-    reason="the real-model check needs transformers and nemo-automodel (the 'models' extra; scripts/bootstrap.sh "
-           "installs them unless CP_HARNESS_NO_FRAMEWORK=1)"),
-    pytest.mark.xdist_group("real_models")]  # one worker, one shared pool (tests/conftest.py: real_models)
+REAL_MODELS = True  # tests/conftest.py: skipped without the models extra, one xdist group, one pool
 
 
 @pytest.fixture
@@ -140,7 +136,7 @@ def test_a_spec_whose_requirements_are_unmet_is_skipped_with_its_reasons(model_r
 
 # A verify failure (kimi_linear, --examples 12): CP 2 differs from one device by 50.2 ULP at position 11 in bfloat16,
 # because the CP path's MLA attention is FlexAttention and one device's matmul + softmax (docs/models/kimi_linear.md,
-# "K3: bfloat16 kernels"; repro: examples/automodel/models/repro_kimi_bf16_kernels.py).
+# "K3: bfloat16 kernels"; repro: examples/automodel/repro/models/kimi_bf16_kernels.py).
 KERNEL_CASE = {"check": "real_model", "spec": KIMI, "dtype": "bfloat16", "seed": 0, "world_size": 2,
                "batch": {"kind": "plain", "seq_len": 12, "seed": 17}}
 
@@ -151,7 +147,7 @@ def test_a_cp_kernel_rounding_difference_is_reported_as_kernel_sensitivity(model
         text = report_text(report)
         assert not report.ok, text  # still a failure: CP training does not compute what one device computes
         (problem,) = report.problems
-        assert problem.kind == "kernel sensitivity", text
+        assert problem.kind is ProblemKind.KERNEL_SENSITIVITY, text
         assert problem.message.startswith("KERNEL SENSITIVITY, not a CP failure: the CP path's kernels (MLA "
                                           "attention by FlexAttention"), text
         assert "position 11" in problem.message and "s.cp_kernels(m)" in problem.message, text

@@ -10,24 +10,19 @@ must fail naming logits at the positions it corrupts; Gemma4's one-device packed
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 
 from cp_harness.judging.render import report_text
 
-# The subjects whose CP path these tests run and judge (examples/automodel/coverage.py reads it).
+# The subjects whose CP path these tests run and judge (examples/automodel/tools/coverage.py reads it).
 JUDGES = ("spec:kimi_linear", "spec:kimi_k3", "spec:gemma4_moe")
 
 KIMI = "examples.automodel.models.kimi_linear"
 K3 = "examples.automodel.models.kimi_k3"
 GEMMA = "examples.automodel.models.gemma4_moe"
 
-pytestmark = [pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
-    reason="the real-model check needs transformers and nemo-automodel (the 'models' extra; scripts/bootstrap.sh "
-           "installs them unless CP_HARNESS_NO_FRAMEWORK=1)"),
-    pytest.mark.xdist_group("real_models")]  # one worker, one shared pool (tests/conftest.py: real_models)
+REAL_MODELS = True  # tests/conftest.py: skipped without the models extra, one xdist group, one pool
 
 
 def _case(spec: str, dtype: str, world_size: int, **batch) -> dict:

@@ -15,7 +15,6 @@ Skipped without ``transformers`` (the ``models`` extra).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import time
@@ -24,7 +23,7 @@ import pytest
 
 from cp_harness.judging.render import report_text
 
-# The subjects whose CP path these tests run and judge (examples/automodel/coverage.py reads it).
+# The subjects whose CP path these tests run and judge (examples/automodel/tools/coverage.py reads it).
 JUDGES = ("spec:qwen3_5_moe", "spec:deepseek_v4")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -32,11 +31,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 QWEN = "examples.automodel.models.qwen3_5_moe"
 DSV4 = "examples.automodel.models.deepseek_v4"
 
-pytestmark = [pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
-    reason="the real-model check needs transformers and nemo-automodel (the 'models' extra; scripts/bootstrap.sh "
-           "installs them unless CP_HARNESS_NO_FRAMEWORK=1)"),
-    pytest.mark.xdist_group("real_models")]  # one worker, one shared pool (tests/conftest.py: real_models)
+REAL_MODELS = True  # tests/conftest.py: skipped without the models extra, one xdist group, one pool
 
 
 def _case(spec: str, dtype: str, world_size: int, **batch) -> dict:
@@ -95,7 +90,7 @@ def test_qwen3_5_moe_packed(model_runner):
 def test_deepseek_v4_packed(model_runner):
     """The smoke passes; compressed keys gathered out of rank order fail (the unpatched spec passes that case); the
     finding is pinned: document 2 of [7, 5, 6] starts at 7, not on a window of the compress ratio 4, and one device
-    drops and shifts its compressor windows where CP aligns them (repro_deepseek_v4_packed_windows.py). When that
+    drops and shifts its compressor windows where CP aligns them (repro/models/deepseek_v4_packed_windows.py). When that
     case passes, the framework has changed: update docs/models/deepseek_v4.md."""
     _smoke(model_runner, DSV4)
     plain = _case(DSV4, "float32", 2, kind="plain", seq_len=23, seed=2)

@@ -6,13 +6,12 @@ row with a single-token document, a document across every shard boundary, right 
 a document across every boundary, unpacked), an injected defect in the model's own CP machinery
 (``tests/fixtures/real_model_spec_<model>_<defect>.py``) must fail naming the tensors, parameters and positions it
 moves, and GLM's packed finding must be reported as what it is (one device attends across documents:
-``examples/automodel/models/repro_glm5_next_packed_one_device.py``). Deeper runs: ``docs/models/*.md``.
+``examples/automodel/repro/models/glm5_next_packed_one_device.py``). Deeper runs: ``docs/models/*.md``.
 Skipped without ``transformers`` (the ``models`` extra).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import time
@@ -21,7 +20,7 @@ import pytest
 
 from cp_harness.judging.render import report_text
 
-# The subjects whose CP path these tests run and judge (examples/automodel/coverage.py reads it).
+# The subjects whose CP path these tests run and judge (examples/automodel/tools/coverage.py reads it).
 JUDGES = ("spec:qwen3_8_flash_next", "spec:glm5_next")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -29,11 +28,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 QWEN = "examples.automodel.models.qwen3_8_flash_next"
 GLM = "examples.automodel.models.glm5_next"
 
-pytestmark = [pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
-    reason="the real-model check needs transformers and nemo-automodel (the 'models' extra; scripts/bootstrap.sh "
-           "installs them unless CP_HARNESS_NO_FRAMEWORK=1)"),
-    pytest.mark.xdist_group("real_models")]  # one worker, one shared pool (tests/conftest.py: real_models)
+REAL_MODELS = True  # tests/conftest.py: skipped without the models extra, one xdist group, one pool
 
 
 def _case(spec: str, dtype: str, world_size: int, **batch) -> dict:

@@ -12,13 +12,11 @@ Skipped without ``transformers`` (the ``models`` extra).
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from cp_harness.judging.render import report_text
 
-# The subjects whose CP path these tests run and judge (examples/automodel/coverage.py reads it).
+# The subjects whose CP path these tests run and judge (examples/automodel/tools/coverage.py reads it).
 JUDGES = ("spec:load_balanced_sdpa", "spec:load_balanced_sdpa_alltoall")
 
 SDPA = "examples.automodel.models.load_balanced_sdpa"
@@ -27,11 +25,7 @@ DEFECT = "real_model_spec_load_balanced_sdpa_dkv_not_passed"
 STANDIN = {"ring_sdpa_cpu": "CPU, stand-in: ring SDPA per-step kernel = "
                             "aten._scaled_dot_product_flash_attention_for_cpu"}
 
-pytestmark = [pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
-    reason="the real-model check needs transformers and nemo-automodel (the 'models' extra; scripts/bootstrap.sh "
-           "installs them unless CP_HARNESS_NO_FRAMEWORK=1)"),
-    pytest.mark.xdist_group("real_models")]  # one worker, one shared pool (tests/conftest.py: real_models)
+REAL_MODELS = True  # tests/conftest.py: skipped without the models extra, one xdist group, one pool
 
 
 def _case(spec: str, dtype: str, world_size: int, **batch) -> dict:

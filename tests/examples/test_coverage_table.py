@@ -1,4 +1,4 @@
-"""The coverage table of ``scripts/real_clients`` (``examples/automodel/coverage.py``): generated from the
+"""The coverage table of ``scripts/real_clients`` (``examples/automodel/tools/coverage.py``): generated from the
 framework's sources, the adapters' ``SERVES`` / ``ALSO_USES``, the specs' ``COVERS``, the tests' ``JUDGES`` and the
 nightly workflow; no ranks."""
 
@@ -9,10 +9,7 @@ import importlib.util
 
 import pytest
 
-pytestmark = [pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
-    reason="the coverage table reads the framework and its model specs (the 'models' extra)"),
-    pytest.mark.xdist_group("real_models")]  # the worker that already imported the models (tests/conftest.py)
+REAL_MODELS = True  # tests/conftest.py: skipped without the models extra, one xdist group, one pool
 
 
 def _summary(**outcomes) -> dict:
@@ -23,14 +20,14 @@ def _summary(**outcomes) -> dict:
 
 @pytest.fixture(scope="module")
 def table():
-    from examples.automodel import coverage
+    from examples.automodel.tools import coverage
 
     return coverage.build(_summary(**{"adapter:deepseek_v41_gather": ["model: MistralLarge4-mini (float64)"],
                                       "adapter:shard_batch_contiguous": []}), [])
 
 
 def test_every_public_cp_function_of_the_framework_is_a_row(table):
-    from examples.automodel import coverage
+    from examples.automodel.tools import coverage
 
     functions = coverage.framework_functions()
     assert len(functions) > 100 and len({r.function for r in table.rows}) == len(table.rows)
@@ -39,11 +36,11 @@ def test_every_public_cp_function_of_the_framework_is_a_row(table):
 
 
 def test_what_an_adapter_serves_is_exercised_by_it_and_says_where(table):
-    from examples.automodel import ADAPTERS
+    from examples.automodel.adapters import ADAPTERS
 
     rows = {r.function: r for r in table.rows}
     for adapter in ADAPTERS:
-        module = importlib.import_module(f"examples.automodel.{adapter}")
+        module = importlib.import_module(f"examples.automodel.adapters.{adapter}")
         for dotted in module.SERVES.values():
             assert f"adapter:{adapter}" in {s for s, _ in rows[dotted].exercised_by}, (adapter, dotted)
     gather = rows["nemo_automodel.components.models.deepseek_v41.cp.gather_sequence"]

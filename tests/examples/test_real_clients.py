@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples.automodel import ADAPTERS
-from examples.automodel import defects
-from examples.automodel import run as real_clients
+from examples.automodel.adapters import ADAPTERS
+from examples.automodel.tools import defects
+from examples.automodel.tools import run as real_clients
 
-# The subjects whose CP path these tests run and judge (examples/automodel/coverage.py reads it).
+# The subjects whose CP path these tests run and judge (examples/automodel/tools/coverage.py reads it).
 JUDGES = ("adapter:deepseek_v41_gather", "adapter:kimi_linear_gather", "adapter:blockdiag_gather",
           "adapter:qwen3_8_flash_next_halo", "adapter:shard_batch_load_balanced", "adapter:shard_batch_aux_only",
           "adapter:shard_batch_identity")
@@ -186,8 +186,8 @@ def test_adapter_serves_the_framework_function_and_cp_impl_the_rest(adapter):
     import cp_impl
     from cp_harness.cases.implementation import REQUIRED, load_impl
 
-    module = importlib.import_module(f"examples.automodel.{adapter}")
-    impl = load_impl(f"examples.automodel.{adapter}")
+    module = importlib.import_module(f"examples.automodel.adapters.{adapter}")
+    impl = load_impl(f"examples.automodel.adapters.{adapter}")
     owner = getattr(module.FRAMEWORK_FUNCTION, "__self__", module.FRAMEWORK_FUNCTION)  # Function.apply -> its class
     assert owner.__module__.startswith("nemo_automodel."), owner
     for served, dotted in module.SERVES.items():
@@ -205,7 +205,7 @@ def test_adapter_serves_the_framework_function_and_cp_impl_the_rest(adapter):
 @pytest.mark.parametrize("adapter", ["kimi_linear_gather", "deepseek_v41_gather", "blockdiag_gather"])
 @pytest.mark.parametrize("differentiable", [True, False])
 def test_gather_adapters_translate_mesh_dims_and_the_flag(monkeypatch, adapter, differentiable):
-    module = importlib.import_module(f"examples.automodel.{adapter}")
+    module = importlib.import_module(f"examples.automodel.adapters.{adapter}")
     calls = []
 
     def spy(tensor, group, *args, **kwargs):
@@ -238,7 +238,7 @@ def test_gather_adapters_translate_mesh_dims_and_the_flag(monkeypatch, adapter, 
 
 @needs_framework
 def test_halo_adapter_builds_the_framework_context_and_appends_the_shard(monkeypatch):
-    module = importlib.import_module("examples.automodel.qwen3_8_flash_next_halo")
+    module = importlib.import_module("examples.automodel.adapters.qwen3_8_flash_next_halo")
     seen = {}
 
     def spy(tensor, context, *, history):
@@ -301,7 +301,7 @@ def test_the_d4_cases_pass_under_the_payload_policy_and_fail_under_strict(cp_run
     if not d4:
         pytest.skip("no D4 case fits this run's pool (--cp-world-sizes)")
     for defect in d4:
-        case = {**defect["case"], "impl": f"examples.automodel.{defect['adapter']}"}
+        case = {**defect["case"], "impl": f"examples.automodel.adapters.{defect['adapter']}"}
         assert CaseRunner(cp_runner.config, pool=cp_runner.pool, policy=PAYLOAD).run(case).ok, defect
         assert not CaseRunner(cp_runner.config, pool=cp_runner.pool, policy=STRICT).run(case).ok, defect
 
@@ -314,7 +314,7 @@ GATE_ADAPTERS = ("deepseek_v41_gather",)
 @needs_framework
 def test_the_gate_on_a_small_budget_calls_only_documented_rows_and_every_documented_row_is_needed(
         cp_runner, cp_world_sizes, tmp_path):
-    """``examples.automodel.run`` as CI runs it (verify every row of the adapter, judge, replay), at three
+    """``examples.automodel.tools.run`` as CI runs it (verify every row of the adapter, judge, replay), at three
     examples per row on the session's warm ranks: status 3, and the rows it calls documented are exactly the
     rows ``known_defects.json`` lists for the adapter. A row added to a check that a documented defect also
     reaches, or a documented row dropped from the file, turns this red here rather than in CI's gate."""

@@ -18,15 +18,21 @@ import importlib.util
 import pytest
 import torch
 
-pytestmark = [pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
-    reason="the model specs need transformers and nemo-automodel (the 'models' extra; scripts/bootstrap.sh "
-           "installs them unless CP_HARNESS_NO_FRAMEWORK=1)"),
-    pytest.mark.xdist_group("real_models")]  # the worker that already imported the models (tests/conftest.py)
+REAL_MODELS = True  # tests/conftest.py: skipped without the models extra, one xdist group, one pool
 
 PACKAGE = "examples.automodel.models"
-GPU_SPECS = ("load_balanced_sdpa", "load_balanced_sdpa_alltoall", "kimi_linear_kda", "mimo_v2_flash_te_thd",
-             "nemotron_v3_mamba")
+
+
+def _gpu_specs() -> tuple[str, ...]:
+    """The specs whose ``REQUIRES`` names ``"cuda"`` (none without the models extra: the module is skipped then)."""
+    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None:
+        return ()
+    from examples.automodel.models import SPECS, needs_cuda
+
+    return tuple(name for name in SPECS if needs_cuda(name))
+
+
+GPU_SPECS = _gpu_specs()
 REQUIREMENT_KEYS = {"cuda", "fla", "transformer_engine", "mamba_ssm"}
 
 
@@ -121,7 +127,7 @@ def test_mimo_thd_layout_keeps_every_token_and_label():
 @pytest.mark.parametrize("name", GPU_SPECS)
 def test_gpu_spec_builds_and_steps_one_device_on_cuda(name):
     """On the nightly's GPUs: the model on this process's GPU and one one-device training step (no CP)."""
-    from examples.automodel.models._gpu_spec_common import unmet_requirements
+    from examples.automodel.models._base import unmet_requirements
     from cp_harness.usage import model_specs
 
     spec = _spec(name)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from cp_harness import golden
+from cp_harness.golden import storage as golden_storage
 
 NAME = "shifted_cp_loss-n4-thd"  # small, and both files hold float and integer arrays
 
@@ -162,7 +163,7 @@ def test_object_array_needing_pickle_is_refused(copy):
     pinned = golden.load(NAME, copy.parent)
     evil = np.array([{"x": 1}, None], dtype=object)
     data = _npz_with({"grad": pinned.oracle["grad"], "count": pinned.oracle["count"]}, pickled={"loss": evil})
-    specs = golden._array_specs(pinned.oracle)
+    specs = golden_storage._array_specs(pinned.oracle)
 
     _replace_array_file(copy, golden.ORACLE_FILE, data, arrays=specs)  # manifest says float64: np.load refuses
     message = _error(copy)

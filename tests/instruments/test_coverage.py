@@ -49,3 +49,38 @@ def test_a_row_that_never_calls_a_claimed_function_fails(cp_runner, tmp_path):
     assert row.tally.passed == row.tally.examples == 3  # every case passed its comparisons ...
     assert not row.ok and "inkling2.unpack_row_layout" in row.failure.text  # ... and the false claim fails the row
     assert "inkling2.gather_sequence" in row.tally.called and "inkling2.unpack_row_layout" not in row.tally.called
+
+
+def _gather_row(claims: tuple[str, ...], explicit: tuple[dict, ...]) -> Row:
+    return Row(VerifyRow("gathers with explicit cases", lambda space: gather_cases(space).filter(
+        lambda c: c["check"] == "gather_sequence"), claims, explicit=explicit, id="explicit-claims"))
+
+
+TOKENS_N3 = {"check": "gather_tokens", "world_size": 3, "seed": 5, "dtype": "float64", "shape": [2, 3],
+             "differentiable": True}
+
+
+def test_a_claim_whose_cases_need_more_ranks_than_the_run_is_said_not_reached_and_fails_nothing(cp_runner, tmp_path):
+    """The verdict does not depend on the budget: the claim's own case cannot run on 2 ranks, so the row says the
+    function was not reached instead of failing for what 3 drawn gathers of another function happened to call."""
+    row = _gather_row(("inkling2.gather_sequence", "mistral_large4.gather_tokens"), (TOKENS_N3,))
+    run_row(row, cp_runner, CaseSpace(world_sizes=(1, 2)), 3, 0, Progress(3, stream=io.StringIO()), "gloo",
+            str(tmp_path), 3.0)
+    assert row.ok and "mistral_large4.gather_tokens" not in row.tally.called, row.failure
+    (what, why), = row.tally.not_judged.items()
+    assert "mistral_large4.gather_tokens" in what and "not reached" in why and "2" in why
+
+
+def test_a_claim_whose_case_ran_is_judged_on_what_it_called(cp_runner, tmp_path):
+    """With 3 ranks the same case runs first and reaches the claim; a case built for a claim that ran and did not
+    reach it fails the row (here: a layout case of an unpacked batch, which never needs unpack_row_layout)."""
+    row = _gather_row(("inkling2.gather_sequence", "mistral_large4.gather_tokens"), (TOKENS_N3,))
+    run_row(row, cp_runner, CaseSpace(world_sizes=(1, 3)), 1, 0, Progress(2, stream=io.StringIO()), "gloo",
+            str(tmp_path), 3.0)
+    assert row.ok and not row.tally.not_judged and "mistral_large4.gather_tokens" in row.tally.called
+    unpacked = {"check": "inkling2_layout", "world_size": 2, "seed": 3, "model": "inkling2", "num_chunks": 1,
+                "batch": {"format": "bshd", "seq_len": 5, "rows": [[0, 5]]}}
+    row = _gather_row(("inkling2.gather_sequence", "inkling2.unpack_row_layout"), (unpacked,))
+    run_row(row, cp_runner, CaseSpace(world_sizes=(1, 2)), 1, 0, Progress(2, stream=io.StringIO()), "gloo",
+            str(tmp_path), 3.0)
+    assert not row.ok and "inkling2.unpack_row_layout" in row.failure.text and not row.tally.not_judged

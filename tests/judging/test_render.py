@@ -7,7 +7,7 @@ import numpy as np
 from cp_harness.judging.compare import ExcessVerdict, TokenGrid, compare_exact, compare_ulp
 from cp_harness.judging.render import (comparison_summary, condensed_text, describe_location, problem_text,
                                        repro_command, report_text)
-from cp_harness.judging.verdicts import CaseReport, Problem
+from cp_harness.judging.verdicts import CaseReport, Problem, ProblemKind
 
 
 def test_an_exact_failure_says_how_many_the_largest_difference_and_where():
@@ -42,10 +42,11 @@ def test_a_location_without_a_boundary_does_not_invent_one():
 
 def test_problems_render_their_headline_and_detail_and_the_condensed_form_counts_the_rest():
     report = CaseReport(case={"check": "x", "world_size": 2})
-    report.problem("rank 1 raised ValueError: bad\nTraceback line 1\nTraceback line 2", rank=1, kind="rank raised")
+    report.problem("rank 1 raised ValueError: bad\nTraceback line 1\nTraceback line 2", rank=1,
+                   kind=ProblemKind.RANK_RAISED)
     report.add(compare_exact("out@rank0", np.zeros(2), np.ones(2), rank=0))
     assert report.problems[0] == Problem("rank 1 raised ValueError: bad", "Traceback line 1\nTraceback line 2", 1,
-                                         "rank raised")
+                                         ProblemKind.RANK_RAISED)
     assert problem_text(report.problems[0], headline_only=True) == "rank 1 raised ValueError: bad"
     full = report_text(report)
     assert "PROBLEM: rank 1 raised ValueError: bad\nTraceback line 1" in full and "FAIL out@rank0" in full

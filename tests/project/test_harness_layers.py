@@ -28,7 +28,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pytest_plugin", "__main__"),   # the two entry points
 )
 RANK = {unit: level for level, units in enumerate(LAYERS) for unit in units}
-MAX_LINES = 500
+# Lines as ruff format writes them (issue 33): the hand-wrapped tree was held to 500, and the formatter writes the
+# same code in 20% more lines (cp_harness, oracle, cp_impl: 20,380 -> 24,399), so the same amount of code is 600.
+MAX_LINES = 600
 MAX_TOP_LEVEL_MODULES = 8
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("pyproject.toml", "README.md", "oracle", "cp_impl", "cp_harness")
+SOURCES = ("pyproject.toml", "README.md", "constraints", "oracle", "cp_impl", "cp_harness")
 PROJECT_TOP_LEVEL = ("cp_harness", "cp_impl", "oracle")  # packages and their metadata, never shared
 
 

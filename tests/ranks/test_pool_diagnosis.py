@@ -10,7 +10,7 @@ in milliseconds.
 from __future__ import annotations
 
 from cp_harness.ranks.diagnosis import diagnose, exit_line, exits_in_log, format_stacks
-from cp_harness.ranks.outputs import OffProtocol, RankFailure, RankOutput, decode_reply
+from cp_harness.ranks.outputs import OffProtocol, RankFailure, RankFailureKind, RankOutput, decode_reply
 
 CASE = {"check": "pool_selftest", "world_size": 3, "seed": 0, "mode": "x", "fault_rank": 1}
 TIMEOUT = 4.0
@@ -36,7 +36,7 @@ def test_a_rank_that_raised_is_named_with_its_traceback_and_its_waiting_peers():
                1: raised(1, "ValueError", "injected fault on rank 1", seconds=0.01)}
     failure = diagnose(CASE, timeout=TIMEOUT, replies=replies)
     assert isinstance(failure, RankFailure) and isinstance(failure, AssertionError)
-    assert (failure.rank, failure.kind, failure.case) == (1, "raised", CASE)
+    assert (failure.rank, failure.kind, failure.case) == (1, RankFailureKind.RAISED, CASE)
     message = str(failure)
     assert message.startswith("rank 1 raised ValueError: injected fault on rank 1\n"), message
     assert "ranks [2] then failed waiting for it." in message
@@ -51,7 +51,7 @@ def test_a_rank_that_raised_while_others_stay_stuck_shows_their_stacks():
     failure = diagnose(CASE, timeout=TIMEOUT, replies=replies, unanswered=[2, 0],
                        stacks={0: "Thread 0x1:\n  File \"pool_selftest.py\", line 30 in run\n", 2: "  File \"c.py\"\n"})
     message = str(failure)
-    assert (failure.rank, failure.kind) == (1, "raised")
+    assert (failure.rank, failure.kind) == (1, RankFailureKind.RAISED)
     assert "ranks [0, 2] then did not answer (waiting in a collective for it)." in message
     assert message.index("--- stack of rank 0 ---") < message.index("--- stack of rank 2 ---")
     assert "pool_selftest.py" in message
@@ -60,7 +60,7 @@ def test_a_rank_that_raised_while_others_stay_stuck_shows_their_stacks():
 def test_only_timeouts_name_the_fastest_failure():
     replies = {r: raised(r, "RuntimeError", "connection reset by peer", seconds=1.0 + r) for r in range(3)}
     failure = diagnose(CASE, timeout=TIMEOUT, replies=replies)
-    assert (failure.rank, failure.kind) == (0, "raised")
+    assert (failure.rank, failure.kind) == (0, RankFailureKind.RAISED)
     assert str(failure).startswith("rank 0 raised RuntimeError: connection reset by peer\nTraceback")
 
 
@@ -76,7 +76,7 @@ def test_the_rank_that_exited_first_is_named_not_the_ones_the_launcher_killed():
     assert exits == [(2, 17), (0, -9), (1, -9)]
     failure = diagnose(CASE, timeout=TIMEOUT, replies={}, closed=(0, "connection closed by peer after 0 of 8 bytes"),
                        launcher_exit=1, exits=exits, log=log)
-    assert (failure.rank, failure.kind) == (2, "exited")
+    assert (failure.rank, failure.kind) == (2, RankFailureKind.EXITED)
     message = str(failure)
     assert message.startswith("rank 2 exited while running the case (connection closed by peer after 0 of 8 bytes; "
                               "rank 0's connection closed when the launcher ended it; fork exit code 1).\n"), message
@@ -89,7 +89,7 @@ def test_a_rank_that_replied_before_exiting_shows_its_own_traceback():
     replies = {0: ok(0), 2: raised(2, "SystemExit", "3")}
     failure = diagnose(CASE, timeout=TIMEOUT, replies=replies, closed=(1, "connection closed by peer"),
                        launcher_exit=1, exits=[(2, 3), (1, -9)], log="...")
-    assert (failure.rank, failure.kind) == (2, "exited")
+    assert (failure.rank, failure.kind) == (2, RankFailureKind.EXITED)
     message = str(failure)
     assert "--- traceback of rank 2 ---\nTraceback (most recent call last):\n  on rank 2\nSystemExit: 3" in message
     assert failure.outputs == list(replies.values())
@@ -98,7 +98,7 @@ def test_a_rank_that_replied_before_exiting_shows_its_own_traceback():
 def test_without_exit_lines_the_closed_connection_names_the_rank():
     failure = diagnose(CASE, timeout=TIMEOUT, replies={}, closed=(1, "connection closed by peer"),
                        launcher="torchrun", launcher_exit=1, log="torchrun says: rank 1 failed")
-    assert (failure.rank, failure.kind) == (1, "exited")
+    assert (failure.rank, failure.kind) == (1, RankFailureKind.EXITED)
     message = str(failure)
     assert "; rank 1's connection" not in message and "torchrun exit code 1" in message
     assert "torchrun log tail:\ntorchrun says: rank 1 failed" in message
@@ -109,7 +109,7 @@ def test_a_hang_names_the_stuck_rank_and_its_stack():
     replies = {1: raised(1, "RuntimeError", "Gloo timed out", seconds=2.0),
                2: raised(2, "RuntimeError", "Gloo timed out", seconds=2.1)}
     failure = diagnose(CASE, timeout=TIMEOUT, replies=replies, unanswered=[0], stacks={0: stack})
-    assert (failure.rank, failure.kind) == (0, "hung")
+    assert (failure.rank, failure.kind) == (0, RankFailureKind.HUNG)
     message = str(failure)
     assert message.startswith("ranks [0] did not answer within 4.0 s (hung); ranks [1, 2] timed out in a collective "
                               "waiting for them; ranks [] answered normally.\n--- stack of rank 0 ---\n"), message
@@ -118,14 +118,14 @@ def test_a_hang_names_the_stuck_rank_and_its_stack():
 
 def test_a_hang_with_healthy_peers_and_no_stack_dump():
     failure = diagnose(CASE, timeout=2.5, replies={0: ok(0), 1: ok(1)}, unanswered=[2], stacks={})
-    assert (failure.rank, failure.kind) == (2, "hung")
+    assert (failure.rank, failure.kind) == (2, RankFailureKind.HUNG)
     assert str(failure).startswith("ranks [2] did not answer within 2.5 s (hung); ranks [0, 1] answered normally.\n")
 
 
 def test_a_launcher_that_died_before_the_case_was_sent():
     failure = diagnose(CASE, timeout=TIMEOUT, replies={},
                        send_error=(0, "rank 0 could not be sent the case ([Errno 32] Broken pipe); it has probably exited"))
-    assert (failure.rank, failure.kind, failure.outputs) == (0, "exited", [])
+    assert (failure.rank, failure.kind, failure.outputs) == (0, RankFailureKind.EXITED, [])
     assert str(failure).startswith("rank 0 could not be sent the case ([Errno 32] Broken pipe)")
 
 
@@ -133,7 +133,7 @@ def test_a_launcher_that_died_during_the_case():
     # The launcher was killed (SIGKILL) and took its ranks with it before it could log any exit.
     failure = diagnose(CASE, timeout=TIMEOUT, replies={0: ok(0)}, closed=(1, "connection closed by peer after 0 of 8 "
                        "bytes"), launcher_exit=-9, exits=[], log="(no log)")
-    assert (failure.rank, failure.kind) == (1, "exited")
+    assert (failure.rank, failure.kind) == (1, RankFailureKind.EXITED)
     message = str(failure)
     assert "fork exit code -9" in message and "fork log tail:\n(no log)" in message
     assert failure.outputs == [ok(0)]
@@ -145,7 +145,7 @@ def test_an_answer_out_of_protocol():
         decode_reply(body, {}, rank=1, case_id=7, received_at=0.0)
     except OffProtocol as exc:
         failure = diagnose(CASE, timeout=TIMEOUT, replies={0: ok(0)}, off_protocol=(1, str(exc)))
-    assert (failure.rank, failure.kind) == (1, "protocol")
+    assert (failure.rank, failure.kind) == (1, RankFailureKind.PROTOCOL)
     assert str(failure).startswith("rank 1 answered out of protocol: {'op': 'result', 'case_id': 6")
 
 

@@ -45,7 +45,7 @@ def test_every_repro_runs_in_a_fresh_environment_with_torch_numpy_and_the_code_u
     _pip(venv, "-c", str(ROOT / "constraints" / "cpu.txt"), "torch", "numpy")
     if FRAMEWORK:
         _pip(venv, "--no-deps", "-r", str(ROOT / "constraints" / "framework.txt"),
-             "-r", str(ROOT / "examples" / "automodel" / "models" / "requirements.txt"))
+             "-r", str(ROOT / "constraints" / "models.txt"))
     for folder in ("cp_impl", "examples", "tests/fixtures"):
         shutil.copytree(ROOT / folder, code / Path(folder).name, ignore=shutil.ignore_patterns("__pycache__"))
     env = {"PATH": "/usr/bin:/bin", "HOME": str(base), "HF_HUB_OFFLINE": "1",

@@ -51,7 +51,7 @@ FRAMEWORK = _framework()
 
 def export_targets(cp_runner, tmp_path_factory) -> dict[str, Path]:
     """Every target exported from its failing case on the session's warm ranks: ``{name: script}``; the documented
-    defects as ``examples.automodel.export_repros`` names them (in a folder of their own)."""
+    defects as ``examples.automodel.tools.export_repros`` names them (in a folder of their own)."""
     runner = cp_runner.sharing_pool()
     out: dict[str, Path] = {}
     directory = tmp_path_factory.mktemp("repros")
@@ -65,7 +65,7 @@ def export_targets(cp_runner, tmp_path_factory) -> dict[str, Path]:
         assert result.path, f"{name}: {result.why}"
         out[name] = Path(result.path)
     if FRAMEWORK:
-        from examples.automodel import export_repros
+        from examples.automodel.tools import export_repros
 
         defects = tmp_path_factory.mktemp("defects")
         for name, result in export_repros.export_all(runner, str(defects)).items():
@@ -78,7 +78,7 @@ def _every_fixture_and_documented_defect_has_a_script(exported):
     expected = {n for n, (c, _) in FIXTURES.items() if FRAMEWORK or n not in NEEDS_FRAMEWORK}
     assert expected <= set(exported), sorted(expected - set(exported))
     if FRAMEWORK:
-        from examples.automodel import export_repros
+        from examples.automodel.tools import export_repros
 
         assert {e["name"] for e in export_repros.entries()} <= set(exported)
 
@@ -179,14 +179,14 @@ def _each_script_fails_on_the_broken_code_and_passes_on_the_fix_without_the_harn
 def _the_committed_repros_of_the_documented_defects_are_current(exported):
     if not FRAMEWORK:
         return
-    from examples.automodel import export_repros
+    from examples.automodel.tools import export_repros
 
     for entry in export_repros.entries():
         script = exported[entry["name"]]
         for suffix in (".py", ".npz"):
             committed = EXPORTED / (entry["name"] + suffix)
             assert committed.exists() and filecmp.cmp(script.with_suffix(suffix), committed, shallow=False), \
-                f"{committed.name} is stale: python -m examples.automodel.export_repros"
+                f"{committed.name} is stale: python -m examples.automodel.tools.export_repros"
     d1 = (EXPORTED / "D1-deepseek_v41_gather-model.mistral_large4.float64.py").read_text()
     assert "reaches the call as a permuted view" in d1  # D1: the upstream gradient's strides are the finding
 

@@ -7,9 +7,9 @@ skips and says how to install it):
 - ``cp_impl``'s ``ContextParallelSharder`` has the framework class's
   signatures, ``ShardLayout`` fields and index-map signatures;
 - a sharder of the framework's *class* built from ``cp_impl``'s strategy
-  (``examples.automodel.framework_sharder``: the framework's constructor,
+  (``examples.automodel.adapters.framework_sharder``: the framework's constructor,
   ``shard`` and verbs) passes the layout, sharder and model checks;
-- the framework's own ``shard_batch_contiguous`` (``examples.automodel.shard_batch_contiguous``)
+- the framework's own ``shard_batch_contiguous`` (``examples.automodel.adapters.shard_batch_contiguous``)
   passes the layout properties, padding to a multiple of ``2N``;
 - every documented difference between the framework's shared sharder and
   SPEC holds, and the run's summary lists it with how the harness treats it.
@@ -31,11 +31,11 @@ framework = pytest.importorskip(
 from cp_harness import run_summary  # noqa: E402
 from cp_impl import inkling2, mistral_large4, sharder as ours  # noqa: E402
 
-# The subjects whose CP path these tests run and judge (examples/automodel/coverage.py reads it).
+# The subjects whose CP path these tests run and judge (examples/automodel/tools/coverage.py reads it).
 JUDGES = ("adapter:framework_sharder", "adapter:shard_batch_contiguous", "adapter:round_robin_from_functions")
 
-CLASS_ADAPTER = "examples.automodel.framework_sharder"
-STRATEGY_ADAPTER = "examples.automodel.shard_batch_contiguous"
+CLASS_ADAPTER = "examples.automodel.adapters.framework_sharder"
+STRATEGY_ADAPTER = "examples.automodel.adapters.shard_batch_contiguous"
 
 
 def _parameters(fn) -> list[tuple[str, str, object]]:
@@ -123,7 +123,7 @@ def test_framework_shard_batch_contiguous_passes_the_layout_properties(cp_runner
     assert any(p != -(-_seq_len(c) // c["world_size"]) * c["world_size"] for c, p in padded), padded
 
 
-ROUND_ROBIN = "examples.automodel.round_robin_from_functions"
+ROUND_ROBIN = "examples.automodel.adapters.round_robin_from_functions"
 DROPS_LOSS_MASK = "broken_rr_drops_loss_mask"  # tests/fixtures: ROUND_ROBIN that forgets the constructor's loss_mask
 
 

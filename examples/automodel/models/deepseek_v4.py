@@ -1,5 +1,5 @@
 """Model spec: nemo-automodel 0.7.0's ``DeepseekV4ForCausalLM`` at a tiny random config (same interface as
-``deepseek_v41``: see that module's docstring; shard, forward, loss and unpacked batches are that module's;
+``_base``: see that module's docstring; shard, forward, loss and unpacked batches are ``_base``'s;
 packed batches and the one-device gather are this module's).
 
 Tiny config: hidden 16, 4 layers with compress ratios ``[0, 4, 4, 0]`` (sliding window only, compressed with
@@ -20,7 +20,7 @@ same masks and gathered tensors.
 Packed batches (``make_batch("packed")``) are what the default THD packing feeds the model
 (``packed_sequence_thd_collater``: ``qkv_format="thd"``, ``seq_lens``, ``seq_lens_padded``, document-local
 ``position_ids``); on one device the model builds its packed mask and document ids from ``seq_lens_padded`` only
-when ``qkv_format == "thd"``, which ``deepseek_v41.make_batch`` does not set (its one-device baseline attended
+when ``qkv_format == "thd"``, which ``_base.make_batch`` does not set (its one-device baseline attended
 across documents).
 
 Status (float32 and bfloat16, CP 2 and 3 against one rank, ``docs/models/deepseek_v4.md``): unpacked batches
@@ -29,13 +29,12 @@ Status (float32 and bfloat16, CP 2 and 3 against one rank, ``docs/models/deepsee
 finding, not a CP error. One device pools windows of 4 *global* positions, so a window that straddles two
 documents is dropped and a misaligned document's windows are shifted; CP repads every document to the window
 (like every document alone), so one-device and CP training of the same packed data differ
-(``repro_deepseek_v4_packed_windows.py``, exit 1 while it shows). Packing with
+(``repro/models/deepseek_v4_packed_windows.py``, exit 1 while it shows). Packing with
 ``packed_sequence.pad_to_multiple_of=4`` makes them agree.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -46,9 +45,11 @@ from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCaus
 
 from nemo_automodel.components.datasets.utils import pack_features_for_thd, packed_sequence_thd_collater
 
-from examples.automodel.models import deepseek_v41 as _v41
-from examples.automodel.models.deepseek_v41 import (  # noqa: F401  (the shared half of the interface)
-    BACKEND, DTYPES, IGNORE_INDEX, forward, local_labels, loss, num_label_tokens, pad_batch, shard, valid_positions)
+from examples.automodel.models import _base
+from examples.automodel.models._base import (  # noqa: F401  (the shared half of the interface)
+    DTYPES, IGNORE_INDEX, build_seeded, dtype_name, forward, local_labels, loss, num_label_tokens, pad_batch, shard,
+    tiny, valid_positions)
+from examples.automodel.models.deepseek_v41 import BACKEND
 
 NAME = "deepseek_v4"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.deepseek_v4.model.DeepseekV4ForCausalLM"
@@ -64,19 +65,12 @@ TINY: dict[str, Any] = dict(
 
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> DeepseekV4Config:
-    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
-    return DeepseekV4Config(**{**copy.deepcopy(TINY), **overrides}, torch_dtype=name)
+    return DeepseekV4Config(**tiny(TINY, overrides), torch_dtype=dtype_name(NAME, dtype))
 
 
 def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = DeepseekV4ForCausalLM(config(dtype, **overrides), backend=BackendConfig(**BACKEND))
-        model.initialize_weights(buffer_device=torch.device("cpu"), dtype=dtype)
-    finally:
-        torch.random.set_rng_state(state)
-    return model.train()
+    return build_seeded(lambda: DeepseekV4ForCausalLM(config(dtype, **overrides), backend=BackendConfig(**BACKEND)),
+                        dtype, seed)
 
 
 def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
@@ -117,9 +111,9 @@ COVERS: dict[str, str] = {
 }
 
 BATCH_KEYS: dict[str, dict[str, str]] = {
-    "required": _v41.BATCH_KEYS["required"],
+    "required": _base.BATCH_KEYS["required"],
     "optional": {
-        **_v41.BATCH_KEYS["optional"],
+        **_base.BATCH_KEYS["optional"],
         "position_ids": "[B, S] int64; unpacked rows 0..S-1; packed rows restart at 0 per document and count on "
                         "through the trailing pack padding (the THD packer's layout)",
         "seq_lens_padded": "[B, D] int64 physical span per packed document; the last one includes the row's "
@@ -127,7 +121,7 @@ BATCH_KEYS: dict[str, dict[str, str]] = {
         "qkv_format": '"thd" on packed batches (the THD collator\'s marker; the one-device path reads '
                       "seq_lens_padded only when it is set)",
     },
-    "produced_by_sharder": _v41.BATCH_KEYS["produced_by_sharder"],
+    "produced_by_sharder": _base.BATCH_KEYS["produced_by_sharder"],
 }
 
 
@@ -136,17 +130,17 @@ def gather_logits(sharder, local_logits: torch.Tensor) -> torch.Tensor:
 
     One device on a packed (THD) batch: the model's own CP hook runs at CP 1 (``supports_thd``), leaves every tensor
     as given and reports no layout, so the logits are already in the caller's coordinates. Otherwise
-    ``deepseek_v41.gather_logits``.
+    ``_base.gather_logits``.
     """
     mesh = getattr(sharder, "_cp_mesh", None)
     if sharder.shard_layout is None and (mesh is None or mesh.size() <= 1):
         return local_logits
-    return _v41.gather_logits(sharder, local_logits)
+    return _base.gather_logits(sharder, local_logits)
 
 
 def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, vocab: int = 64,
                documents: list[list[int]] | None = None, pad: int = 0, pad_id: int = 0) -> dict[str, Any]:
-    """An example batch with shifted labels; unpacked kinds are ``deepseek_v41.make_batch``'s.
+    """An example batch with shifted labels; unpacked kinds are ``_base.make_batch``'s.
 
     ``"packed"``: what the framework's default THD packing feeds the model (``packed_sequence.packing_strategy:
     thd``, ``collate_fn: packed_sequence_thd_collater``, as in its DeepSeek V4 packed example config): each row's
@@ -158,7 +152,7 @@ def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, v
     ``seq_lens_padded`` ``[B, D]`` (-1000 where a row has fewer documents), ``qkv_format="thd"``.
     """
     if kind != "packed":
-        return _v41.make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad, pad_id=pad_id)
+        return _base.make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad, pad_id=pad_id)
     if documents is None or len(documents) != batch_size:
         raise ValueError("packed batches need one list of document lengths per row")
     generator = torch.Generator().manual_seed(seed)

@@ -1,7 +1,7 @@
 """Model spec: nemo-automodel 0.7.0's Gemma4 MoE (``Gemma4ForConditionalGeneration`` with ``enable_moe_block``)
 at a tiny random config, CP the framework's way: contiguous shards and Gemma4's own p2p ring attention.
 
-The interface is ``deepseek_v41``'s (see its docstring for every function and shape); this module documents
+The interface is ``_base``'s (see its docstring for every function and shape); this module documents
 what differs. Shapes: ``B`` rows, ``S`` global sequence, ``S_local`` this rank's shard, ``V`` vocabulary.
 
 CP machinery (model-owned, ``_owns_cp_attention``): ``prepare_model_inputs_for_cp`` returns a
@@ -31,7 +31,7 @@ block-causal ``attention_mask``, ``_packed_seq_ids`` only when some row holds tw
 CP path gets the loader's ``cp_size > 1`` form (the indexed ``[B, S]`` mask and ``_packed_seq_ids``), which is
 what ``make_batch`` returns. (``collate_fns`` itself cannot be imported without the ``datasets`` package,
 which the pinned set does not hold, so ``one_device_batch`` applies those lines of it.) Two one-device
-findings follow (``docs/models/gemma4_moe.md``, repro ``repro_gemma4_packed_masks.py``), and such cases fail:
+findings follow (``docs/models/gemma4_moe.md``, repro ``repro/models/gemma4_packed_masks.py``), and such cases fail:
 G1, rows that are all single documents lose the sliding window (any attention); G2, with ``eager`` attention
 packs of two or more documents get no masking at all. ``overrides={"attn_implementation": "sdpa"}`` removes
 G2 (the CP path does not depend on it).
@@ -40,7 +40,7 @@ On CPU (``FORWARD_ONLY_ON``): the forward must run under ``torch.no_grad()``, an
 runs uncompiled (``_gemma4_cp_compiled_flex_attn``, the framework's per-module compile cache; see
 ``model_owned_cp.flex_attention_eager`` for the two inductor errors). Logits and loss are judged, no gradient.
 
-Batch keys: plain and right-padded batches are ``deepseek_v41``'s (``input_ids``, ``labels``, optional
+Batch keys: plain and right-padded batches are ``_base``'s (``input_ids``, ``labels``, optional
 ``attention_mask`` 1/0). Packed rows (``documents`` per row, concatenated from column 0): ``input_ids``,
 ``labels`` (shifted within each document, -100 on its last token and on padding), ``attention_mask``
 ``[B, S]`` (document index 1.., 0 padding), ``position_ids`` (document-local, 0 on padding),
@@ -56,31 +56,20 @@ default ``flex``).
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Callable
 
 import torch
 
-from examples.automodel.models import model_owned_cp
-from examples.automodel.models.deepseek_v41 import (  # noqa: F401  (re-exported: same verbs, same semantics)
-    IGNORE_INDEX,
-    gather_logits,
-    local_labels,
-    loss,
-    num_label_tokens,
-    pad_batch,
-    valid_positions,
-)
-from examples.automodel.models.deepseek_v41 import make_batch as _unpacked_batch
+from examples.automodel.models import _base, model_owned_cp
+from examples.automodel.models._base import (  # noqa: F401  (re-exported: same verbs, same semantics)
+    DTYPES, IGNORE_INDEX, gather_logits, local_labels, loss, num_label_tokens, pad_batch, valid_positions)
 from nemo_automodel.components.datasets.utils import _indexed_mask_to_4d_block_causal
 from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
 from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.gemma4_moe.model import Gemma4Config, Gemma4ForConditionalGeneration
-from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
 
 NAME = "gemma4_moe"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.gemma4_moe.model.Gemma4ForConditionalGeneration"
-DTYPES = (torch.float32, torch.bfloat16)
 WORLD_SIZES = (1, 2, 3)  # CP 4 and above never run (3 ranks at most on the machine these were measured on)
 BATCH_KINDS = ("plain", "right_padded", "packed")
 
@@ -129,10 +118,7 @@ COVERS: dict[str, str] = {
 }
 
 BATCH_KEYS: dict[str, dict[str, str]] = {
-    "required": {
-        "input_ids": "[B, S] int64 token ids",
-        "labels": "[B, S] int64 targets, already shifted (within each document when packed); -100 ignored",
-    },
+    "required": _base.BATCH_KEYS["required"],
     "optional": {
         "attention_mask": "[B, S] 1 real / 0 padding (right padding), or document index 1.. / 0 (packed rows)",
         "position_ids": "[B, S] int64 (document-local in packed rows)",
@@ -150,33 +136,13 @@ BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch", experts="torch", d
 ONE_DEVICE_ATTENTION = "eager"
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=16,
-    num_hidden_layers=4,
-    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-    sliding_window=4,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    global_head_dim=16,
-    num_global_key_value_heads=1,
-    attention_k_eq_v=True,
-    enable_moe_block=True,
-    num_experts=4,
-    top_k_experts=2,
-    moe_intermediate_size=8,
-    hidden_size_per_layer_input=0,
-    vocab_size_per_layer_input=64,
-    use_bidirectional_attention="vision",
-    final_logit_softcapping=30.0,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    pad_token_id=0,
-    use_cache=False,
+    vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=4,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"], sliding_window=4,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+    attention_k_eq_v=True, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=8,
+    hidden_size_per_layer_input=0, vocab_size_per_layer_input=64, use_bidirectional_attention="vision",
+    final_logit_softcapping=30.0, max_position_embeddings=256, rms_norm_eps=1e-6, pad_token_id=0, use_cache=False,
 )
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> Gemma4Config:
@@ -185,12 +151,11 @@ def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> Gemma4Config
     ``overrides["attn_implementation"]`` (default ``ONE_DEVICE_ATTENTION``) selects the HF attention of the
     one-device path; every other key replaces a text-config field.
     """
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"{NAME}: dtype {dtype} not supported (supported: {list(_DTYPE_NAMES.values())})")
+    name = _base.dtype_name(NAME, dtype)
     overrides = dict(overrides)
     attention = overrides.pop("attn_implementation", ONE_DEVICE_ATTENTION)
-    text = {**copy.deepcopy(TINY), **overrides, "dtype": _DTYPE_NAMES[dtype]}
-    cfg = Gemma4Config(text_config=text, vision_config=None, audio_config=None, dtype=_DTYPE_NAMES[dtype])
+    text = {**_base.tiny(TINY, overrides), "dtype": name}
+    cfg = Gemma4Config(text_config=text, vision_config=None, audio_config=None, dtype=name)
     cfg._attn_implementation = attention
     cfg.text_config._attn_implementation = attention
     return cfg
@@ -199,14 +164,8 @@ def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> Gemma4Config
 def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """The tiny model on CPU in ``train()`` mode with seeded random weights (same on every rank)."""
     cfg = config(dtype, **overrides)
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = Gemma4ForConditionalGeneration(cfg, backend=BackendConfig(**BACKEND))
-        model.initialize_weights(buffer_device=torch.device("cpu"), dtype=dtype)
-    finally:
-        torch.random.set_rng_state(state)
-    return model.train()
+    return _base.build_seeded(lambda: Gemma4ForConditionalGeneration(cfg, backend=BackendConfig(**BACKEND)),
+                              dtype, seed)
 
 
 def _enter_cp(twin: torch.nn.Module, cp_mesh: Any) -> None:
@@ -239,25 +198,11 @@ def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_toke
     Returns ``(ctx_factory, local_batch, sharder)``; under CP ``local_batch`` holds ``[B, S_local]`` auxiliary
     streams, the full ``[B, S]`` ``input_ids`` and, under ``"_spec_cp_model"``, the twin ``forward`` runs.
     """
-    batch = dict(batch)
-    target = model
-    if model_owned_cp.cp_active(mesh):
-        target = model_owned_cp.cp_twin(model, mesh, _enter_cp)
-    else:
-        batch = one_device_batch(batch)
-    sharder = ContextParallelSharder(target, mesh, batch, padding_token_id=padding_token_id)
-    ctx_factory, local_batch = sharder.shard(batch)
-    if target is not model:
-        local_batch["_spec_cp_model"] = target
-    return ctx_factory, local_batch, sharder
+    return model_owned_cp.shard_on_twin(model, mesh, batch, padding_token_id, enter=_enter_cp,
+                                        one_device=one_device_batch)
 
 
-def forward(model: torch.nn.Module, local_batch: dict[str, Any]) -> torch.Tensor:
-    """The model (or its CP twin) on this rank's shard, in ``ctx_factory()``; logits ``[B, S_local, V]`` in the
-    model dtype, soft-capped."""
-    target = local_batch.get("_spec_cp_model", model)
-    kwargs = {key: value for key, value in local_batch.items() if key not in ("labels", "_spec_cp_model")}
-    return target(**filter_forward_kwargs(target, kwargs)).logits
+forward = model_owned_cp.twin_forward  # logits [B, S_local, V] in the model dtype, soft-capped
 
 
 def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
@@ -269,10 +214,10 @@ def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
 
 def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, vocab: int = 64,
                documents: list[list[int]] | None = None, pad: int = 0, pad_id: int = 0) -> dict[str, Any]:
-    """An example batch: ``"plain"`` and ``"right_padded"`` as ``deepseek_v41``; ``"packed"`` as the VLM
+    """An example batch: ``"plain"`` and ``"right_padded"`` as ``_base``; ``"packed"`` as the VLM
     neat-packing collater emits it for CP (see the module docstring for its keys)."""
     if kind != "packed":
-        return _unpacked_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad,
+        return _base.make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad,
                                pad_id=pad_id)
     if documents is None or len(documents) != batch_size:
         raise ValueError("packed batches need one list of document lengths per row")

@@ -1,5 +1,5 @@
 """Model spec: nemo-automodel 0.7.0's ``Glm5NextForConditionalGeneration`` (GLM-5.3, text only) at a tiny random
-config, CP the framework's way. Same interface as ``deepseek_v41`` (see that module's docstring); the gather, loss,
+config, CP the framework's way. Same interface as ``_base`` (see that module's docstring); the gather, loss,
 label count, valid positions and padding are imported from it, and ``shard``/``forward`` (the framework's
 ``apply_cp`` on a CP twin, then the recipe's sharder) and ``make_batch`` (the framework's own batch layouts)
 from ``qwen3_8_flash_next``.
@@ -45,7 +45,6 @@ rows: several per batch are accepted (one document map per row).
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -54,13 +53,13 @@ from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.glm5_next.config import Glm5NextConfig
 from nemo_automodel.components.models.glm5_next.model import Glm5NextForConditionalGeneration
 
-from examples.automodel.models.deepseek_v41 import (  # noqa: F401  (the shared half of the interface)
-    IGNORE_INDEX, gather_logits, local_labels, loss, num_label_tokens, pad_batch, valid_positions)
+from examples.automodel.models._base import (  # noqa: F401  (the shared half of the interface)
+    DTYPES, IGNORE_INDEX, build_seeded, dtype_name, gather_logits, local_labels, loss, num_label_tokens, pad_batch,
+    tiny, valid_positions)
 from examples.automodel.models.qwen3_8_flash_next import forward, make_batch, shard  # noqa: F401
 
 NAME = "glm5_next"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.glm5_next.model.Glm5NextForConditionalGeneration"
-DTYPES = (torch.float32, torch.bfloat16)
 WORLD_SIZES = (1, 2, 3, 4)
 BATCH_KINDS = ("plain", "right_padded", "packed")
 
@@ -77,8 +76,6 @@ COVERS: dict[str, str] = {
     _LAYERS + "Glm5NextSparseAttention._forward_document":
         "per document with local queries: latent K/V and KPool pools recomputed from the gathered states",
 }
-FORWARD_ONLY_ON: dict[str, str] = {}
-REQUIRES: dict[str, str] = {}
 
 BATCH_KEYS: dict[str, dict[str, str]] = {
     "required": {
@@ -102,69 +99,31 @@ BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch_fp32", experts="torc
                enable_hf_state_dict_adapter=False)
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=16,
-    moe_intermediate_size=8,
-    num_hidden_layers=2,
-    layer_types=["deepseek_sparse_attention", "deepseek_sparse_attention"],
-    mlp_layer_types=["dense", "sparse"],
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    n_shared_experts=1,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_group=1,
-    topk_group=1,
-    kv_lora_rank=8,
-    q_lora_rank=8,
-    qk_nope_head_dim=8,
-    v_head_dim=8,
-    index_topk=4,
-    index_kpool=2,
-    index_head_dim=8,
-    index_n_heads=2,
-    hc_mult=2,
-    hc_sinkhorn_iters=4,
-    initializer_range=0.2,
-    rms_norm_eps=1e-6,
-    num_nextn_predict_layers=0,
-    max_position_embeddings=4096,
-    pad_token_id=0,
+    vocab_size=64, hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=2,
+    layer_types=["deepseek_sparse_attention", "deepseek_sparse_attention"], mlp_layer_types=["dense", "sparse"],
+    num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+    n_group=1, topk_group=1, kv_lora_rank=8, q_lora_rank=8, qk_nope_head_dim=8, v_head_dim=8, index_topk=4,
+    index_kpool=2, index_head_dim=8, index_n_heads=2, hc_mult=2, hc_sinkhorn_iters=4, initializer_range=0.2,
+    rms_norm_eps=1e-6, num_nextn_predict_layers=0, max_position_embeddings=4096, pad_token_id=0,
 )
 VISION: dict[str, Any] = dict(depth=1, hidden_size=8, num_heads=1, intermediate_size=8, out_hidden_size=16,
                               projection_intermediate_size=8, patch_size=2, image_size=4, spatial_merge_size=1)
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> Glm5NextConfig:
     """The framework's config for the tiny model (``TINY`` with ``overrides``) in ``dtype``."""
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"{NAME}: dtype {dtype} not supported (supported: {list(_DTYPE_NAMES.values())})")
-    text = {**copy.deepcopy(TINY), **overrides, "torch_dtype": _DTYPE_NAMES[dtype]}
-    return Glm5NextConfig(text_config=text, vision_config={**VISION, "torch_dtype": _DTYPE_NAMES[dtype]})
+    name = dtype_name(NAME, dtype)
+    return Glm5NextConfig(text_config={**tiny(TINY, overrides), "torch_dtype": name},
+                          vision_config={**VISION, "torch_dtype": name})
 
 
 def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """Build the tiny model with seeded random weights (same on every rank for the same arguments).
-
-    Returns:
-        ``Glm5NextForConditionalGeneration`` on CPU in train mode, parameters in ``dtype`` except the ones the
-        framework keeps in float32 (mHC base/scale, the router correction bias).
+    """``Glm5NextForConditionalGeneration`` on CPU in train mode, seeded, all-zero trainable parameters redrawn;
+    parameters in ``dtype`` except the ones the framework keeps in float32 (mHC base/scale, router correction bias).
     """
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = Glm5NextForConditionalGeneration(config(dtype, **overrides), backend=BackendConfig(**BACKEND))
-        model.initialize_weights(buffer_device=torch.device("cpu"), dtype=dtype)
-        with torch.no_grad():
-            for _, parameter in model.named_parameters():
-                if parameter.requires_grad and not parameter.any():
-                    parameter.normal_(std=0.1)
-    finally:
-        torch.random.set_rng_state(state)
-    return model.train()
+    return build_seeded(lambda: Glm5NextForConditionalGeneration(config(dtype, **overrides),
+                                                                 backend=BackendConfig(**BACKEND)),
+                        dtype, seed, nonzero=True)
 
 
 def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:

@@ -20,29 +20,16 @@ shared, expert hidden 8), SiTU activations (torch), vocabulary 64.
 from __future__ import annotations
 
 import contextlib
-import copy
 from typing import Any
 
 import torch
 
+from examples.automodel.models import _base
 from examples.automodel.models.kimi_linear import (  # noqa: F401  (re-exported: same verbs, same semantics)
-    BATCH_KEYS,
-    BATCH_KINDS,
-    DTYPES,
-    IGNORE_INDEX,
-    WORLD_SIZES,
-    cp_padded_length,
-    gather_logits,
-    local_labels,
-    loss,
-    make_batch,
-    num_label_tokens,
-    pad_batch,
-    shard,
-    valid_positions,
-)
+    BATCH_KEYS, BATCH_KINDS, DTYPES, IGNORE_INDEX, WORLD_SIZES, cp_padded_length, gather_logits, local_labels, loss,
+    make_batch, num_label_tokens, pad_batch, shard, valid_positions)
 from examples.automodel.models.kimi_linear import forward as _kimi_forward
-from examples.automodel.models.kimi_linear import mla_cp_kernels
+from examples.automodel.models.kimi_linear import mla_cp_kernels, no_cpu_backward
 from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.kimi_k3 import cp as k3_cp
 from nemo_automodel.components.models.kimi_k3 import model as k3_model
@@ -52,15 +39,7 @@ from nemo_automodel.components.models.kimi_k3.model import KimiK3ForCausalLM, Ki
 NAME = "kimi_k3"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.kimi_k3.model.KimiK3ForCausalLM"
 
-FORWARD_ONLY_ON = {
-    "cpu": "torch 2.13 has no FlexAttention backward on CPU: in a training step the CP forward of every MLA layer "
-           "(kimi_k3/cp.py document_causal_flex_attention) raises 'NotImplementedError: FlexAttention does not "
-           "support backward on CPU. Please set the input requires_grad to False or use another device.' "
-           "(torch/nn/attention/flex_attention.py _validate_device); without grad the compiled kernel fails to "
-           "build ('torch._inductor.exc.InductorError: CppCompileError: C++ compile error ... error: "
-           "'cur_qSplitSize7' was not declared in this scope'), so on CPU the forward runs under torch.no_grad() "
-           "with FlexAttention uncompiled",
-}
+FORWARD_ONLY_ON = {"cpu": no_cpu_backward(NAME)}
 
 COVERS: dict[str, str] = {
     "nemo_automodel.components.moe.parallelizer.apply_cp":
@@ -89,65 +68,31 @@ BACKEND = dict(attn="eager", linear="torch", rms_norm="torch_fp32", experts="tor
                fake_balanced_gate=False, enable_hf_state_dict_adapter=False)
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=16,
-    num_hidden_layers=3,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    q_lora_rank=8,
-    kv_lora_rank=8,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=8,
-    mla_use_nope=True,
-    mla_use_output_gate=True,
-    num_experts=4,
-    num_experts_per_token=2,
-    num_shared_experts=1,
-    moe_intermediate_size=8,
-    routed_expert_hidden_size=8,
-    first_k_dense_replace=1,
-    linear_attn_config={"kda_layers": [], "full_attn_layers": [1, 2, 3], "short_conv_kernel_size": 4,
-                        "head_dim": 8, "num_heads": 2},
-    attn_res_block_size=2,
-    initializer_range=0.2,
-    max_position_embeddings=256,
-    pad_token_id=0,
-    use_cache=False,
+    vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
+    num_key_value_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+    mla_use_nope=True, mla_use_output_gate=True, num_experts=4, num_experts_per_token=2, num_shared_experts=1,
+    moe_intermediate_size=8, routed_expert_hidden_size=8, first_k_dense_replace=1,
+    linear_attn_config={"kda_layers": [], "full_attn_layers": [1, 2, 3], "short_conv_kernel_size": 4, "head_dim": 8,
+                        "num_heads": 2},
+    attn_res_block_size=2, initializer_range=0.2, max_position_embeddings=256, pad_token_id=0, use_cache=False,
 )
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> KimiK3TextConfig:
     """The framework's text config for the tiny model (``TINY`` with ``overrides``) in ``dtype``."""
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"{NAME}: dtype {dtype} not supported (supported: {list(_DTYPE_NAMES.values())})")
-    return KimiK3TextConfig(**{**copy.deepcopy(TINY), **overrides}, torch_dtype=_DTYPE_NAMES[dtype])
+    return KimiK3TextConfig(**_base.tiny(TINY, overrides), torch_dtype=_base.dtype_name(NAME, dtype))
 
 
 def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """The tiny model on CPU in ``train()`` mode with seeded random weights (same on every rank)."""
+    """The tiny model on CPU in ``train()`` mode, seeded; zero-initialised score-correction bias and gates redrawn."""
     cfg = config(dtype, **overrides)
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = KimiK3ForCausalLM(cfg, backend=BackendConfig(**BACKEND))
-        model.initialize_weights(buffer_device=torch.device("cpu"), dtype=dtype)
-        with torch.no_grad():  # non-zero zero-initialized parameters (score-correction bias, gates)
-            for parameter in model.parameters():
-                if not parameter.any():
-                    parameter.normal_(std=0.1)
-    finally:
-        torch.random.set_rng_state(state)
-    return model.train()
+    return _base.build_seeded(lambda: KimiK3ForCausalLM(cfg, backend=BackendConfig(**BACKEND)), dtype, seed,
+                              nonzero=True)
 
 
 def forward(model: torch.nn.Module, local_batch: dict[str, Any]) -> torch.Tensor:
     """The model (or its CP twin) on this rank's shard, in ``ctx_factory()``; logits ``[B, S_local, V]``."""
     return _kimi_forward(model, local_batch, flex_cache=k3_cp._COMPILED_FLEX_ATTENTION)
-
 
 
 CP_KERNELS = ("MLA attention by FlexAttention (kimi_k3/cp.py document_causal_flex_attention) instead of "

@@ -1,7 +1,7 @@
 """Model spec: nemo-automodel 0.7.0's Kimi Linear (``KimiLinear48BForCausalLM``) at a tiny random config, MLA
 layers only, CP the framework's way: contiguous shards and an all-gather of the compressed KV latent.
 
-The interface is ``deepseek_v41``'s (see its docstring for every function and shape); this module documents
+The interface is ``_base``'s (see its docstring for every function and shape); this module documents
 what differs. Shapes: ``B`` rows, ``S`` global sequence, ``S_local`` this rank's shard, ``V`` vocabulary.
 
 CP machinery (model-owned, ``_owns_cp_attention``): ``prepare_model_inputs_for_cp`` returns a
@@ -32,7 +32,7 @@ One-device reference: the untouched model through the identity sharder (the batc
 (``FORWARD_ONLY_ON``) the forward must run under ``torch.no_grad()`` and the CP forward runs FlexAttention
 uncompiled (the framework's cache ``kimi_linear.cp._COMPILED_FLEX_ATTENTION``, set for the call and restored).
 
-Batch keys: plain and right-padded batches are ``deepseek_v41``'s. Packed rows (``documents`` per row,
+Batch keys: plain and right-padded batches are ``_base``'s. Packed rows (``documents`` per row,
 concatenated from column 0), two forms, both from the framework's collaters:
 
 * ``packing="neat"`` (default; the ``document_ids`` contract the model declares): ``neat_packed_collater``
@@ -53,49 +53,42 @@ experts (2 active, sigmoid router with score-correction bias) and one shared exp
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import types
 from typing import Any, Callable, Iterator
 
 import torch
 
-from examples.automodel.models import model_owned_cp
-from examples.automodel.models.deepseek_v41 import (  # noqa: F401  (re-exported: same verbs, same semantics)
-    IGNORE_INDEX,
-    gather_logits,
-    local_labels,
-    loss,
-    num_label_tokens,
-    pad_batch,
-    valid_positions,
-)
-from examples.automodel.models.deepseek_v41 import make_batch as _unpacked_batch
+from examples.automodel.models import _base, model_owned_cp
+from examples.automodel.models._base import (  # noqa: F401  (re-exported: same verbs, same semantics)
+    DTYPES, IGNORE_INDEX, gather_logits, local_labels, loss, num_label_tokens, pad_batch, valid_positions)
 from nemo_automodel.components.datasets.utils import neat_packed_collater, packed_sequence_thd_collater
-from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
 from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.common.packing import PackingCapabilities
 from nemo_automodel.components.models.kimi_linear import cp as kimi_cp
 from nemo_automodel.components.models.kimi_linear import model as kimi_model
 from nemo_automodel.components.models.kimi_linear.config import KimiLinear48BConfig
 from nemo_automodel.components.models.kimi_linear.model import KimiLinear48BForCausalLM, KimiMLAAttention
-from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
 
 NAME = "kimi_linear"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.kimi_linear.model.KimiLinear48BForCausalLM"
-DTYPES = (torch.float32, torch.bfloat16)
 WORLD_SIZES = (1, 2, 3)  # CP 4 and above never run (3 ranks at most on the machine these were measured on)
 BATCH_KINDS = ("plain", "right_padded", "packed")
 
-FORWARD_ONLY_ON = {
-    "cpu": "torch 2.13 has no FlexAttention backward on CPU: in a training step the CP forward of every MLA layer "
-           "(kimi_linear/cp.py document_causal_flex_attention) raises 'NotImplementedError: FlexAttention does not "
-           "support backward on CPU. Please set the input requires_grad to False or use another device.' "
-           "(torch/nn/attention/flex_attention.py _validate_device); without grad the compiled kernel fails to "
-           "build ('torch._inductor.exc.InductorError: CppCompileError: C++ compile error ... error: "
-           "'cur_qSplitSize7' was not declared in this scope'), so on CPU the forward runs under torch.no_grad() "
-           "with FlexAttention uncompiled",
-}
+
+def no_cpu_backward(model: str) -> str:
+    """Why the CP step of ``model`` (``kimi_linear``, ``kimi_k3``: the same Kimi CP code) is judged forward only on
+    CPU: its MLA layers' FlexAttention."""
+    return ("torch 2.13 has no FlexAttention backward on CPU: in a training step the CP forward of every MLA layer "
+            f"({model}/cp.py document_causal_flex_attention) raises 'NotImplementedError: FlexAttention does not "
+            "support backward on CPU. Please set the input requires_grad to False or use another device.' "
+            "(torch/nn/attention/flex_attention.py _validate_device); without grad the compiled kernel fails to "
+            "build ('torch._inductor.exc.InductorError: CppCompileError: C++ compile error ... error: "
+            "'cur_qSplitSize7' was not declared in this scope'), so on CPU the forward runs under torch.no_grad() "
+            "with FlexAttention uncompiled")
+
+
+FORWARD_ONLY_ON = {"cpu": no_cpu_backward(NAME)}
 
 COVERS: dict[str, str] = {
     "nemo_automodel.components.moe.parallelizer.apply_cp":
@@ -121,10 +114,7 @@ COVERS: dict[str, str] = {
 }
 
 BATCH_KEYS: dict[str, dict[str, str]] = {
-    "required": {
-        "input_ids": "[B, S] int64 token ids",
-        "labels": "[B, S] int64 targets, already shifted (within each document when packed); -100 ignored",
-    },
+    "required": _base.BATCH_KEYS["required"],
     "optional": {
         "attention_mask": "[B, S] 1 real / 0 padding, or document index 1.. / 0 (neat-packed rows)",
         "position_ids": "[B, S] int64 (document-local in packed rows; not read: NoPE)",
@@ -146,84 +136,34 @@ BACKEND = dict(attn="eager", linear="torch", rms_norm="torch_fp32", experts="tor
                fake_balanced_gate=False, enable_hf_state_dict_adapter=False)
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=16,
-    num_hidden_layers=3,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    q_lora_rank=None,
-    kv_lora_rank=8,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=8,
-    mla_use_nope=True,
-    num_experts=4,
-    num_experts_per_token=2,
-    num_shared_experts=1,
-    moe_intermediate_size=8,
-    first_k_dense_replace=1,
-    moe_layer_freq=1,
-    use_grouped_topk=True,
-    num_expert_group=1,
-    topk_group=1,
-    moe_router_activation_func="sigmoid",
-    moe_renormalize=True,
-    routed_scaling_factor=2.446,
-    linear_attn_config={"kda_layers": [], "full_attn_layers": [1, 2, 3], "short_conv_kernel_size": 4,
-                        "head_dim": 8, "num_heads": 2},
-    initializer_range=0.2,
-    rms_norm_eps=1e-6,
-    pad_token_id=0,
-    use_cache=False,
+    vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
+    num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+    mla_use_nope=True, num_experts=4, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=8,
+    first_k_dense_replace=1, moe_layer_freq=1, use_grouped_topk=True, num_expert_group=1, topk_group=1,
+    moe_router_activation_func="sigmoid", moe_renormalize=True, routed_scaling_factor=2.446,
+    linear_attn_config={"kda_layers": [], "full_attn_layers": [1, 2, 3], "short_conv_kernel_size": 4, "head_dim": 8,
+                        "num_heads": 2},
+    initializer_range=0.2, rms_norm_eps=1e-6, pad_token_id=0, use_cache=False,
 )
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> KimiLinear48BConfig:
     """The framework's config for the tiny model (``TINY`` with ``overrides``) in ``dtype``."""
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"{NAME}: dtype {dtype} not supported (supported: {list(_DTYPE_NAMES.values())})")
-    return KimiLinear48BConfig(**{**copy.deepcopy(TINY), **overrides}, torch_dtype=_DTYPE_NAMES[dtype])
+    return KimiLinear48BConfig(**_base.tiny(TINY, overrides), torch_dtype=_base.dtype_name(NAME, dtype))
 
 
 def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """The tiny model on CPU in ``train()`` mode with seeded random weights (same on every rank).
 
-    Parameters are in ``dtype`` except the ones the framework keeps in float32 (router score-correction bias).
+    Parameters are in ``dtype`` except the ones the framework keeps in float32 (router score-correction bias, made
+    non-zero so that its effect on routing is exercised).
     """
     cfg = config(dtype, **overrides)
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = KimiLinear48BForCausalLM(cfg, backend=BackendConfig(**BACKEND))
-        model.initialize_weights(buffer_device=torch.device("cpu"), dtype=dtype)
-        with torch.no_grad():  # non-zero score-correction bias, so its effect on routing is exercised
-            for parameter in model.parameters():
-                if not parameter.any():
-                    parameter.normal_(std=0.1)
-    finally:
-        torch.random.set_rng_state(state)
-    return model.train()
+    return _base.build_seeded(lambda: KimiLinear48BForCausalLM(cfg, backend=BackendConfig(**BACKEND)), dtype, seed,
+                              nonzero=True)
 
 
-def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_token_id: int = 0,
-          ) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
-    """``ContextParallelSharder(model, mesh, batch)`` then ``shard``, on the CP twin when ``mesh`` has > 1 rank.
-
-    Returns ``(ctx_factory, local_batch, sharder)``; under CP ``local_batch`` holds ``[B, S_local]`` tensors,
-    ``kimi_packed_context`` and, under ``"_spec_cp_model"``, the twin ``forward`` runs.
-    """
-    batch = dict(batch)
-    target = model
-    if model_owned_cp.cp_active(mesh):
-        target = model_owned_cp.cp_twin(model, mesh, model_owned_cp.apply_moe_cp)
-    sharder = ContextParallelSharder(target, mesh, batch, padding_token_id=padding_token_id)
-    ctx_factory, local_batch = sharder.shard(batch)
-    if target is not model:
-        local_batch["_spec_cp_model"] = target
-    return ctx_factory, local_batch, sharder
+shard = model_owned_cp.shard_on_twin  # the framework's apply_cp on the CP twin; local_batch holds kimi_packed_context
 
 
 @contextlib.contextmanager
@@ -243,11 +183,9 @@ def flex_attention_for(model: torch.nn.Module, cache: list) -> Iterator[None]:
 
 def forward(model: torch.nn.Module, local_batch: dict[str, Any], *,
             flex_cache: list = kimi_cp._COMPILED_FLEX_ATTENTION) -> torch.Tensor:
-    """The model (or its CP twin) on this rank's shard, in ``ctx_factory()``; logits ``[B, S_local, V]``."""
-    target = local_batch.get("_spec_cp_model", model)
-    kwargs = {key: value for key, value in local_batch.items() if key not in ("labels", "_spec_cp_model")}
-    with flex_attention_for(target, flex_cache):
-        return target(**filter_forward_kwargs(target, kwargs)).logits
+    """``model_owned_cp.twin_forward`` with the uncompiled FlexAttention on CPU; logits ``[B, S_local, V]``."""
+    with flex_attention_for(local_batch.get(model_owned_cp.TWIN_KEY, model), flex_cache):
+        return model_owned_cp.twin_forward(model, local_batch)
 
 
 class _OneRank:
@@ -360,11 +298,11 @@ _NEAT = PackingCapabilities(  # the contract the model declares (the same for Ki
 def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, vocab: int = 64,
                documents: list[list[int]] | None = None, pad: int = 0, pad_id: int = 0,
                packing: str = "neat") -> dict[str, Any]:
-    """An example batch: ``"plain"`` and ``"right_padded"`` as ``deepseek_v41``; ``"packed"`` collated by the
+    """An example batch: ``"plain"`` and ``"right_padded"`` as ``_base``; ``"packed"`` collated by the
     framework's ``neat_packed_collater`` (``packing="neat"``) or ``packed_sequence_thd_collater``
     (``packing="thd"``) from per-row packs laid out as its packers do (module docstring)."""
     if kind != "packed":
-        return _unpacked_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad,
+        return _base.make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad,
                                pad_id=pad_id)
     if documents is None or len(documents) != batch_size:
         raise ValueError("packed batches need one list of document lengths per row")

@@ -32,7 +32,7 @@ How the spec enters CP (as the recipe does):
    ``chunk_kda(cp_context=...)``; MLA layers all-gather the compressed KV latent (``_AllGatherSequence``: all_gather
    forward, all_reduce + slice backward) and run FlexAttention with a causal per-document block mask.
 
-Interface and shapes: as ``deepseek_v41`` (the worked example); ``build`` puts the model on ``rank_device()``.
+Interface and shapes: as ``_base``; ``build`` puts the model on ``rank_device()``.
 ``gather_logits``: ``sharder.gather_token_tensor(trim=True)`` over the contiguous index map, CP padding trimmed.
 
 Batch kinds (``BATCH_KINDS``): ``"plain"``, ``"right_padded"``. Not ``"packed"``: the CP sharder reads the harness's
@@ -50,7 +50,6 @@ measured limit).
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Callable
 
 import torch
@@ -58,24 +57,13 @@ import torch
 from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
 from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.kimi_linear.config import KimiLinear48BConfig
-from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
 
-from ._gpu_spec_common import (  # noqa: F401 - part of the spec interface
-    IGNORE_INDEX,
-    batch_to,
-    local_labels,
-    loss,
-    make_batch,
-    model_device,
-    num_label_tokens,
-    pad_batch,
-    rank_device,
-    valid_positions,
-)
+from ._base import (  # noqa: F401 - part of the spec interface
+    DTYPES, IGNORE_INDEX, batch_to, build_seeded, dtype_name, forward, gather_trimmed as gather_logits, local_labels,
+    loss, make_batch, model_device, num_label_tokens, pad_batch, rank_device, tiny, valid_positions)
 
 NAME = "kimi_linear_kda"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.kimi_linear.model.KimiLinear48BForCausalLM"
-DTYPES = (torch.float32, torch.bfloat16)
 WORLD_SIZES = (1, 2, 3, 4, 8)  # contiguous shards of a row padded to a multiple of cp_size: any size
 BATCH_KINDS = ("plain", "right_padded")
 
@@ -117,44 +105,20 @@ COVERS: dict[str, str] = {
 BACKEND = dict(linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=32,
-    num_hidden_layers=4,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-6,
-    initializer_range=0.2,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-    use_cache=False,
-    q_lora_rank=None,
-    kv_lora_rank=16,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=16,
-    v_head_dim=16,
-    mla_use_nope=True,
-    num_experts=4,
-    num_experts_per_token=2,
-    num_shared_experts=1,
-    moe_intermediate_size=16,
-    moe_router_activation_func="sigmoid",
-    first_k_dense_replace=1,
-    num_expert_group=1,
-    topk_group=1,
+    vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+    num_key_value_heads=2, rms_norm_eps=1e-6, initializer_range=0.2, pad_token_id=0, tie_word_embeddings=False,
+    use_cache=False, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+    mla_use_nope=True, num_experts=4, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=16,
+    moe_router_activation_func="sigmoid", first_k_dense_replace=1, num_expert_group=1, topk_group=1,
     linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2, 4], "head_dim": 32, "num_heads": 2,
                         "short_conv_kernel_size": 4},
     kda_mode="chunk",
 )
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> KimiLinear48BConfig:
     """The framework's config for the tiny model (``TINY`` with ``overrides``) in ``dtype``."""
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"{NAME}: dtype {dtype} not supported (supported: {list(_DTYPE_NAMES.values())})")
-    return KimiLinear48BConfig(**{**copy.deepcopy(TINY), **overrides}, torch_dtype=_DTYPE_NAMES[dtype])
+    return KimiLinear48BConfig(**tiny(TINY, overrides), torch_dtype=dtype_name(NAME, dtype))
 
 
 def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
@@ -166,14 +130,8 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
     from nemo_automodel.components.models.kimi_linear.model import KimiLinear48BForCausalLM
 
     cfg = config(dtype, **overrides)
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = KimiLinear48BForCausalLM(cfg, backend=BackendConfig(**BACKEND))
-        model.initialize_weights(buffer_device=torch.device("cpu"), dtype=dtype)
-    finally:
-        torch.random.set_rng_state(state)
-    return model.to(rank_device()).train()
+    return build_seeded(lambda: KimiLinear48BForCausalLM(cfg, backend=BackendConfig(**BACKEND)), dtype,
+                        seed).to(rank_device())
 
 
 def _apply_cp_once(model: torch.nn.Module, mesh: Any) -> None:
@@ -200,17 +158,6 @@ def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_toke
     sharder = ContextParallelSharder(model, mesh, batch, padding_token_id=padding_token_id)
     ctx_factory, local_batch = sharder.shard(batch)
     return ctx_factory, local_batch, sharder
-
-
-def forward(model: torch.nn.Module, local_batch: dict[str, Any]) -> torch.Tensor:
-    """The model on this rank's shard; logits ``[B, S_local, V]`` in the model dtype."""
-    kwargs = {key: value for key, value in local_batch.items() if key != "labels"}
-    return model(**filter_forward_kwargs(model, kwargs)).logits
-
-
-def gather_logits(sharder: ContextParallelSharder, local_logits: torch.Tensor) -> torch.Tensor:
-    """Local logits ``[B, S_local, V]`` -> ``[B, S, V]`` in global order, CP padding trimmed (the sharder's verb)."""
-    return sharder.gather_token_tensor(local_logits, seq_dim=1, trim=True)
 
 
 def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:

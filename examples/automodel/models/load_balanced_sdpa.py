@@ -36,7 +36,7 @@ or config key passes another. Torch's other method, ``"alltoall"``, is judged by
 ``load_balanced_sdpa_alltoall`` (the same model, torch's ``set_rotate_method("alltoall")`` after the framework's
 shard): what a user would get once the TODO is resolved, not what 0.7.0 runs.
 
-Interface and shapes: as ``deepseek_v41`` (the worked example), with these differences:
+Interface and shapes: as ``_base``, with these differences:
 
 ``build(dtype=torch.float32, seed=0, **overrides) -> model``
     ``LlamaForCausalLM`` in ``train()`` mode, weights drawn on the CPU under ``seed`` (the HF initializer), cast to
@@ -80,24 +80,13 @@ from nemo_automodel.components.distributed.context_parallel import ContextParall
 from nemo_automodel.components.distributed.context_parallel.utils import attach_context_parallel_hooks
 from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.llama.model import LlamaForCausalLM
-from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
 
-from ._gpu_spec_common import (  # noqa: F401 - part of the spec interface
-    IGNORE_INDEX,
-    batch_to,
-    local_labels,
-    loss,
-    make_batch,
-    model_device,
-    num_label_tokens,
-    pad_batch,
-    rank_device,
-    valid_positions,
-)
+from ._base import (  # noqa: F401 - part of the spec interface
+    DTYPES, IGNORE_INDEX, batch_to, forward, gather_trimmed as gather_logits, local_labels, loss, make_batch,
+    model_device, num_label_tokens, pad_batch, rank_device, seeded, valid_positions)
 
 NAME = "load_balanced_sdpa"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.llama.model.LlamaForCausalLM"
-DTYPES = (torch.float32, torch.bfloat16)
 WORLD_SIZES = (1, 2, 3, 4, 8)  # the ring takes any CP size; the padded length is a multiple of 2 * cp_size
 BATCH_KINDS = ("plain", "right_padded")
 ROTATE_METHOD: str | None = None  # None: the framework's own choice ("allgather"); see load_balanced_sdpa_alltoall
@@ -140,24 +129,10 @@ COVERS: dict[str, str] = {
 BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch_fp32", rope_fusion=False)
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    head_dim=8,
-    hidden_act="silu",
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    initializer_range=0.2,
-    attention_bias=False,
-    attention_dropout=0.0,
-    mlp_bias=False,
-    tie_word_embeddings=False,
-    use_cache=False,
-    pad_token_id=0,
+    vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=2, head_dim=8, hidden_act="silu", max_position_embeddings=256, rms_norm_eps=1e-6,
+    rope_theta=10000.0, initializer_range=0.2, attention_bias=False, attention_dropout=0.0, mlp_bias=False,
+    tie_word_embeddings=False, use_cache=False, pad_token_id=0,
 )
 
 
@@ -176,12 +151,8 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
     """
     if dtype not in DTYPES:
         raise ValueError(f"{NAME}: dtype {dtype} not supported (supported: {DTYPES})")
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
+    with seeded(seed):  # no initialize_weights: Llama draws its weights in the constructor
         model = LlamaForCausalLM(config(**overrides), backend=BackendConfig(**BACKEND))
-    finally:
-        torch.random.set_rng_state(state)
     return model.to(dtype=dtype).to(rank_device()).train()
 
 
@@ -227,7 +198,7 @@ def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_toke
     Args:
         model: From ``build``.
         mesh: 1-D ``DeviceMesh`` named ``("cp",)``, or ``None`` (one device: the identity sharder).
-        batch: Global batch (``BATCH_KEYS`` of ``deepseek_v41``, unpacked); not mutated.
+        batch: Global batch (``_base.BATCH_KEYS``, unpacked); not mutated.
     Returns:
         ``(ctx_factory, local_batch, sharder)``; ``local_batch`` tensors are ``[B, S_local]`` inside ``ctx_factory()``.
     """
@@ -252,17 +223,6 @@ def shard_with_rotate_method(model: torch.nn.Module, mesh: Any, batch: dict[str,
             yield
 
     return ctx_factory, local_batch, sharder
-
-
-def forward(model: torch.nn.Module, local_batch: dict[str, Any]) -> torch.Tensor:
-    """The model on this rank's shard (inside ``ctx_factory()``); logits ``[B, S_local, V]`` in the model dtype."""
-    kwargs = {key: value for key, value in local_batch.items() if key != "labels"}
-    return model(**filter_forward_kwargs(model, kwargs)).logits
-
-
-def gather_logits(sharder: ContextParallelSharder, local_logits: torch.Tensor) -> torch.Tensor:
-    """Local logits ``[B, S_local, V]`` -> ``[B, S, V]`` in global order, CP padding trimmed (the sharder's verb)."""
-    return sharder.gather_token_tensor(local_logits, seq_dim=1, trim=True)
 
 
 def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:

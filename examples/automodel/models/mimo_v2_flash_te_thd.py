@@ -25,7 +25,7 @@ How the spec enters CP (as the recipe does):
 3. forward: TE attention with ``qkv_format="thd"``: the a2a transport exchanges heads for sequence (all-to-all
    before and after the attention kernel), so each rank attends over the whole stream for ``heads / cp`` heads.
 
-Interface and shapes: as ``deepseek_v41`` (the worked example), with:
+Interface and shapes: as ``_base``, with:
 
 ``shard(...) -> (ctx_factory, local_batch, sharder)``
     ``local_batch`` is the THD shard: ``input_ids``, ``labels``, ``position_ids``, ``padding_mask`` ``[T_local]``,
@@ -45,7 +45,6 @@ dispatcher="torch", rope_fusion=False)``.
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any, Callable
 
@@ -56,19 +55,12 @@ from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.mimo_v2_flash.config import MiMoV2FlashConfig
 from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
 
-from ._gpu_spec_common import (  # noqa: F401 - part of the spec interface
-    IGNORE_INDEX,
-    loss,
-    make_batch,
-    model_device,
-    num_label_tokens,
-    rank_device,
-    valid_positions,
-)
+from ._base import (  # noqa: F401 - part of the spec interface
+    DTYPES, IGNORE_INDEX, build_seeded, dtype_name, loss, make_batch, model_device, num_label_tokens, rank_device,
+    tiny, valid_positions)
 
 NAME = "mimo_v2_flash_te_thd"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.mimo_v2_flash.model.MiMoV2FlashForCausalLM"
-DTYPES = (torch.float32, torch.bfloat16)
 WORLD_SIZES = (1, 2, 4, 8)  # TE's a2a CP: query and key/value head counts (8) divisible by cp_size
 BATCH_KINDS = ("plain", "right_padded", "packed")
 SEQ_LENS_PADDING = -1000  # the framework's sentinel for an absent document in seq_lens / seq_lens_padded
@@ -107,44 +99,19 @@ BACKEND = dict(attn="te", linear="torch", rms_norm="torch_fp32", experts="torch"
                rope_fusion=False)
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=64,
-    moe_intermediate_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    head_dim=16,
-    v_head_dim=16,
-    swa_num_attention_heads=8,
-    swa_num_key_value_heads=8,
-    swa_head_dim=16,
-    swa_v_head_dim=16,
-    hybrid_layer_pattern=[0, 1],
-    moe_layer_freq=[0, 1],
-    sliding_window=4,
-    attention_chunk_size=None,
-    partial_rotary_factor=0.5,
-    add_full_attention_sink_bias=False,
-    add_swa_attention_sink_bias=True,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_shared_experts=None,
-    max_position_embeddings=4096,
-    initializer_range=0.2,
-    tie_word_embeddings=False,
-    use_cache=False,
-    pad_token_id=0,
+    vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+    num_attention_heads=8, num_key_value_heads=8, head_dim=16, v_head_dim=16, swa_num_attention_heads=8,
+    swa_num_key_value_heads=8, swa_head_dim=16, swa_v_head_dim=16, hybrid_layer_pattern=[0, 1],
+    moe_layer_freq=[0, 1], sliding_window=4, attention_chunk_size=None, partial_rotary_factor=0.5,
+    add_full_attention_sink_bias=False, add_swa_attention_sink_bias=True, n_routed_experts=4, num_experts_per_tok=2,
+    n_shared_experts=None, max_position_embeddings=4096, initializer_range=0.2, tie_word_embeddings=False,
+    use_cache=False, pad_token_id=0,
 )
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> MiMoV2FlashConfig:
     """The framework's config for the tiny model (``TINY`` with ``overrides``) in ``dtype``."""
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"{NAME}: dtype {dtype} not supported (supported: {list(_DTYPE_NAMES.values())})")
-    return MiMoV2FlashConfig(**{**copy.deepcopy(TINY), **overrides}, torch_dtype=_DTYPE_NAMES[dtype])
+    return MiMoV2FlashConfig(**tiny(TINY, overrides), torch_dtype=dtype_name(NAME, dtype))
 
 
 def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
@@ -155,14 +122,8 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
     from nemo_automodel.components.models.mimo_v2_flash.model import MiMoV2FlashForCausalLM
 
     cfg = config(dtype, **overrides)
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = MiMoV2FlashForCausalLM(cfg, backend=BackendConfig(**BACKEND))
-        model.initialize_weights(buffer_device=torch.device("cpu"), dtype=dtype)
-    finally:
-        torch.random.set_rng_state(state)
-    return model.to(rank_device()).train()
+    return build_seeded(lambda: MiMoV2FlashForCausalLM(cfg, backend=BackendConfig(**BACKEND)), dtype,
+                        seed).to(rank_device())
 
 
 def _documents(batch: dict[str, Any]) -> list[list[tuple[int, int]]]:

@@ -1,4 +1,5 @@
-"""Helpers shared by the specs of models that own their CP attention (``gemma4_moe``, ``kimi_linear``).
+"""Helpers shared by the specs of models that own their CP attention (``gemma4_moe``, ``kimi_linear``, ``kimi_k3``,
+``qwen3_8_flash_next``, ``glm5_next``).
 
 Both models install their CP attention once, on the model object, and keep it: Gemma4's
 ``setup_cp_attention`` sets ``_cp_enabled`` (never cleared) and closes its SDPA hook over the first CP mesh
@@ -27,6 +28,9 @@ import weakref
 from typing import Any, Callable, Iterator
 
 import torch
+
+from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
+from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
 
 _TE_MODULES = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.attention")
 
@@ -93,3 +97,38 @@ def flex_attention_eager() -> Callable[..., Any]:
     from torch.nn.attention.flex_attention import flex_attention
 
     return flex_attention
+
+
+TWIN_KEY = "_spec_cp_model"  # the local batch's entry that carries the CP twin from ``shard`` to ``forward``
+
+
+def shard_on_twin(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_token_id: int = 0, *,
+                  enter: Callable[[torch.nn.Module, Any], None] = apply_moe_cp,
+                  one_device: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                  ) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
+    """``ContextParallelSharder(target, mesh, batch)`` then ``shard`` (the recipe's step), where ``target`` is the
+    model's CP twin (``enter`` installs CP on it) when ``mesh`` has more than one rank, else ``model`` itself on the
+    batch ``one_device(batch)`` (unchanged when ``None``). ``model`` and ``batch`` are never modified.
+
+    Returns ``(ctx_factory, local_batch, sharder)``: ``local_batch`` tensors ``[B, S_local]``, the model's CP
+    context and, under CP, the twin under ``TWIN_KEY`` (what ``twin_forward`` runs).
+    """
+    batch = dict(batch)
+    target = model
+    if cp_active(mesh):
+        target = cp_twin(model, mesh, enter)
+    elif one_device is not None:
+        batch = one_device(batch)
+    sharder = ContextParallelSharder(target, mesh, batch, padding_token_id=padding_token_id)
+    ctx_factory, local_batch = sharder.shard(batch)
+    if target is not model:
+        local_batch[TWIN_KEY] = target
+    return ctx_factory, local_batch, sharder
+
+
+def twin_forward(model: torch.nn.Module, local_batch: dict[str, Any]) -> torch.Tensor:
+    """The model (or the CP twin ``shard_on_twin`` put in the batch) on this rank's shard, inside ``ctx_factory()``:
+    logits ``[B, S_local, V]`` (``filter_forward_kwargs`` on the batch without its labels, as the recipe calls it)."""
+    target = local_batch.get(TWIN_KEY, model)
+    kwargs = {key: value for key, value in local_batch.items() if key not in ("labels", TWIN_KEY)}
+    return target(**filter_forward_kwargs(target, kwargs)).logits

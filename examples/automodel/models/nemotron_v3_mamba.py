@@ -38,7 +38,6 @@ Backend ``BackendConfig(attn="sdpa", linear="torch", rms_norm="torch_fp32", rope
 from __future__ import annotations
 
 import contextlib
-import copy
 from typing import Any, Callable
 
 import torch
@@ -46,25 +45,14 @@ from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHCon
 
 from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
 from nemo_automodel.components.models.common import BackendConfig
-from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
 
-from ._gpu_spec_common import (  # noqa: F401 - part of the spec interface
-    IGNORE_INDEX,
-    batch_to,
-    local_labels,
-    loss,
-    make_batch,
-    model_device,
-    num_label_tokens,
-    pad_batch,
-    rank_device,
-    valid_positions,
-)
-from .load_balanced_sdpa import _context_parallel_hooks, cp_padded_length  # noqa: F401 - same layout
+from ._base import (  # noqa: F401 - part of the spec interface
+    DTYPES, IGNORE_INDEX, batch_to, build_seeded, dtype_name, forward, gather_trimmed as gather_logits, local_labels,
+    loss, make_batch, model_device, num_label_tokens, pad_batch, rank_device, tiny, valid_positions)
+from .load_balanced_sdpa import BACKEND, _context_parallel_hooks, cp_padded_length  # noqa: F401 - same layout
 
 NAME = "nemotron_v3_mamba"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.nemotron_v3.model.NemotronHForCausalLM"
-DTYPES = (torch.float32, torch.bfloat16)
 WORLD_SIZES = (1, 2, 4, 8)  # MambaContextParallel: 8 heads and 8 groups split over cp ranks
 BATCH_KINDS = ("plain", "right_padded")
 
@@ -96,43 +84,20 @@ COVERS: dict[str, str] = {
         "differentiable all_gather of the logits, round-robin order undone, CP padding trimmed",
 }
 
-BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch_fp32", rope_fusion=False)
-
 TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=32,
-    layers_block_type=["mamba", "attention", "mamba", "mlp"],
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=32,
-    mlp_hidden_act="relu2",
-    ssm_state_size=16,
-    mamba_num_heads=8,
-    mamba_head_dim=8,
-    n_groups=8,
-    conv_kernel=4,
-    chunk_size=16,
-    use_conv_bias=True,
-    mamba_hidden_act="silu",
-    max_position_embeddings=4096,
-    initializer_range=0.2,
-    layer_norm_epsilon=1e-5,
-    tie_word_embeddings=False,
-    use_cache=False,
-    pad_token_id=0,
-    num_nextn_predict_layers=0,
+    vocab_size=64, hidden_size=32, layers_block_type=["mamba", "attention", "mamba", "mlp"], num_attention_heads=2,
+    num_key_value_heads=2, head_dim=16, intermediate_size=32, mlp_hidden_act="relu2", ssm_state_size=16,
+    mamba_num_heads=8, mamba_head_dim=8, n_groups=8, conv_kernel=4, chunk_size=16, use_conv_bias=True,
+    mamba_hidden_act="silu", max_position_embeddings=4096, initializer_range=0.2, layer_norm_epsilon=1e-5,
+    tie_word_embeddings=False, use_cache=False, pad_token_id=0, num_nextn_predict_layers=0,
 )
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> NemotronHConfig:
     """The HF ``NemotronHConfig`` for the tiny model (``TINY`` with ``overrides``) in ``dtype``."""
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"{NAME}: dtype {dtype} not supported (supported: {list(_DTYPE_NAMES.values())})")
-    cfg = NemotronHConfig(**{**copy.deepcopy(TINY), **overrides})
-    cfg.torch_dtype = _DTYPE_NAMES[dtype]
+    name = dtype_name(NAME, dtype)
+    cfg = NemotronHConfig(**tiny(TINY, overrides))
+    cfg.torch_dtype = name
     return cfg
 
 
@@ -141,14 +106,8 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
     from nemo_automodel.components.models.nemotron_v3.model import NemotronHForCausalLM
 
     cfg = config(dtype, **overrides)
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = NemotronHForCausalLM(cfg, backend=BackendConfig(**BACKEND))
-        model.initialize_weights(buffer_device=torch.device("cpu"), dtype=dtype)
-    finally:
-        torch.random.set_rng_state(state)
-    return model.to(rank_device()).train()
+    return build_seeded(lambda: NemotronHForCausalLM(cfg, backend=BackendConfig(**BACKEND)), dtype,
+                        seed).to(rank_device())
 
 
 def _mamba_cp_once(model: torch.nn.Module, mesh: Any) -> None:
@@ -207,12 +166,3 @@ def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_toke
     return ctx_factory, local_batch, sharder
 
 
-def forward(model: torch.nn.Module, local_batch: dict[str, Any]) -> torch.Tensor:
-    """The model on this rank's shard (inside ``ctx_factory()``); logits ``[B, S_local, V]``."""
-    kwargs = {key: value for key, value in local_batch.items() if key != "labels"}
-    return model(**filter_forward_kwargs(model, kwargs)).logits
-
-
-def gather_logits(sharder: ContextParallelSharder, local_logits: torch.Tensor) -> torch.Tensor:
-    """Local logits ``[B, S_local, V]`` -> ``[B, S, V]`` in global order, CP padding trimmed (the sharder's verb)."""
-    return sharder.gather_token_tensor(local_logits, seq_dim=1, trim=True)

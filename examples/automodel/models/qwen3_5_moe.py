@@ -1,7 +1,7 @@
 """Model spec: nemo-automodel 0.7.0's ``Qwen3_5MoeForConditionalGeneration`` at a tiny random config, CP the
 framework's way: packed batches through the shared block-diagonal CP package (``distributed/blockdiag_cp``).
 
-Same interface as ``deepseek_v41`` (see that module's docstring); ``forward``, ``gather_logits``,
+Same interface as ``_base`` (see that module's docstring); ``forward``, ``gather_logits``,
 ``local_labels``, ``loss`` and ``num_label_tokens`` are that module's. What differs is the model, how it enters
 CP, and the batches. No ``pad_batch``/``cp_padded_length``: only packed batches are supported (``BATCH_KINDS``), and
 the harness's padding re-run is for unpacked ones.
@@ -52,7 +52,7 @@ packed-sequence metadata; ``build`` checks it against the framework's ``configur
 ``packed_token_indices`` ``[B, S]``, ``cu_seqlens`` ``[B, D + 1]``, ``max_seqlen`` (int), ``_packed_seq_ids``
 ``[B, S]``. Block-diagonal CP takes one packed row per rank: ``make_cp_blockdiag_batch_and_ctx`` raises for
 ``B > 1`` ("requires local_batch_size=1"), so rows > 1 are not supported. ``"plain"`` / ``"right_padded"`` rows
-(``deepseek_v41.make_batch``) take the round-robin path at CP > 1, whose torch ``context_parallel`` has no
+(``_base.make_batch``) take the round-robin path at CP > 1, whose torch ``context_parallel`` has no
 sharding strategy for CPU SDPA (``aten._scaled_dot_product_flash_attention_for_cpu``): not in ``BATCH_KINDS``.
 
 Tiny config (``TEXT``, ``VISION``): hidden 16, 2 decoder layers, both ``full_attention`` (the real model
@@ -70,11 +70,7 @@ linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")``. T
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import importlib.util
-import sys
-import types
 import weakref
 from typing import Any, Callable
 
@@ -88,11 +84,10 @@ from nemo_automodel.components.models.qwen3_5_moe.model import (
     Qwen3_5MoeConfig,
     Qwen3_5MoeForConditionalGeneration,
 )
-from nemo_automodel.components.moe.parallelizer import apply_cp
 
-from examples.automodel.models import deepseek_v41 as _v41
-from examples.automodel.models.deepseek_v41 import (  # noqa: F401  (the shared half of the interface)
-    DTYPES, IGNORE_INDEX, forward, gather_logits, local_labels, loss, num_label_tokens)
+from examples.automodel.models import _base, model_owned_cp
+from examples.automodel.models._base import (  # noqa: F401  (the shared half of the interface)
+    DTYPES, IGNORE_INDEX, dtype_name, forward, gather_logits, local_labels, loss, num_label_tokens)
 
 NAME = "qwen3_5_moe"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.qwen3_5_moe.model.Qwen3_5MoeForConditionalGeneration"
@@ -128,10 +123,7 @@ COVERS: dict[str, str] = {
 }
 
 BATCH_KEYS: dict[str, dict[str, str]] = {
-    "required": {
-        "input_ids": "[B, S] int64 token ids",
-        "labels": "[B, S] int64 targets, already shifted (within each document when packed); -100 ignored",
-    },
+    "required": _base.BATCH_KEYS["required"],
     "optional": {
         "attention_mask": "[B, S] 1 real / 0 padding (unpacked); [B, 1, S, S] bool block-causal (packed; "
                           "the one-device attention reads it, CP drops it)",
@@ -150,21 +142,10 @@ BATCH_KEYS: dict[str, dict[str, str]] = {
 BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")
 
 TEXT: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=16,
-    num_hidden_layers=2,
-    layer_types=["full_attention", "full_attention"],
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    moe_intermediate_size=8,
-    shared_expert_intermediate_size=8,
-    num_experts=4,
-    num_experts_per_tok=2,
-    router_aux_loss_coef=0.001,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=4096,
-    pad_token_id=0,
+    vocab_size=64, hidden_size=16, num_hidden_layers=2, layer_types=["full_attention", "full_attention"],
+    num_attention_heads=2, num_key_value_heads=1, head_dim=8, moe_intermediate_size=8,
+    shared_expert_intermediate_size=8, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.001,
+    rms_norm_eps=1e-6, max_position_embeddings=4096, pad_token_id=0,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                      "mrope_section": [1, 1, 0], "mrope_interleaved": True},
 )
@@ -175,35 +156,24 @@ VISION: dict[str, Any] = dict(depth=1, hidden_size=8, intermediate_size=8, num_h
 # ``build`` checks it against ``configure_packing_for_models``, the recipe's own derivation.
 PACKING = PackingCapabilities(packed_mask_type="block_causal", requires_packed_sequence_metadata=True)
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> Qwen3_5MoeConfig:
     """The framework's (HF) config for the tiny model (``TEXT`` with ``overrides``) in ``dtype``."""
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"{NAME}: dtype {dtype} not supported (supported: {list(_DTYPE_NAMES.values())})")
-    text = {**copy.deepcopy(TEXT), **overrides}
-    return Qwen3_5MoeConfig(text_config=text, vision_config=copy.deepcopy(VISION), torch_dtype=_DTYPE_NAMES[dtype])
+    return Qwen3_5MoeConfig(text_config=_base.tiny(TEXT, overrides), vision_config=copy.deepcopy(VISION),
+                            torch_dtype=dtype_name(NAME, dtype))
 
 
 def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """Build the tiny model with seeded random weights (same on every rank for the same arguments).
-
-    Returns:
-        ``Qwen3_5MoeForConditionalGeneration`` on CPU in train mode, parameters in ``dtype``.
-    """
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = Qwen3_5MoeForConditionalGeneration(config(dtype, **overrides), backend=BackendConfig(**BACKEND))
-        model.initialize_weights(buffer_device=torch.device("cpu"), dtype=dtype)
-    finally:
-        torch.random.set_rng_state(state)
+    """``Qwen3_5MoeForConditionalGeneration`` on CPU in train mode, seeded, parameters in ``dtype``; its packing
+    contract checked and its module attributes saved (``parallelize`` restores them before each CP entry)."""
+    model = _base.build_seeded(lambda: Qwen3_5MoeForConditionalGeneration(config(dtype, **overrides),
+                                                                          backend=BackendConfig(**BACKEND)),
+                               dtype, seed)
     contract = configure_packing_for_models([model])
     if contract != PACKING:
         raise RuntimeError(f"{NAME}: the framework's packing contract changed: {contract} (spec: {PACKING})")
     _PRISTINE[model] = _snapshot(model)
-    return model.train()
+    return model
 
 
 # ---- entering CP: the framework's apply_cp, undone before the next call --------------------------------------
@@ -227,30 +197,11 @@ def _restore(model: torch.nn.Module) -> None:
                 now[key] = value
 
 
-@contextlib.contextmanager
-def _transformer_engine_stand_in():
-    """``apply_cp`` does ``from transformer_engine.pytorch.attention import DotProductAttention`` to recognise TE
-    attention. Without TE installed, provide that one name (a class nothing here is an instance of) for the call."""
-    if importlib.util.find_spec("transformer_engine") is not None:
-        yield
-        return
-    names = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.attention")
-    modules = {name: types.ModuleType(name) for name in names}
-    modules[names[2]].DotProductAttention = type("DotProductAttention", (), {})
-    sys.modules.update(modules)
-    try:
-        yield
-    finally:
-        for name in names:
-            sys.modules.pop(name, None)
-
-
 def parallelize(model: torch.nn.Module, mesh: Any) -> None:
     """The model as the recipe's parallelizer leaves it for CP on ``mesh`` (``apply_cp``), or as built (``None``)."""
     _restore(model)
-    if mesh is not None and mesh.size() > 1:
-        with _transformer_engine_stand_in():
-            apply_cp(model, mesh)
+    if model_owned_cp.cp_active(mesh):
+        model_owned_cp.apply_moe_cp(model, mesh)
 
 
 def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_token_id: int = 0,
@@ -288,11 +239,11 @@ def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, v
     """An example batch with shifted labels (see the module docstring for the keys of each kind).
 
     Args:
-        kind: ``"plain"``, ``"right_padded"`` (``deepseek_v41.make_batch``) or ``"packed"`` (``documents[row]``
+        kind: ``"plain"``, ``"right_padded"`` (``_base.make_batch``) or ``"packed"`` (``documents[row]``
             lengths concatenated from column 0, the rest padding, collated by ``neat_packed_vlm_collater``).
     """
     if kind != "packed":
-        return _v41.make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad, pad_id=pad_id)
+        return _base.make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad, pad_id=pad_id)
     if documents is None or len(documents) != batch_size:
         raise ValueError("packed batches need one list of document lengths per row")
     generator = torch.Generator().manual_seed(seed)

@@ -1,5 +1,5 @@
 """Model spec: nemo-automodel 0.7.0's ``Qwen3_8_FlashNextForConditionalGeneration`` (language only) at a tiny
-random config, CP the framework's way. Same interface as ``deepseek_v41`` (see that module's docstring); the
+random config, CP the framework's way. Same interface as ``_base`` (see that module's docstring); the
 shared halves (gather, loss, label count, valid positions, padding) are imported from it.
 
 Shapes: ``B`` batch rows, ``S`` global sequence in the caller's coordinates, ``S_pad`` that padded to a
@@ -60,29 +60,26 @@ micro-batch (the model rejects more, with or without CP).
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
-from typing import Any, Callable
+from typing import Any
 from unittest import mock
 
 import torch
 
 from nemo_automodel.components.datasets.utils import packed_sequence_thd_collater
-from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
 from nemo_automodel.components.models.qwen3_8_flash_next import model as _qwen_model
 from nemo_automodel.components.models.qwen3_8_flash_next.backend import Qwen3_8_FlashNextBackendConfig
 from nemo_automodel.components.models.qwen3_8_flash_next.config import Qwen3_8_FlashNextConfig
 from nemo_automodel.components.models.qwen3_8_flash_next.engram import Qwen3_8_FlashNextEngramTableConfig
 from nemo_automodel.components.moe.megatron.moe_utils import MoEAuxLossAutoScaler
-from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
 
-from examples.automodel.models import model_owned_cp
-from examples.automodel.models.deepseek_v41 import (  # noqa: F401  (the shared half of the interface)
-    IGNORE_INDEX, gather_logits, local_labels, loss, num_label_tokens, pad_batch, valid_positions)
+from examples.automodel.models import _base, model_owned_cp
+from examples.automodel.models._base import (  # noqa: F401  (the shared half of the interface)
+    DTYPES, IGNORE_INDEX, build_seeded, dtype_name, gather_logits, local_labels, loss, num_label_tokens, pad_batch,
+    tiny, valid_positions)
 
 NAME = "qwen3_8_flash_next"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.qwen3_8_flash_next.model.Qwen3_8_FlashNextForConditionalGeneration"
-DTYPES = (torch.float32, torch.bfloat16)
 WORLD_SIZES = (1, 2, 3, 4)
 BATCH_KINDS = ("plain", "right_padded", "packed")
 BATCH_ROWS = {"packed": (1,)}  # the model packs one physical row per micro-batch (THD), with or without CP
@@ -105,8 +102,6 @@ COVERS: dict[str, str] = {
 # With the router's auxiliary loss on (the released 1e-3, the default here) the CP path also runs
 # nemo_automodel.components.moe.layers.Gate._compute_aux_loss with the expert load, scores and token count
 # reduced over the CP mesh.
-FORWARD_ONLY_ON: dict[str, str] = {}
-REQUIRES: dict[str, str] = {}
 
 BATCH_KEYS: dict[str, dict[str, str]] = {
     "required": {
@@ -131,51 +126,24 @@ BACKEND = dict(attn="flex", linear="torch", rms_norm="torch_fp32", experts="torc
                enable_hf_state_dict_adapter=False)
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=16,
-    num_hidden_layers=2,
-    layer_types=["full_attention", "full_attention"],
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
+    vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+    layer_types=["full_attention", "full_attention"], num_attention_heads=2, num_key_value_heads=1, head_dim=8,
     # Rotary width 4 of the head's 8; text positions repeat on the 3 mRoPE axes, so their sections do not matter.
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-    moe_intermediate_size=8,
-    shared_expert_intermediate_size=8,
-    num_experts=4,
-    num_experts_per_tok=2,
+    moe_intermediate_size=8, shared_expert_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
     router_aux_loss_coef=1e-3,  # the released value: the CP path reduces the router's expert load over CP
-    hc_count=2,
-    hc_lowrank=4,
-    ple_layer_ids=[2],
-    ple_embed_dim=16,
-    ple_conv_kernel_size=4,
-    ngram_size=3,
-    heads_per_ngram=8,
-    indexer_budget=4,
-    indexer_compress_ratio=2,
-    indexer_head_dim=8,
-    indexer_kv_heads=1,
-    indexer_n_heads=2,
-    initializer_range=0.2,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=4096,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
+    hc_count=2, hc_lowrank=4, ple_layer_ids=[2], ple_embed_dim=16, ple_conv_kernel_size=4, ngram_size=3,
+    heads_per_ngram=8, indexer_budget=4, indexer_compress_ratio=2, indexer_head_dim=8, indexer_kv_heads=1,
+    indexer_n_heads=2, initializer_range=0.2, rms_norm_eps=1e-6, max_position_embeddings=4096, pad_token_id=0,
+    bos_token_id=1, eos_token_id=2,
 )
 # Moduli of the 16 PLE hash heads (the released ones are ~2e7 each: a 320M-row table).
 TABLE_PRIMES = (17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79)
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> Qwen3_8_FlashNextConfig:
     """The framework's config for the tiny language-only model (``TINY`` with ``overrides``) in ``dtype``."""
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"{NAME}: dtype {dtype} not supported (supported: {list(_DTYPE_NAMES.values())})")
-    text = {**copy.deepcopy(TINY), **overrides, "dtype": _DTYPE_NAMES[dtype]}
+    text = {**tiny(TINY, overrides), "dtype": dtype_name(NAME, dtype)}
     return Qwen3_8_FlashNextConfig(text_config=text, vision_config={"depth": 1}, language_model_only=True)
 
 
@@ -194,9 +162,8 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
     table = Qwen3_8_FlashNextEngramTableConfig(num_embeddings=sum(TABLE_PRIMES),
                                                embedding_dim=text.ple_embed_dim // heads,
                                                initializer_range=text.initializer_range)
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
+
+    def construct() -> torch.nn.Module:
         # Under torch.distributed the constructor would owner-shard the table over WORLD; None builds the
         # framework's single-rank reference table (the owner sharding is FSDP's business, not CP's).
         with mock.patch.object(_qwen_model, "_default_owner_group", lambda: None):
@@ -208,46 +175,15 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
                 hashing = layer.ple.ple_embedding
                 hashing.ngram_heads_vocab_sizes.copy_(torch.tensor(TABLE_PRIMES))
                 hashing.ngram_heads_offsets.copy_(torch.tensor(offsets))
-        model.initialize_weights(buffer_device=torch.device("cpu"), dtype=dtype)
-        with torch.no_grad():
-            for _, parameter in model.named_parameters():
-                if parameter.requires_grad and not parameter.any():
-                    parameter.normal_(std=0.1)
-    finally:
-        torch.random.set_rng_state(state)
-    return model.train()
+        return model
+
+    return build_seeded(construct, dtype, seed, nonzero=True)
 
 
-def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_token_id: int = 0,
-          ) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
-    """``ContextParallelSharder(model, mesh, batch)`` then ``shard`` (the recipe's step), on the model's CP twin
-    (the framework's ``apply_cp`` applied) when ``mesh`` has more than one rank.
-
-    Args:
-        model: From ``build``; never modified.
-        mesh: 1-D ``DeviceMesh`` named ``("cp",)`` or ``None`` (one device).
-        batch: Global batch (``make_batch``); not mutated.
-    Returns:
-        ``(ctx_factory, local_batch, sharder)``: ``local_batch`` tensors ``[B, S_local]``, the model's CP context
-        and, under CP, the twin under ``"_spec_cp_model"``; ``ctx_factory`` is the sharder's (a null context).
-    """
-    batch = dict(batch)
-    target = model
-    if model_owned_cp.cp_active(mesh):
-        target = model_owned_cp.cp_twin(model, mesh, model_owned_cp.apply_moe_cp)
-    sharder = ContextParallelSharder(target, mesh, batch, padding_token_id=padding_token_id)
-    ctx_factory, local_batch = sharder.shard(batch)
-    if target is not model:
-        local_batch["_spec_cp_model"] = target
-    return ctx_factory, local_batch, sharder
-
-
-def forward(model: torch.nn.Module, local_batch: dict[str, Any]) -> torch.Tensor:
-    """The model (or its CP twin) on this rank's shard, inside ``ctx_factory()``: logits ``[B, S_local, V]``
-    (``filter_forward_kwargs`` on the batch without its labels, as the recipe calls it)."""
-    target = local_batch.get("_spec_cp_model", model)
-    kwargs = {key: value for key, value in local_batch.items() if key not in ("labels", "_spec_cp_model")}
-    return target(**filter_forward_kwargs(target, kwargs)).logits
+# The recipe's step (``ContextParallelSharder`` then ``shard``) on the model's CP twin (the framework's ``apply_cp``
+# applied) when the mesh has more than one rank; ``ctx_factory`` is the sharder's (a null context).
+shard = model_owned_cp.shard_on_twin
+forward = model_owned_cp.twin_forward
 
 
 def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
@@ -268,26 +204,13 @@ def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, v
             ``"packed"`` (``documents[row]`` lengths concatenated from column 0, the rest of the row padding:
             the THD collater's ``position_ids``, ``seq_lens``, ``seq_lens_padded``, ``qkv_format``).
     """
+    if kind != "packed":  # the tokens are drawn as for "packed" below
+        return _base.make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad, pad_id=pad_id)
+    if documents is None or len(documents) != batch_size:
+        raise ValueError("packed batches need one list of document lengths per row")
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(1, vocab, (batch_size, seq_len), generator=generator)
-    if kind in ("plain", "right_padded"):
-        real = seq_len - (pad if kind == "right_padded" else 0)
-        if not 0 < real <= seq_len:
-            raise ValueError(f"pad={pad} leaves no real token in {seq_len}")
-        input_ids[:, real:] = pad_id
-        labels = torch.full_like(input_ids, IGNORE_INDEX)
-        labels[:, :real - 1] = input_ids[:, 1:real]
-        batch = {"input_ids": input_ids, "labels": labels}
-        if kind == "right_padded":
-            mask = torch.zeros_like(input_ids)
-            mask[:, :real] = 1
-            batch["attention_mask"] = mask
-        return batch
-    if kind == "packed":
-        if documents is None or len(documents) != batch_size:
-            raise ValueError("packed batches need one list of document lengths per row")
-        return _thd_packed(input_ids, documents, pad_id)
-    raise ValueError(f"unknown batch kind {kind!r}")
+    return _thd_packed(input_ids, documents, pad_id)
 
 
 def _thd_packed(input_ids: torch.Tensor, documents: list[list[int]], pad_id: int) -> dict[str, Any]:

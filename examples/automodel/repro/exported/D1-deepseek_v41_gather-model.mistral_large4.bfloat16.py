@@ -1,5 +1,5 @@
 """Repro: nemo-automodel's nemo_automodel.components.models.deepseek_v41.cp.gather_sequence, serving
-mistral_large4.gather_tokens as examples.automodel.deepseek_v41_gather translates it at CP size 2.
+mistral_large4.gather_tokens as examples.automodel.adapters.deepseek_v41_gather translates it at CP size 2.
 
 What it checks: every rank's tokens [T, ...], gathered along dim 0 in rank order, are the same global tensor on
 every rank; the backward hands each rank the sum over all ranks of the upstream gradient slices of its own tokens
@@ -12,16 +12,16 @@ its rank and global position.
 The upstream gradient reaches the call as a permuted view (rank 0: shape [4, 2, 2, 8], strides (16, 64, 8, 1)),
 stored and rebuilt with those strides.
 
-The code under test is the framework function, called as examples.automodel.deepseek_v41_gather translates the
-documented call (that translation is copied below). Run from the repository root (--backend nccl: on GPUs):
+The code under test is the framework function, called as examples.automodel.adapters.deepseek_v41_gather translates
+the documented call (that translation is copied below). Run from the repository root (--backend nccl: on GPUs):
 
     PYTHONPATH=. python D1-deepseek_v41_gather-model.mistral_large4.bfloat16.py                 # exit 1 while the defect is there, 0 once fixed
     PYTHONPATH=. python D1-deepseek_v41_gather-model.mistral_large4.bfloat16.py --impl cp_impl  # the bundled implementation: exit 0
     PYTHONPATH=. python D1-deepseek_v41_gather-model.mistral_large4.bfloat16.py --fixed         # the fix proposed upstream: exit 0
 
 Exported by cp_harness from the case
-{"batch":{"docs":[[[1,1]],[[3,3]]],"format":"thd","seq_len":3},"check":"model","dtype":"bfloat16","impl":"examples.automodel.deepseek_v41_gather","model":"mistral_large4","num_chunks":2,"seed":0,"shard_primary":false,"world_size":2}
-(implementation examples.automodel.deepseek_v41_gather); narrowed from that case to call 5 of its run
+{"batch":{"docs":[[[1,1]],[[3,3]]],"format":"thd","seq_len":3},"check":"model","dtype":"bfloat16","impl":"examples.automodel.adapters.deepseek_v41_gather","model":"mistral_large4","num_chunks":2,"seed":0,"shard_primary":false,"world_size":2}
+(implementation examples.automodel.adapters.deepseek_v41_gather); narrowed from that case to call 5 of its run
 (mistral_large4.gather_tokens), with the inputs and upstream gradient it received on the ranks.
 """
 
@@ -144,7 +144,7 @@ def options(parser):
 
 def code_under_test(args):
     """mistral_large4.gather_tokens of the module ``args.impl``; without it, the framework's,
-    as examples.automodel.deepseek_v41_gather translates it (copied below)."""
+    as examples.automodel.adapters.deepseek_v41_gather translates it (copied below)."""
     if not args.impl:
         if args.fixed:
             return fixed_gather_tokens

@@ -1,5 +1,5 @@
 """Repro: nemo-automodel's nemo_automodel.components.models.deepseek_v41.cp.gather_sequence, serving
-mistral_large4.gather_tokens as examples.automodel.deepseek_v41_gather translates it at CP size 2.
+mistral_large4.gather_tokens as examples.automodel.adapters.deepseek_v41_gather translates it at CP size 2.
 
 What it checks: every rank's tokens [T, ...], gathered along dim 0 in rank order, are the same global tensor on
 every rank; the backward hands each rank the sum over all ranks of the upstream gradient slices of its own tokens
@@ -8,8 +8,8 @@ float64 on rank 0; drawn from the case's seed), calls mistral_large4.gather_toke
 backpropagates the upstream gradient the case used and compares what it returned with what the contract expects, bit
 for bit (data movement); the first difference is printed with its rank and global position.
 
-The code under test is the framework function, called as examples.automodel.deepseek_v41_gather translates the
-documented call (that translation is copied below). Run from the repository root (--backend nccl: on GPUs):
+The code under test is the framework function, called as examples.automodel.adapters.deepseek_v41_gather translates
+the documented call (that translation is copied below). Run from the repository root (--backend nccl: on GPUs):
 
     PYTHONPATH=. python D2-deepseek_v41_gather-meshes.models.py                 # exit 1 while the defect is there, 0 once fixed
     PYTHONPATH=. python D2-deepseek_v41_gather-meshes.models.py --impl cp_impl  # the bundled implementation: exit 0
@@ -19,9 +19,9 @@ The ranks form the world mesh dp x cp = 2 x 2 (DeviceMesh, mesh_dim_names ['dp',
 CP group of global ranks [[0, 1], [2, 3]] runs the case on mesh["cp"], and "rank" below is the rank in that group.
 
 Exported by cp_harness from the case
-{"check":"gather_tokens","differentiable":true,"dtype":"float64","impl":"examples.automodel.deepseek_v41_gather","mesh_layout":{"dims":["dp","cp"],"shape":[2,2]},"seed":207,"shape":[3,2],"world_size":2}
-(implementation examples.automodel.deepseek_v41_gather); narrowed from the case
-{"batch":{"format":"bshd","rows":[[1,7],[0,8]],"seq_len":8},"check":"model","dtype":"float64","impl":"examples.automodel.deepseek_v41_gather","mesh_layout":{"dims":["dp","cp"],"shape":[2,2]},"model":"mistral_large4","num_chunks":1,"seed":207,"shard_primary":true,"world_size":2}.
+{"check":"gather_tokens","differentiable":true,"dtype":"float64","impl":"examples.automodel.adapters.deepseek_v41_gather","mesh_layout":{"dims":["dp","cp"],"shape":[2,2]},"seed":207,"shape":[3,2],"world_size":2}
+(implementation examples.automodel.adapters.deepseek_v41_gather); narrowed from the case
+{"batch":{"format":"bshd","rows":[[1,7],[0,8]],"seq_len":8},"check":"model","dtype":"float64","impl":"examples.automodel.adapters.deepseek_v41_gather","mesh_layout":{"dims":["dp","cp"],"shape":[2,2]},"model":"mistral_large4","num_chunks":1,"seed":207,"shard_primary":true,"world_size":2}.
 """
 
 import argparse
@@ -148,7 +148,7 @@ def options(parser):
 
 def code_under_test(args):
     """mistral_large4.gather_tokens of the module ``args.impl``; without it, the framework's,
-    as examples.automodel.deepseek_v41_gather translates it (copied below)."""
+    as examples.automodel.adapters.deepseek_v41_gather translates it (copied below)."""
     if not args.impl:
         if args.fixed:
             return fixed_gather_tokens

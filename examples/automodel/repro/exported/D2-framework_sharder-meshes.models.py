@@ -1,5 +1,5 @@
-"""Repro: inkling2.prepare_cp_inputs of the implementation examples.automodel.framework_sharder and its sharder at CP
-size 2.
+"""Repro: inkling2.prepare_cp_inputs of the implementation examples.automodel.adapters.framework_sharder and its
+sharder at CP size 2.
 
 What it checks: shard_token_tensor(x, seq_dim=1, fill) returns this rank's positions of the index map (x padded with
 fill); gather_token_tensor(local, seq_dim=1, trim) puts every rank's shard back in global order (trim: the caller's
@@ -8,8 +8,8 @@ builds the case's global batch, calls inkling2.prepare_cp_inputs(batch), resolve
 framework's way and shards inside its context, as a train step does; rank 0 judges the caller's tensors, the index
 maps, the token verbs (bit for bit) and prints what differs, with the rank, the global position and both values.
 
-The code under test is the module examples.automodel.framework_sharder, imported by name. Run from the repository
-root (--backend nccl: on GPUs):
+The code under test is the module examples.automodel.adapters.framework_sharder, imported by name. Run from the
+repository root (--backend nccl: on GPUs):
 
     PYTHONPATH=. python D2-framework_sharder-meshes.models.py                 # exit 1 while the defect is there, 0 once fixed
     PYTHONPATH=. python D2-framework_sharder-meshes.models.py --impl cp_impl  # the bundled implementation: exit 0
@@ -18,8 +18,8 @@ The ranks form the world mesh cp x dp = 2 x 2 (DeviceMesh, mesh_dim_names ['cp',
 CP group of global ranks [[0, 2], [1, 3]] runs the case on mesh["cp"], and "rank" below is the rank in that group.
 
 Exported by cp_harness from the case
-{"check":"sharder_roundtrip","dtype":"float64","impl":"examples.automodel.framework_sharder","mesh_layout":{"dims":["cp","dp"],"shape":[2,2]},"seed":205,"shape":[2,5,3],"world_size":2}
-(implementation examples.automodel.framework_sharder).
+{"check":"sharder_roundtrip","dtype":"float64","impl":"examples.automodel.adapters.framework_sharder","mesh_layout":{"dims":["cp","dp"],"shape":[2,2]},"seed":205,"shape":[2,5,3],"world_size":2}
+(implementation examples.automodel.adapters.framework_sharder).
 """
 
 import argparse
@@ -138,7 +138,7 @@ def differs(name: str, actual, expected, where, budget=None, mask=None):
 
 
 def options(parser):
-    parser.add_argument("--impl", default='examples.automodel.framework_sharder', metavar="MODULE",
+    parser.add_argument("--impl", default='examples.automodel.adapters.framework_sharder', metavar="MODULE",
                         help="the implementation module under test (default: the one that failed)")
 
 

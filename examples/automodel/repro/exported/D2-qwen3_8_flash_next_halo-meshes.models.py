@@ -1,5 +1,6 @@
 """Repro: nemo-automodel's nemo_automodel.components.models.qwen3_8_flash_next.cp.qwen3_8_flash_next_cp_left_halo,
-serving inkling2.convolution_history as examples.automodel.qwen3_8_flash_next_halo translates it at CP size 2.
+serving inkling2.convolution_history as examples.automodel.adapters.qwen3_8_flash_next_halo translates it at CP size
+2.
 
 What it checks: convolution_history(x, mesh, width) returns the width - 1 global rows before this rank's shard
 (zeros before position 0) followed by x; the backward adds every history row's gradient to the rank that owns the
@@ -8,8 +9,9 @@ rank 0; drawn from the case's seed), calls inkling2.convolution_history(x, mesh,
 gradient the case used and compares what it returned with what the contract expects, bit for bit (data movement);
 the first difference is printed with its rank and global position.
 
-The code under test is the framework function, called as examples.automodel.qwen3_8_flash_next_halo translates the
-documented call (that translation is copied below). Run from the repository root (--backend nccl: on GPUs):
+The code under test is the framework function, called as examples.automodel.adapters.qwen3_8_flash_next_halo
+translates the documented call (that translation is copied below). Run from the repository root (--backend nccl: on
+GPUs):
 
     PYTHONPATH=. python D2-qwen3_8_flash_next_halo-meshes.models.py                 # exit 1 while the defect is there, 0 once fixed
     PYTHONPATH=. python D2-qwen3_8_flash_next_halo-meshes.models.py --impl cp_impl  # the bundled implementation: exit 0
@@ -19,9 +21,9 @@ The ranks form the world mesh dp x cp x tp = 1 x 2 x 1 over ranks [1, 3] (Device
 is the rank in that group.
 
 Exported by cp_harness from the case
-{"check":"convolution_history","dtype":"float64","impl":"examples.automodel.qwen3_8_flash_next_halo","mesh_layout":{"dims":["dp","cp","tp"],"ranks":[1,3],"shape":[1,2,1]},"seed":206,"shape":[1,3,2],"width":3,"world_size":2}
-(implementation examples.automodel.qwen3_8_flash_next_halo); narrowed from the case
-{"batch":{"docs":[[[3,3],[6,6]]],"format":"thd","seq_len":9},"check":"model","dtype":"float64","impl":"examples.automodel.qwen3_8_flash_next_halo","mesh_layout":{"dims":["dp","cp","tp"],"ranks":[1,3],"shape":[1,2,1]},"model":"inkling2","num_chunks":1,"seed":206,"world_size":2}.
+{"check":"convolution_history","dtype":"float64","impl":"examples.automodel.adapters.qwen3_8_flash_next_halo","mesh_layout":{"dims":["dp","cp","tp"],"ranks":[1,3],"shape":[1,2,1]},"seed":206,"shape":[1,3,2],"width":3,"world_size":2}
+(implementation examples.automodel.adapters.qwen3_8_flash_next_halo); narrowed from the case
+{"batch":{"docs":[[[3,3],[6,6]]],"format":"thd","seq_len":9},"check":"model","dtype":"float64","impl":"examples.automodel.adapters.qwen3_8_flash_next_halo","mesh_layout":{"dims":["dp","cp","tp"],"ranks":[1,3],"shape":[1,2,1]},"model":"inkling2","num_chunks":1,"seed":206,"world_size":2}.
 """
 
 import argparse
@@ -145,7 +147,7 @@ def options(parser):
 
 def code_under_test(args):
     """inkling2.convolution_history of the module ``args.impl``; without it, the framework's,
-    as examples.automodel.qwen3_8_flash_next_halo translates it (copied below)."""
+    as examples.automodel.adapters.qwen3_8_flash_next_halo translates it (copied below)."""
     if not args.impl:
         return convolution_history
     module = importlib.import_module(args.impl)

@@ -1,6 +1,6 @@
 """Repro: nemo-automodel's nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_contiguous,
-serving inkling2.prepare_cp_inputs as examples.automodel.shard_batch_contiguous translates it and its sharder at CP
-size 2.
+serving inkling2.prepare_cp_inputs as examples.automodel.adapters.shard_batch_contiguous translates it and its
+sharder at CP size 2.
 
 What it checks: shard_token_tensor(x, seq_dim=1, fill) returns this rank's positions of the index map (x padded with
 fill); gather_token_tensor(local, seq_dim=1, trim) puts every rank's shard back in global order (trim: the caller's
@@ -9,8 +9,9 @@ builds the case's global batch, calls inkling2.prepare_cp_inputs(batch), resolve
 framework's way and shards inside its context, as a train step does; rank 0 judges the caller's tensors, the index
 maps, the token verbs (bit for bit) and prints what differs, with the rank, the global position and both values.
 
-The code under test is the framework function, called as examples.automodel.shard_batch_contiguous translates the
-documented call (that translation is copied below). Run from the repository root (--backend nccl: on GPUs):
+The code under test is the framework function, called as examples.automodel.adapters.shard_batch_contiguous
+translates the documented call (that translation is copied below). Run from the repository root (--backend nccl: on
+GPUs):
 
     PYTHONPATH=. python D2-shard_batch_contiguous-meshes.models.py                 # exit 1 while the defect is there, 0 once fixed
     PYTHONPATH=. python D2-shard_batch_contiguous-meshes.models.py --impl cp_impl  # the bundled implementation: exit 0
@@ -19,8 +20,8 @@ The ranks form the world mesh cp x dp = 2 x 2 (DeviceMesh, mesh_dim_names ['cp',
 CP group of global ranks [[0, 2], [1, 3]] runs the case on mesh["cp"], and "rank" below is the rank in that group.
 
 Exported by cp_harness from the case
-{"check":"sharder_roundtrip","dtype":"float64","impl":"examples.automodel.shard_batch_contiguous","mesh_layout":{"dims":["cp","dp"],"shape":[2,2]},"seed":205,"shape":[2,5,3],"world_size":2}
-(implementation examples.automodel.shard_batch_contiguous).
+{"check":"sharder_roundtrip","dtype":"float64","impl":"examples.automodel.adapters.shard_batch_contiguous","mesh_layout":{"dims":["cp","dp"],"shape":[2,2]},"seed":205,"shape":[2,5,3],"world_size":2}
+(implementation examples.automodel.adapters.shard_batch_contiguous).
 """
 
 import argparse
@@ -151,7 +152,7 @@ def options(parser):
 
 
 def code_under_test(args, arrays, device, marked=False):
-    """``(batch, unresolved sharder)``: inkling2.prepare_cp_inputs of the module ``args.impl``; without it, the framework's sharder as examples.automodel.shard_batch_contiguous builds it (copied below), on the batch as its hook leaves it."""
+    """``(batch, unresolved sharder)``: inkling2.prepare_cp_inputs of the module ``args.impl``; without it, the framework's sharder as examples.automodel.adapters.shard_batch_contiguous builds it (copied below), on the batch as its hook leaves it."""
     if not args.impl:
         batch = global_batch(arrays, "marked_hooked" if marked else "hooked", device)
         return batch, ContextParallelSharder(shard_batch=functools.partial(_shard_batch, shard_primary=False), local_token_global_indices=_local_indices)

@@ -1,5 +1,5 @@
 """Repro: nemo-automodel's nemo_automodel.components.distributed.blockdiag_cp.exchange._AllGatherSeqDiff, serving
-mistral_large4.gather_tokens as examples.automodel.blockdiag_gather translates it at CP size 3.
+mistral_large4.gather_tokens as examples.automodel.adapters.blockdiag_gather translates it at CP size 3.
 
 What it checks: every rank's tokens [T, ...], gathered along dim 0 in rank order, are the same global tensor on
 every rank; the backward hands each rank the sum over all ranks of the upstream gradient slices of its own tokens
@@ -8,7 +8,7 @@ bfloat16 on rank 0; drawn from the case's seed), calls mistral_large4.gather_tok
 backpropagates the upstream gradient the case used and compares what it returned with what the contract expects, bit
 for bit (data movement); the first difference is printed with its rank and global position.
 
-The code under test is the framework function, called as examples.automodel.blockdiag_gather translates the
+The code under test is the framework function, called as examples.automodel.adapters.blockdiag_gather translates the
 documented call (that translation is copied below). Run from the repository root (--backend nccl: on GPUs):
 
     PYTHONPATH=. python D4-blockdiag_gather-meshes.functions.py                 # exit 1 while the defect is there, 0 once fixed
@@ -20,8 +20,8 @@ The ranks form the world mesh dp_shard x cp x tp = 1 x 3 x 1 over ranks [1, 2, 3
 mesh["cp"], and "rank" below is the rank in that group.
 
 Exported by cp_harness from the case
-{"check":"gather_tokens","differentiable":true,"dtype":"bfloat16","impl":"examples.automodel.blockdiag_gather","mesh_layout":{"dims":["dp_shard","cp","tp"],"ranks":[1,2,3],"shape":[1,3,1]},"seed":203,"shape":[2,3],"world_size":3}
-(implementation examples.automodel.blockdiag_gather).
+{"check":"gather_tokens","differentiable":true,"dtype":"bfloat16","impl":"examples.automodel.adapters.blockdiag_gather","mesh_layout":{"dims":["dp_shard","cp","tp"],"ranks":[1,2,3],"shape":[1,3,1]},"seed":203,"shape":[2,3],"world_size":3}
+(implementation examples.automodel.adapters.blockdiag_gather).
 """
 
 import argparse
@@ -153,7 +153,7 @@ def options(parser):
 
 def code_under_test(args):
     """mistral_large4.gather_tokens of the module ``args.impl``; without it, the framework's,
-    as examples.automodel.blockdiag_gather translates it (copied below)."""
+    as examples.automodel.adapters.blockdiag_gather translates it (copied below)."""
     if not args.impl:
         if args.fixed:
             return fixed_gather_tokens

@@ -1,5 +1,5 @@
 """Repro: nemo-automodel's nemo_automodel.components.models.kimi_linear.cp.all_gather_sequence, serving
-inkling2.gather_sequence as examples.automodel.kimi_linear_gather translates it at CP size 3.
+inkling2.gather_sequence as examples.automodel.adapters.kimi_linear_gather translates it at CP size 3.
 
 What it checks: every rank's shard [B, L, ...], gathered along dim 1 in rank order, is the same global tensor on
 every rank; the backward hands each rank the sum over all ranks of the upstream gradient slices of its own shard
@@ -8,16 +8,16 @@ bfloat16 on rank 0; drawn from the case's seed), calls inkling2.gather_sequence(
 the upstream gradient the case used and compares what it returned with what the contract expects, bit for bit (data
 movement); the first difference is printed with its rank and global position.
 
-The code under test is the framework function, called as examples.automodel.kimi_linear_gather translates the
-documented call (that translation is copied below). Run from the repository root (--backend nccl: on GPUs):
+The code under test is the framework function, called as examples.automodel.adapters.kimi_linear_gather translates
+the documented call (that translation is copied below). Run from the repository root (--backend nccl: on GPUs):
 
     PYTHONPATH=. python D4-kimi_linear_gather-gather_sequence.py                 # exit 1 while the defect is there, 0 once fixed
     PYTHONPATH=. python D4-kimi_linear_gather-gather_sequence.py --impl cp_impl  # the bundled implementation: exit 0
     PYTHONPATH=. python D4-kimi_linear_gather-gather_sequence.py --fixed         # the fix proposed upstream: exit 0
 
 Exported by cp_harness from the case
-{"check":"gather_sequence","differentiable":true,"dtype":"bfloat16","impl":"examples.automodel.kimi_linear_gather","seed":0,"shape":[1,1],"world_size":3}
-(implementation examples.automodel.kimi_linear_gather).
+{"check":"gather_sequence","differentiable":true,"dtype":"bfloat16","impl":"examples.automodel.adapters.kimi_linear_gather","seed":0,"shape":[1,1],"world_size":3}
+(implementation examples.automodel.adapters.kimi_linear_gather).
 """
 
 import argparse
@@ -139,7 +139,7 @@ def options(parser):
 
 def code_under_test(args):
     """inkling2.gather_sequence of the module ``args.impl``; without it, the framework's,
-    as examples.automodel.kimi_linear_gather translates it (copied below)."""
+    as examples.automodel.adapters.kimi_linear_gather translates it (copied below)."""
     if not args.impl:
         if args.fixed:
             return fixed_gather_sequence

@@ -1,5 +1,6 @@
 """Repro: nemo-automodel's nemo_automodel.components.models.qwen3_8_flash_next.cp.qwen3_8_flash_next_cp_left_halo,
-serving inkling2.convolution_history as examples.automodel.qwen3_8_flash_next_halo translates it at CP size 3.
+serving inkling2.convolution_history as examples.automodel.adapters.qwen3_8_flash_next_halo translates it at CP size
+3.
 
 What it checks: convolution_history(x, mesh, width) returns the width - 1 global rows before this rank's shard
 (zeros before position 0) followed by x; the backward adds every history row's gradient to the rank that owns the
@@ -8,15 +9,16 @@ rank 0; drawn from the case's seed), calls inkling2.convolution_history(x, mesh,
 gradient the case used and compares what it returned with what the contract expects, bit for bit (data movement);
 the first difference is printed with its rank and global position.
 
-The code under test is the framework function, called as examples.automodel.qwen3_8_flash_next_halo translates the
-documented call (that translation is copied below). Run from the repository root (--backend nccl: on GPUs):
+The code under test is the framework function, called as examples.automodel.adapters.qwen3_8_flash_next_halo
+translates the documented call (that translation is copied below). Run from the repository root (--backend nccl: on
+GPUs):
 
     PYTHONPATH=. python D4-qwen3_8_flash_next_halo-convolution_history.py                 # exit 1 while the defect is there, 0 once fixed
     PYTHONPATH=. python D4-qwen3_8_flash_next_halo-convolution_history.py --impl cp_impl  # the bundled implementation: exit 0
 
 Exported by cp_harness from the case
-{"check":"convolution_history","dtype":"bfloat16","impl":"examples.automodel.qwen3_8_flash_next_halo","seed":0,"shape":[1,1,1],"width":3,"world_size":3}
-(implementation examples.automodel.qwen3_8_flash_next_halo).
+{"check":"convolution_history","dtype":"bfloat16","impl":"examples.automodel.adapters.qwen3_8_flash_next_halo","seed":0,"shape":[1,1,1],"width":3,"world_size":3}
+(implementation examples.automodel.adapters.qwen3_8_flash_next_halo).
 """
 
 import argparse
@@ -135,7 +137,7 @@ def options(parser):
 
 def code_under_test(args):
     """inkling2.convolution_history of the module ``args.impl``; without it, the framework's,
-    as examples.automodel.qwen3_8_flash_next_halo translates it (copied below)."""
+    as examples.automodel.adapters.qwen3_8_flash_next_halo translates it (copied below)."""
     if not args.impl:
         return convolution_history
     module = importlib.import_module(args.impl)

@@ -1,6 +1,6 @@
 """Repro: nemo-automodel's nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_load_balanced,
-serving mistral_large4.prepare_cp_inputs as examples.automodel.shard_batch_load_balanced translates it and its
-sharder at CP size 2.
+serving mistral_large4.prepare_cp_inputs as examples.automodel.adapters.shard_batch_load_balanced translates it and
+its sharder at CP size 2.
 
 What it checks: a hook returns an unresolved sharder; once resolved, the local batch holds each key at the global
 positions its index map reports (labels and positions as computed on the global sequence, padding from the layout
@@ -11,15 +11,16 @@ framework's way and shards inside its context, as a train step does; rank 0 judg
 maps, the local position_ids (bit for bit) and prints what differs, with the rank, the global position and both
 values.
 
-The code under test is the framework function, called as examples.automodel.shard_batch_load_balanced translates the
-documented call (that translation is copied below). Run from the repository root (--backend nccl: on GPUs):
+The code under test is the framework function, called as examples.automodel.adapters.shard_batch_load_balanced
+translates the documented call (that translation is copied below). Run from the repository root (--backend nccl: on
+GPUs):
 
     PYTHONPATH=. python S1-shard_batch_load_balanced-mistral_large4_layout.py                 # exit 1 while the defect is there, 0 once fixed
     PYTHONPATH=. python S1-shard_batch_load_balanced-mistral_large4_layout.py --impl cp_impl  # the bundled implementation: exit 0
 
 Exported by cp_harness from the case
-{"batch":{"format":"bshd","rows":[[0,1]],"seq_len":1},"check":"mistral_large4_layout","impl":"examples.automodel.shard_batch_load_balanced","model":"mistral_large4","num_chunks":1,"seed":0,"shard_primary":true,"world_size":2}
-(implementation examples.automodel.shard_batch_load_balanced).
+{"batch":{"format":"bshd","rows":[[0,1]],"seq_len":1},"check":"mistral_large4_layout","impl":"examples.automodel.adapters.shard_batch_load_balanced","model":"mistral_large4","num_chunks":1,"seed":0,"shard_primary":true,"world_size":2}
+(implementation examples.automodel.adapters.shard_batch_load_balanced).
 """
 
 import argparse
@@ -144,7 +145,7 @@ def options(parser):
 
 
 def code_under_test(args, arrays, device, marked=False):
-    """``(batch, unresolved sharder)``: mistral_large4.prepare_cp_inputs of the module ``args.impl``; without it, the framework's sharder as examples.automodel.shard_batch_load_balanced builds it (copied below), on the batch as its hook leaves it."""
+    """``(batch, unresolved sharder)``: mistral_large4.prepare_cp_inputs of the module ``args.impl``; without it, the framework's sharder as examples.automodel.adapters.shard_batch_load_balanced builds it (copied below), on the batch as its hook leaves it."""
     if not args.impl:
         batch = global_batch(arrays, "marked_hooked" if marked else "hooked", device)
         return batch, ContextParallelSharder(shard_batch=_shard_batch, local_token_global_indices=_local_indices)

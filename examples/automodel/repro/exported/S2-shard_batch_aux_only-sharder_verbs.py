@@ -1,5 +1,6 @@
 """Repro: nemo-automodel's nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_aux_only, serving
-inkling2.prepare_cp_inputs as examples.automodel.shard_batch_aux_only translates it and its sharder at CP size 3.
+inkling2.prepare_cp_inputs as examples.automodel.adapters.shard_batch_aux_only translates it and its sharder at CP
+size 3.
 
 What it checks: after shard(batch) the sharder's verbs take tensors in the caller's coordinates:
 shard_token_tensor(x, seq_dim, fill) pads x with fill to the padded length and returns this rank's positions of the
@@ -9,15 +10,15 @@ rank builds the case's global batch, calls inkling2.prepare_cp_inputs(batch), re
 framework's way and shards inside its context, as a train step does; rank 0 judges the caller's tensors, the index
 maps (bit for bit) and prints what differs, with the rank, the global position and both values.
 
-The code under test is the framework function, called as examples.automodel.shard_batch_aux_only translates the
-documented call (that translation is copied below). Run from the repository root (--backend nccl: on GPUs):
+The code under test is the framework function, called as examples.automodel.adapters.shard_batch_aux_only translates
+the documented call (that translation is copied below). Run from the repository root (--backend nccl: on GPUs):
 
     PYTHONPATH=. python S2-shard_batch_aux_only-sharder_verbs.py                 # exit 1 while the defect is there, 0 once fixed
     PYTHONPATH=. python S2-shard_batch_aux_only-sharder_verbs.py --impl cp_impl  # the bundled implementation: exit 0
 
 Exported by cp_harness from the case
-{"check":"sharder_verbs","dtype":"float64","forms":[{"coords":"caller","fill":0,"lead":[],"trail":[],"trim":false}],"impl":"examples.automodel.shard_batch_aux_only","layout":"strategy","model":"inkling2","rows":1,"seed":0,"seq_len":6,"world_size":3}
-(implementation examples.automodel.shard_batch_aux_only).
+{"check":"sharder_verbs","dtype":"float64","forms":[{"coords":"caller","fill":0,"lead":[],"trail":[],"trim":false}],"impl":"examples.automodel.adapters.shard_batch_aux_only","layout":"strategy","model":"inkling2","rows":1,"seed":0,"seq_len":6,"world_size":3}
+(implementation examples.automodel.adapters.shard_batch_aux_only).
 """
 
 import argparse
@@ -143,7 +144,7 @@ def options(parser):
 
 
 def code_under_test(args, arrays, device, marked=False):
-    """``(batch, unresolved sharder)``: inkling2.prepare_cp_inputs of the module ``args.impl``; without it, the framework's sharder as examples.automodel.shard_batch_aux_only builds it (copied below), on the batch as its hook leaves it."""
+    """``(batch, unresolved sharder)``: inkling2.prepare_cp_inputs of the module ``args.impl``; without it, the framework's sharder as examples.automodel.adapters.shard_batch_aux_only builds it (copied below), on the batch as its hook leaves it."""
     if not args.impl:
         batch = global_batch(arrays, "marked_hooked" if marked else "hooked", device)
         return batch, AuxOnlySharder(shard_batch=_shard_batch, local_token_global_indices=_local_indices)

@@ -1,5 +1,6 @@
 """Repro: nemo-automodel's nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_identity, serving
-inkling2.prepare_cp_inputs as examples.automodel.shard_batch_identity translates it and its sharder at CP size 1.
+inkling2.prepare_cp_inputs as examples.automodel.adapters.shard_batch_identity translates it and its sharder at CP
+size 1.
 
 What it checks: the sharder is given the caller's loss mask [batch, sequence] (ContextParallelSharder(...,
 loss_mask=mask), as the framework's train step gives it); shard() must return it as the local batch's loss_mask, at
@@ -9,15 +10,15 @@ num_chunks=1), resolves the sharder it returns the framework's way and shards in
 does; rank 0 judges the caller's tensors, the index maps, the local loss_mask (bit for bit) and prints what differs,
 with the rank, the global position and both values.
 
-The code under test is the framework function, called as examples.automodel.shard_batch_identity translates the
-documented call (that translation is copied below). Run from the repository root (--backend nccl: on GPUs):
+The code under test is the framework function, called as examples.automodel.adapters.shard_batch_identity translates
+the documented call (that translation is copied below). Run from the repository root (--backend nccl: on GPUs):
 
     PYTHONPATH=. python S3-shard_batch_identity-loss_mask_layout.py                 # exit 1 while the defect is there, 0 once fixed
     PYTHONPATH=. python S3-shard_batch_identity-loss_mask_layout.py --impl cp_impl  # the bundled implementation: exit 0
 
 Exported by cp_harness from the case
-{"batch":{"format":"bshd","rows":[[0,1]],"seq_len":1},"check":"loss_mask_layout","impl":"examples.automodel.shard_batch_identity","loss_mask":"bool","model":"inkling2","num_chunks":1,"seed":0,"world_size":1}
-(implementation examples.automodel.shard_batch_identity).
+{"batch":{"format":"bshd","rows":[[0,1]],"seq_len":1},"check":"loss_mask_layout","impl":"examples.automodel.adapters.shard_batch_identity","loss_mask":"bool","model":"inkling2","num_chunks":1,"seed":0,"world_size":1}
+(implementation examples.automodel.adapters.shard_batch_identity).
 """
 
 import argparse
@@ -139,7 +140,7 @@ def options(parser):
 
 
 def code_under_test(args, arrays, device, marked=False):
-    """``(batch, unresolved sharder)``: inkling2.prepare_cp_inputs of the module ``args.impl``; without it, the framework's sharder as examples.automodel.shard_batch_identity builds it (copied below), on the batch as its hook leaves it."""
+    """``(batch, unresolved sharder)``: inkling2.prepare_cp_inputs of the module ``args.impl``; without it, the framework's sharder as examples.automodel.adapters.shard_batch_identity builds it (copied below), on the batch as its hook leaves it."""
     if not args.impl:
         batch = global_batch(arrays, "marked_hooked" if marked else "hooked", device)
         return batch, ContextParallelSharder(shard_batch=shard_batch_identity, local_token_global_indices=identity_local_indices)

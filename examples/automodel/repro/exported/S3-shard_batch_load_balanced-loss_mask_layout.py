@@ -1,6 +1,6 @@
 """Repro: nemo-automodel's nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_load_balanced,
-serving mistral_large4.prepare_cp_inputs as examples.automodel.shard_batch_load_balanced translates it and its
-sharder at CP size 2.
+serving mistral_large4.prepare_cp_inputs as examples.automodel.adapters.shard_batch_load_balanced translates it and
+its sharder at CP size 2.
 
 What it checks: the sharder is given the caller's loss mask [batch, sequence] (ContextParallelSharder(...,
 loss_mask=mask), as the framework's train step gives it); shard() must return it as the local batch's loss_mask, at
@@ -10,15 +10,16 @@ mistral_large4.prepare_cp_inputs(batch, num_chunks=1), resolves the sharder it r
 shards inside its context, as a train step does; rank 0 judges the caller's tensors, the index maps, the local
 loss_mask (bit for bit) and prints what differs, with the rank, the global position and both values.
 
-The code under test is the framework function, called as examples.automodel.shard_batch_load_balanced translates the
-documented call (that translation is copied below). Run from the repository root (--backend nccl: on GPUs):
+The code under test is the framework function, called as examples.automodel.adapters.shard_batch_load_balanced
+translates the documented call (that translation is copied below). Run from the repository root (--backend nccl: on
+GPUs):
 
     PYTHONPATH=. python S3-shard_batch_load_balanced-loss_mask_layout.py                 # exit 1 while the defect is there, 0 once fixed
     PYTHONPATH=. python S3-shard_batch_load_balanced-loss_mask_layout.py --impl cp_impl  # the bundled implementation: exit 0
 
 Exported by cp_harness from the case
-{"batch":{"format":"bshd","rows":[[0,5],[1,3]],"seq_len":5},"check":"loss_mask_layout","impl":"examples.automodel.shard_batch_load_balanced","loss_mask":"float","model":"mistral_large4","num_chunks":1,"seed":5,"world_size":2}
-(implementation examples.automodel.shard_batch_load_balanced).
+{"batch":{"format":"bshd","rows":[[0,5],[1,3]],"seq_len":5},"check":"loss_mask_layout","impl":"examples.automodel.adapters.shard_batch_load_balanced","loss_mask":"float","model":"mistral_large4","num_chunks":1,"seed":5,"world_size":2}
+(implementation examples.automodel.adapters.shard_batch_load_balanced).
 """
 
 import argparse
@@ -143,7 +144,7 @@ def options(parser):
 
 
 def code_under_test(args, arrays, device, marked=False):
-    """``(batch, unresolved sharder)``: mistral_large4.prepare_cp_inputs of the module ``args.impl``; without it, the framework's sharder as examples.automodel.shard_batch_load_balanced builds it (copied below), on the batch as its hook leaves it."""
+    """``(batch, unresolved sharder)``: mistral_large4.prepare_cp_inputs of the module ``args.impl``; without it, the framework's sharder as examples.automodel.adapters.shard_batch_load_balanced builds it (copied below), on the batch as its hook leaves it."""
     if not args.impl:
         batch = global_batch(arrays, "marked_hooked" if marked else "hooked", device)
         return batch, ContextParallelSharder(shard_batch=_shard_batch, local_token_global_indices=_local_indices)

@@ -1,0 +1,205 @@
+"""Check ``training_step``: one training step of a real model as the framework's recipe runs it at CP > 1, with a
+data-parallel dimension (``dp_shard x cp = 2 x 2`` on 4 ranks), against one device on the whole global batch.
+
+The ranks run a *step driver* (case key ``driver``, default ``examples.automodel.training.train_ft_step``: the framework's
+mesh with ``dp_shard_cp`` flattened, its parallelizer (FSDP2 over ``dp_shard_cp``), the spec's CP ``shard``, the
+recipe's label count summed over ``dp`` and its loss scaling, backward, the clip-grad helper) and hand back what the
+optimizer sees: each parameter's gradient (its FSDP2 shards gathered whole), the gradient norm the recipe clips
+with, the reported loss, and the logits (gathered over CP, then over dp). Each dp rank holds its own rows of the
+global batch (``dp rank d``: rows ``d*r .. (d+1)*r - 1``), so the rows' label counts differ between dp ranks.
+
+The reference is the one-device step of the real-model check (``model_specs.step`` on rank 0 with the same spec
+model, unsharded, on all rows: loss = summed cross entropy / the global label count), plainly and reordered (the
+spread), and the one-device gradient norm ``sqrt(sum of squared gradients)``. Every tensor is judged exactly as
+``real_model`` judges it (``C x spread + FLOOR``, normwise ULPs of the model dtype, its ``_judged`` and
+``_comparison``); the gradient norm is one more quantity with a spread of its own kind. No explanation runs
+(padding, kernels) are made here: a failure is a failure of the step.
+
+Case keys: those of ``real_model`` (``spec``, ``dtype``, ``seed``, ``overrides``, ``batch``: ``batch_size`` is the
+*global* row count) and ``world_size`` (= ``dp_shard x cp``), ``dp_shard``, ``cp``, ``driver`` (a module with
+``mesh_context(dp_shard, cp)``, ``parallelized(spec, dtype, seed, context, **overrides)``, ``STEP.run(...)`` and
+``STAND_IN``; a defect fixture is another driver).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from hypothesis import strategies as st
+
+from cp_harness.cases.profiles import current_space
+from cp_harness.cases.strategies import as_space
+from cp_harness.checks import VerifyRow, register
+from cp_harness.checks import real_model as rm
+from cp_harness.judging.verdicts import CaseReport
+from cp_harness.usage import model_specs
+
+DRIVER = "examples.automodel.training.train_ft_step"
+DP_SHARD, CP = 2, 2
+NORM = rm.Quantity("grad_norm")
+# float32 only: a bfloat16 spec model keeps some parameters in float32 (DeepSeek V4.1: LM head, hyper-connections,
+# sinks), and FSDP2 refuses a unit of mixed original dtypes ("FSDP expects uniform original parameter dtype but got
+# {torch.bfloat16, torch.float32}", measured); the framework's own bfloat16 recipe (float32 master weights,
+# param_dtype bfloat16) has no one-device reference of the same computation yet (docs/training_step.md).
+STEP_DTYPES = ("float32",)
+_FSDP_MODELS: dict[tuple, torch.nn.Module] = {}
+
+
+def _sizes(case: dict) -> tuple[int, int, int]:
+    """``(dp_shard, cp, rows per dp rank)``; a case that cannot run raises naming the field and the fix."""
+    dp, cp = int(case.get("dp_shard", DP_SHARD)), int(case.get("cp", CP))
+    if dp < 1 or cp < 2:
+        raise ValueError(f"training_step case: dp_shard={dp}, cp={cp}; give dp_shard >= 1 and cp >= 2")
+    if int(case.get("world_size", 0)) != dp * cp:
+        raise ValueError(f"training_step case: world_size={case.get('world_size')} but dp_shard x cp = {dp} x {cp}; "
+                         f"give world_size {dp * cp}")
+    rows = int(case["batch"].get("batch_size", 1))
+    if rows % dp:
+        raise ValueError(f"training_step case: batch.batch_size={rows} (the global rows) is not a multiple of "
+                         f"dp_shard={dp}; give {dp} x the rows per dp rank")
+    return dp, cp, rows // dp
+
+
+def _fsdp_model(driver, spec, case: dict, context) -> torch.nn.Module:
+    key = (case.get("driver", DRIVER), case["spec"], case["dtype"], int(case.get("seed", 0)),
+           tuple(sorted((case.get("overrides") or {}).items())), id(context))
+    if key not in _FSDP_MODELS:
+        _FSDP_MODELS[key] = driver.parallelized(spec, model_specs.DTYPES[case["dtype"]], int(case.get("seed", 0)),
+                                                context, **(case.get("overrides") or {}))
+    return _FSDP_MODELS[key]
+
+
+def _with_norm(result: dict) -> dict[rm.Quantity, torch.Tensor]:
+    out = rm._quantities(result)
+    if "grad_norm" in result:
+        out[NORM] = result["grad_norm"].double()
+    else:  # one device: the 2-norm over every parameter's gradient, in float64
+        out[NORM] = torch.sqrt(sum((g.double() ** 2).sum() for g in result["grads"].values()))
+    return out
+
+
+def _rank(case: dict, ctx) -> tuple[dict, dict]:
+    error = None
+    try:
+        dp, cp, rows = _sizes(case)
+        if ctx.cp_size != dp * cp or torch.distributed.get_world_size() != dp * cp:
+            raise ValueError(f"training_step case: the framework's mesh covers the whole default group, but the "
+                             f"pool has {torch.distributed.get_world_size()} ranks and the case {ctx.cp_size}; "
+                             f"start the pool with --world-sizes {dp * cp}")
+        driver = importlib.import_module(case.get("driver", DRIVER))
+        spec, reference_model, batch = rm._prepare(case, ctx.device)
+        context = driver.mesh_context(dp, cp)
+        model = _fsdp_model(driver, spec, case, context)
+    except Exception as exc:  # noqa: BLE001 - reported by every rank of the case, naming this one
+        error = exc
+    rm._agree_ready(ctx, error)
+    step = driver.STEP.run(spec, model, context, batch, rows)
+    if ctx.rank != 0:
+        return {}, {}
+    runs = {rm.Run.CP: _with_norm(step),
+            rm.Run.REFERENCE: _with_norm(model_specs.step(spec, reference_model, None, batch)),
+            rm.Run.REORDERED: _with_norm(model_specs.step(spec, reference_model, None, batch, split=max(2, cp),
+                                                          reverse=True))}
+    valid = spec.valid_positions(batch).to(torch.bool)
+    info = {"not_judged": {"torch's gloo backward of torch.distributed.nn.functional.all_gather": driver.STAND_IN}
+            if ctx.backend == "gloo" else {}, "dp_label_counts": _label_counts(batch, dp)}
+    return info, rm._to_wire(valid, runs)
+
+
+def _label_counts(batch: dict, dp: int) -> list[int]:
+    labels = batch["labels"]
+    return [int((part != -100).sum()) for part in labels.chunk(dp, dim=0)]
+
+
+def _evaluate(case: dict, outputs: list) -> CaseReport:
+    info = outputs[0].info
+    report = CaseReport(case=case, not_judged=dict(info.get("not_judged", {})))
+    report.info["dp_label_counts"] = info.get("dp_label_counts")
+    valid, runs = rm._from_wire(outputs[0].tensors)
+    for q, verdict in rm._judged(case, valid, runs).items():
+        label = "training step on dp_shard x cp vs one device"
+        report.add(rm._comparison(q, verdict, tuple(runs[rm.Run.CP][q].shape), case["dtype"], label))
+    return report
+
+
+def _runnable(models: tuple[str, ...], dtype: str) -> tuple[list[str], dict[str, str]]:
+    runnable, skipped = rm._runnable(models, dtype)
+    for name in list(runnable):
+        traits = model_specs.spec_traits(name)
+        why = traits.forward_only("cpu")
+        if why is not None:
+            skipped[name] = f"forward only on this machine ({why}); the training step needs a backward"
+        elif traits.world_sizes is not None and CP not in traits.world_sizes:
+            skipped[name] = f"declares WORLD_SIZES {list(traits.world_sizes)}, not the step's CP size {CP}"
+        elif not _kinds(traits):
+            skipped[name] = f"no batch kind allows {DP_SHARD} x its rows per micro-batch (BATCH_ROWS)"
+        else:
+            continue
+        runnable.remove(name)
+    return runnable, skipped
+
+
+def _global_rows(traits, kind: str) -> tuple[int, ...]:
+    """Global row counts ``dp_shard x r`` where ``r`` (a dp rank's rows) and the global count are both rows a
+    ``kind`` batch of the spec may have (the one-device reference runs all of them at once)."""
+    allowed = traits.rows_for(kind)
+    return tuple(DP_SHARD * r for r in allowed if DP_SHARD * r in allowed)
+
+
+def _kinds(traits) -> tuple[str, ...]:
+    return tuple(k for k in traits.batch_kinds if _global_rows(traits, k))
+
+
+def _skip_reason(dtype: str):
+    def reason(space) -> str | None:
+        space = as_space(space) or current_space()
+        models = rm._space_models(space)
+        if not models:
+            return None
+        need = DP_SHARD * CP
+        if need not in space.world_sizes or space.pool_ranks != need:
+            return (f"the training step runs on {need} ranks as dp_shard x cp = {DP_SHARD} x {CP} over the whole pool: "
+                    f"give --world-sizes {need} (world sizes {list(space.world_sizes)}, pool {space.pool_ranks})")
+        runnable, skipped = _runnable(models, dtype)
+        return None if runnable else "; ".join(f"{name}: {why}" for name, why in skipped.items())
+    return reason
+
+
+def training_step_cases(dtype: str):
+    @st.composite
+    def cases(draw, space=None) -> dict:
+        models = rm._space_models(as_space(space))
+        if not models:
+            raise ValueError("no model spec given: pass --model MODULE (verify)")
+        runnable, _ = _runnable(models, dtype)
+        spec = draw(st.sampled_from(runnable)) if runnable else draw(st.nothing())
+        traits = model_specs.spec_traits(spec)
+        batch = draw(rm._batches(_kinds(traits), lambda kind: _global_rows(traits, kind)))
+        return {"check": "training_step", "spec": spec, "dtype": dtype, "seed": 0, "batch": batch,
+                "world_size": DP_SHARD * CP, "dp_shard": DP_SHARD, "cp": CP}
+    return cases
+
+
+def smoke_cases(spec: str, dtype: str = "float32", driver: str | None = None) -> list[dict]:
+    """Named cases for the default command: two dp ranks whose rows hold different label counts (packed rows with
+    other documents: 15 and 10 labels; one dp rank's row of single-token documents only: no label at all), right
+    padding, an odd length."""
+    batches = [
+        {"kind": "packed", "seq_len": 19, "batch_size": 2, "documents": [[7, 5, 6], [3, 1, 9]], "seed": 1},
+        {"kind": "packed", "seq_len": 17, "batch_size": 2, "documents": [[9, 8], [1, 1, 1]], "seed": 2},
+        {"kind": "right_padded", "seq_len": 13, "pad": 4, "batch_size": 2, "seed": 4},
+        {"kind": "plain", "seq_len": 11, "batch_size": 2, "seed": 5},
+    ]
+    extra = {"driver": driver} if driver else {}
+    return [{"check": "training_step", "spec": spec, "dtype": dtype, "seed": 0, "batch": b,
+             "world_size": DP_SHARD * CP, "dp_shard": DP_SHARD, "cp": CP, **extra} for b in batches]
+
+
+TRAINING_STEP = register(
+    "training_step", rank=_rank, evaluate=_evaluate,
+    rows=tuple(VerifyRow(f"training step dp_shard x cp = {DP_SHARD} x {CP} ({dtype})", training_step_cases(dtype),
+                         (), dtypes=(dtype,), position=22 + i, needs_model=True, id=f"training_step.{dtype}",
+                         skip=_skip_reason(dtype), step="training")
+               for i, dtype in enumerate(STEP_DTYPES)),
+    gate_share=0.0)

@@ -1,0 +1,161 @@
+"""Check a model spec's ``COVERS``: every framework CP callable it names is really executed by its CP path.
+
+    PYTHONPATH=. python examples/automodel/tools/covers_check.py --model examples.automodel.models.glm5_next
+
+Forks ``max(--cp)`` gloo ranks (no harness). Each rank builds the spec's model, replaces every reference to each
+``COVERS`` callable (in every loaded module, and on its class for methods) by a counting wrapper, runs one
+training step the spec's way (``spec.shard``, forward in ``ctx_factory()``, local loss over the global label
+count, backward) per batch and CP size, and restores the originals. Rank 0 prints, per callable, the calls per
+CP size summed over ranks (forward and backward of the step), and how many of them had a ``DeviceMesh`` or
+process-group argument. Exit status 1 when a declared callable was never called under CP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import importlib
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
+
+BATCHES = [
+    ("plain", 19, {"seed": 1}),
+    ("right_padded", 17, {"pad": 4, "batch_size": 2, "seed": 2}),
+    ("packed", 21, {"documents": [[1, 9, 6, 5]], "seed": 3}),
+    ("packed", 21, {"documents": [[21]], "seed": 4}),
+]
+
+
+def _resolve(path: str):
+    """``(owner, attribute, original)`` for a dotted path naming a module function or a class attribute."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:-1]:
+            owner = getattr(owner, name)
+        return owner, parts[-1], getattr(owner, parts[-1])
+    raise ImportError(path)
+
+
+class Counting:
+    """Count calls of the ``COVERS`` callables while installed; every replaced reference is restored on exit."""
+
+    def __init__(self, paths):
+        self.paths = list(paths)
+        self.calls = collections.Counter()
+        self.with_group = collections.Counter()
+        self._undo = []
+
+    def _wrapper(self, path, original):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            self.calls[path] += 1
+            if any(isinstance(a, (DeviceMesh, dist.ProcessGroup)) for a in (*args, *kwargs.values())):
+                self.with_group[path] += 1
+            return original(*args, **kwargs)
+        return wrapper
+
+    def __enter__(self):
+        for path in self.paths:
+            owner, name, original = _resolve(path)
+            raw = owner.__dict__.get(name, original) if isinstance(owner, type) else original
+            wrapped = self._wrapper(path, original if not isinstance(raw, staticmethod) else raw.__func__)
+            if isinstance(owner, type):
+                self._undo.append((owner, name, raw))
+                setattr(owner, name, staticmethod(wrapped) if isinstance(raw, staticmethod) else wrapped)
+                continue
+            for module_name, module in list(sys.modules.items()):  # `from x import f` copies the reference
+                if module_name.startswith("nemo_automodel") and vars(module).get(name) is original:
+                    self._undo.append((module, name, original))
+                    setattr(module, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+        self._undo.clear()
+
+
+def _rank(rank, world, store, sizes, spec_name, queue):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    meshes = {}
+    for n in sizes:
+        group = dist.group.WORLD if n == world else dist.new_group(list(range(n)))
+        if rank < n:
+            meshes[n] = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("cp",))
+    spec = importlib.import_module(spec_name)
+    model = spec.build(torch.float32, 0)
+    report = {}
+    for n in sizes:
+        counting = Counting(spec.COVERS)
+        if rank < n:
+            with counting:
+                for kind, seq_len, keys in BATCHES:
+                    if kind not in getattr(spec, "BATCH_KINDS", (kind,)):
+                        continue
+                    batch = spec.make_batch(kind, seq_len, **keys)
+                    model.zero_grad(set_to_none=True)
+                    count = spec.num_label_tokens(batch)
+                    ctx_factory, local, _ = spec.shard(model, meshes[n], batch)
+                    with ctx_factory():
+                        logits = spec.forward(model, local)
+                        spec.loss(logits, spec.local_labels(local), count).backward()
+        report[n] = (dict(counting.calls), dict(counting.with_group))
+        dist.barrier()
+    queue.put((rank, report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--cp", default="2,3")
+    args = parser.parse_args()
+    sizes = sorted({int(n) for n in args.cp.split(",")})
+    spec = importlib.import_module(args.model)
+    world = max(sizes)
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_rank, args=(r, world, os.path.join(tmp, "store"), sizes, args.model, queue))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        reports = [queue.get(timeout=900) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+    missing = []
+    print(f"{args.model}: COVERS calls per CP size (all ranks, forward + backward); '/m' = with a mesh or group arg")
+    for path, what in spec.COVERS.items():
+        row = []
+        for n in sizes:
+            calls = sum(r[1][n][0].get(path, 0) for r in reports)
+            grouped = sum(r[1][n][1].get(path, 0) for r in reports)
+            ranks = sum(1 for r in reports if r[1][n][0].get(path, 0))
+            row.append(f"CP {n}: {calls:4d} calls on {ranks} rank(s), {grouped:3d}/m")
+            if calls == 0:
+                missing.append(f"{path} (CP {n})")
+        print(f"  {path}\n      {' | '.join(row)}\n      ({what})")
+    if missing:
+        print("NEVER CALLED:", ", ".join(missing))
+        return 1
+    print("every declared callable ran under CP")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,354 @@
+"""Gate nemo-automodel's own CP code: verify every adapter and every model spec, replay the documented defects,
+judge, and print the coverage table.
+
+``python -m examples.automodel.tools.run [--examples N] [--reports DIR] [SUBJECT ...]`` (``scripts/real_clients``
+installs the pinned framework first, then runs this). Subjects are the adapters of
+``examples.automodel.adapters.ADAPTERS`` (each: ``python -m cp_harness verify --impl examples.automodel.adapters.<adapter>``, on the
+rows and CP sizes the adapter declares) and the model specs of ``examples.automodel.models.SPECS`` (each:
+``verify --model examples.automodel.models.<spec>``; a spec whose ``REQUIRES`` is unmet here is skipped, with its
+reason, and left to the nightly GPU job). Then the case of every row a documented defect reaches
+(``known_defects.json``, ``examples/automodel/tools/defects.py``) is replayed on one pool, and ``<reports>/summary.json``
+and ``<reports>/summary.md`` get the status, the verdicts, the coverage table (``examples/automodel/tools/coverage.py``:
+every CP function of the installed framework, what exercises it, where it runs) and the verify tables.
+``main(argv, pool=...)`` runs the adapters in this process on a warm ``RankPool`` (the default command's test of
+the gate does).
+
+Exit status:
+
+- ``0``: every row of every subject passed and no documented defect is expected here;
+- ``3``: the only failures are documented framework defects: each failed its row with the documented signature
+  and its case still fails when replayed (expected; see ``docs/real_clients.md``). The rows stay FAILED in the
+  reports; nothing is skipped or tolerated;
+- ``1``: a new finding: a row failed that no entry documents (or with another signature), or a documented row's
+  case no longer fails when replayed (the gate lost it, or the pin changed): diagnose it;
+- ``2``: the gate could not run: the framework is missing or not the pinned version, a subject does not import,
+  or ``verify`` exited 2 or wrote no report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from examples.automodel.tools.defects import KNOWN, Failure, holds, load_defects, load_known  # noqa: F401 - load_defects re-exported
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+REQUIREMENTS = ROOT / "constraints" / "framework.txt"  # the one home of the framework pin
+
+OK, NEW_FINDING, CANNOT_RUN, DOCUMENTED_ONLY = 0, 1, 2, 3
+STATUS_TEXT = {OK: "status 0: every row passed",
+               DOCUMENTED_ONLY: "status 3: only documented framework defects failed (expected; docs/real_clients.md)",
+               NEW_FINDING: "status 1: a new finding or a lost defect: diagnose it before changing known_defects.json",
+               CANNOT_RUN: "status 2: the gate could not run"}
+SPEC_WORLD_SIZES = (1, 2, 3)  # real models on 2 cores: CP 4 and more where a spec asks for them (WORLD_SIZES)
+
+
+def pinned_version() -> str:
+    """The ``nemo-automodel`` version pinned in ``constraints/framework.txt``."""
+    for line in REQUIREMENTS.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("nemo-automodel=="):
+            return line.split("==", 1)[1]
+    raise ValueError(f"{REQUIREMENTS} pins no nemo-automodel version")
+
+
+def framework_problem() -> str | None:
+    """Why the framework cannot be gated here (``None`` when the pinned version imports)."""
+    want = pinned_version()
+    try:
+        have = importlib.metadata.version("nemo-automodel")
+    except importlib.metadata.PackageNotFoundError:
+        return f"nemo-automodel is not installed (pip install --no-deps -r {REQUIREMENTS.relative_to(ROOT)})"
+    if have != want:
+        return f"nemo-automodel {have} is installed, the adapters are pinned to {want}"
+    try:
+        importlib.import_module("nemo_automodel")
+    except Exception as exc:  # noqa: BLE001 - any import failure means the gate cannot run
+        return f"nemo_automodel does not import: {type(exc).__name__}: {exc}"
+    return None
+
+
+def ulp_text(row: dict) -> str:
+    if row.get("skipped"):
+        return "skipped"
+    if row["comparison"] == "exact":
+        return "exact" if row["ok"] else "NOT EXACT"
+    return f"{row['max_ulp']:.3g}"
+
+
+def markdown_table(report: dict) -> str:
+    """The verify rows of one report as a Markdown table (examples, passed, max ULP, comm moved/min)."""
+    lines = ["| function / model | examples | passed | max ULP | comm moved/min |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for row in report["rows"]:
+        ratio = "-" if row["comm_ratio"] is None else f"{row['comm_ratio']:.2f}"
+        name = row["name"] if row["ok"] else f"**{row['name']}: FAILED**"
+        lines.append(f"| {name} | {row['examples']} | {row['passed']} | {ulp_text(row)} | {ratio} |")
+    return "\n".join(lines)
+
+
+def _sizes(declared, wanted: str) -> str:
+    from cp_harness.cases.descriptions import parse_world_sizes
+
+    sizes = [n for n in parse_world_sizes(wanted) if declared is None or n in declared]
+    return ",".join(str(n) for n in sizes)
+
+
+def run_adapter(adapter: str, args, json_path: Path, pool=None) -> int:
+    """``cp_harness verify`` on one adapter, on the rows (``ROWS``) and CP sizes (``WORLD_SIZES``) it declares:
+    in its own process (its output goes to ours), or, given a warm ``pool``, in this process on that pool."""
+    module = importlib.import_module(f"examples.automodel.adapters.{adapter}")
+    sizes = _sizes(getattr(module, "WORLD_SIZES", None), args.world_sizes)
+    rows = tuple(getattr(module, "ROWS", ()))
+    cmd = [sys.executable, "-m", "cp_harness", "verify", "--impl", f"examples.automodel.adapters.{adapter}",
+           "--examples", str(args.examples), "--seed", str(args.seed), "--world-sizes", sizes,
+           "--backend", args.backend, "--shrink-seconds", str(args.shrink_seconds), "--json", str(json_path)]
+    if rows:
+        cmd += ["--rows", ",".join(rows)]
+    print(f"\n$ {' '.join(cmd[1:])}", flush=True)
+    if pool is None:
+        return subprocess.run(cmd, cwd=ROOT).returncode
+    from cp_harness.cases.descriptions import parse_world_sizes
+    from cp_harness.verify import VerifySettings, result_text, run_verify
+
+    settings = VerifySettings(impl=f"examples.automodel.adapters.{adapter}", world_sizes=parse_world_sizes(sizes),
+                              examples=args.examples, backend=args.backend, seed=args.seed, rows=rows,
+                              shrink_seconds=args.shrink_seconds)
+    with open(os.devnull, "w") as quiet:
+        result = run_verify(settings, pool=pool, progress_stream=quiet)
+    if result.cannot_run is not None:
+        print(f"cp_harness verify: cannot run: {result.cannot_run}", file=sys.stderr)
+        return result.exit_code
+    print(result_text(result))
+    json_path.write_text(json.dumps(result.as_dict(), indent=2, allow_nan=False) + "\n")
+    return result.exit_code
+
+
+def run_spec(spec: str, args, json_path: Path) -> int:
+    """``cp_harness verify --model`` on one model spec, at the CP sizes it declares (``WORLD_SIZES``; default
+    1, 2, 3), in its own process (its launcher imports the spec once, before the ranks fork)."""
+    from cp_harness.usage.model_specs import spec_traits
+
+    traits = spec_traits(f"examples.automodel.models.{spec}")
+    sizes = _sizes(traits.world_sizes or SPEC_WORLD_SIZES, args.world_sizes)
+    cmd = [sys.executable, "-m", "cp_harness", "verify", "--model", f"examples.automodel.models.{spec}",
+           "--examples", str(args.examples), "--seed", str(args.seed), "--world-sizes", sizes,
+           "--backend", args.backend, "--shrink-seconds", str(args.shrink_seconds), "--json", str(json_path)]
+    print(f"\n$ {' '.join(cmd[1:])}", flush=True)
+    return subprocess.run(cmd, cwd=ROOT).returncode
+
+
+def replay(defect: dict, backend: str, pool=None) -> tuple[bool, str]:
+    """Run a documented row's case again (``defect``: an entry of ``load_known``); ``(fails with its signature,
+    account)``. ``pool``: a warm ``RankPool`` of at least the case's world size to run it on (else one is started)."""
+    from cp_harness.cases.meshes import ranks_needed
+    from cp_harness.ranks.pool import PoolConfig
+    from cp_harness.runner import CaseRunner
+
+    case = dict(defect["case"])
+    if "adapter" in defect:
+        case["impl"] = f"examples.automodel.adapters.{defect['adapter']}"
+    if pool is not None:
+        runner = CaseRunner(pool.config, pool=pool)
+    else:
+        runner = CaseRunner(PoolConfig(world_size=ranks_needed(case), backend=backend,
+                                       impl=case.get("impl", "cp_impl"),
+                                       preload=(case["spec"],) if "spec" in case else ()))
+    try:
+        report = runner.run(case)
+    finally:
+        if pool is None:
+            runner.close()
+    names = [c.name for c in report.failures()]
+    if report.ok:
+        return False, "the case passes now"
+    if not defect["signature"].matches(Failure.of_report(report)):
+        return False, "it fails differently: " + "; ".join([p.message for p in report.problems] + names)
+    return True, f"fails as documented ({len(names)} tensors wrong: {', '.join(names) or 'none'}" + \
+        (f"; {len(report.problems)} problem(s)" if report.problems else "") + ")"
+
+
+def judge(subject: str, report: dict, known: list[dict], backend: str) -> list[dict]:
+    """One verdict per failing row of ``subject`` (``adapter:X`` / ``spec:X``):
+    ``{"subject", "row", "defect" (id or None), "why"}``."""
+    verdicts = []
+    for row in report["rows"]:
+        if row["ok"]:
+            continue
+        failure = Failure.of_row(row)
+        match = next((d for d in known if d["subject"] == subject and d["row"] == row["name"]
+                      and backend in d["backends"] and holds(d.get("when"), row.get("failing_case"))), None)
+        if match is not None and match["signature"].matches(failure):
+            verdicts.append({"subject": subject, "row": row["name"], "defect": match["id"],
+                             "why": f"documented {match['classification']} {match['id']}: {match['title']}"})
+        else:
+            why = "no documented defect covers this row" if match is None else \
+                f"row of {match['id']} failed with another signature than {match['signature'].text!r}"
+            verdicts.append({"subject": subject, "row": row["name"], "defect": None, "why": why})
+    return verdicts
+
+
+def _replay_all(rows: list[dict], backend: str, pool=None) -> list[dict]:
+    """Replay every documented row's case on one pool (``pool``, else one of the largest world size needed)."""
+    from cp_harness.cases.meshes import ranks_needed
+    from cp_harness.ranks.pool import PoolConfig, RankPool
+
+    if not rows:
+        return []
+    own = None
+    if pool is None:
+        size = max(ranks_needed(r["case"]) for r in rows)  # a case on a world mesh needs all of the mesh's ranks
+        specs = tuple(sorted({r["case"]["spec"] for r in rows if "spec" in r["case"]}))
+        own = pool = RankPool(PoolConfig(world_size=size, backend=backend, impl="cp_impl", preload=specs))
+    out = []
+    try:
+        for row in rows:
+            entry = {"defect": row["id"], "subject": row["subject"], "row": row["row"]}
+            if ranks_needed(row["case"]) > pool.config.world_size:
+                out.append({**entry, "reproduced": False,
+                            "account": f"not replayed: its case needs {ranks_needed(row['case'])} ranks, the pool "
+                                       f"has {pool.config.world_size}"})
+                continue
+            reproduced, account = replay(row, backend, pool=pool)
+            out.append({**entry, "reproduced": reproduced, "account": account})
+    finally:
+        if own is not None:
+            own.close()
+    return out
+
+
+def _subjects(names: list[str]) -> list[str]:
+    from examples.automodel.adapters import ADAPTERS
+    from examples.automodel.models import SPECS
+
+    every = [f"adapter:{a}" for a in ADAPTERS] + [f"spec:{s}" for s in SPECS]
+    if not names:
+        return every
+    chosen = []
+    for name in names:
+        found = [s for s in every if s == name or s.split(":", 1)[1] == name]
+        if not found:
+            raise SystemExit(f"unknown subject {name!r}; known adapters: {', '.join(ADAPTERS)}; "
+                             f"model specs: {', '.join(SPECS)}")
+        chosen += found
+    return chosen
+
+
+def main(argv: list[str] | None = None, *, pool=None) -> int:
+    """The gate's command line; returns its exit status. ``pool``: run the adapters' verify and the replays in
+    this process on this warm ``RankPool`` (it needs ``max(--world-sizes)`` ranks) instead of fresh pools (the
+    model specs always run in their own process)."""
+    parser = argparse.ArgumentParser(prog="python -m examples.automodel.tools.run", description=__doc__.split("\n")[0])
+    parser.add_argument("subjects", nargs="*", help="adapters or model specs by name (default: all)")
+    parser.add_argument("--examples", type=int, default=25, help="examples per verify row (default 25)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--world-sizes", default="1,2,3,4,8")
+    parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    parser.add_argument("--shrink-seconds", type=float, default=60.0)
+    parser.add_argument("--reports", default="reports/real_clients", help="folder for the JSON reports and summary")
+    parser.add_argument("--known", default=str(KNOWN), help="the documented defects (default: %(default)s)")
+    parser.add_argument("--no-coverage", dest="coverage", action="store_false",
+                        help="leave out the coverage table (it imports every model spec: tens of seconds)")
+    args = parser.parse_args(argv)
+    subjects = _subjects(args.subjects)
+    problem = framework_problem()
+    if problem:
+        print(f"real clients: cannot run: {problem}", file=sys.stderr)
+        return CANNOT_RUN
+    try:
+        known = load_known(Path(args.known))
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"real clients: cannot run: {args.known}: {exc}", file=sys.stderr)
+        return CANNOT_RUN
+
+    from examples.automodel.tools import coverage
+
+    reports = Path(args.reports)
+    reports.mkdir(parents=True, exist_ok=True)
+    summary: dict = {"framework": f"nemo-automodel=={pinned_version()}", "backend": args.backend,
+                     "examples_per_row": args.examples, "subjects": {}, "skipped": {}, "findings": [], "replays": []}
+    crashed = []
+    for subject in subjects:
+        kind, name = subject.split(":", 1)
+        path = reports / f"{name}.json"
+        if path.exists():
+            path.unlink()
+        if kind == "spec":
+            unmet = coverage.spec_unmet(name)
+            if unmet:
+                summary["skipped"][subject] = unmet
+                print(f"\nreal clients: skipped {subject}: {unmet} (the nightly GPU job runs it)", flush=True)
+                continue
+        try:
+            code = run_adapter(name, args, path, pool=pool) if kind == "adapter" else run_spec(name, args, path)
+        except Exception as exc:  # noqa: BLE001 - a subject that does not import cannot be gated
+            crashed.append(f"{subject}: {type(exc).__name__}: {exc}")
+            continue
+        if code == 2 or not path.exists():
+            crashed.append(f"{subject}: verify exited {code}" + ("" if path.exists() else " without a report"))
+            continue
+        report = json.loads(path.read_text())
+        summary["subjects"][subject] = {"verify_exit": code, "report": str(path), "table": markdown_table(report),
+                                        "failed_rows": report["failed_rows"],
+                                        "not_judged": {r["name"]: r.get("not_judged") for r in report["rows"]
+                                                       if r.get("not_judged")}}
+        summary["findings"] += judge(subject, report, known, args.backend)
+
+    to_replay = [d for d in known if d["subject"] in summary["subjects"] and args.backend in d["backends"]]
+    summary["replays"] = _replay_all(to_replay, args.backend, pool)
+
+    new = [f for f in summary["findings"] if f["defect"] is None]
+    lost = [r for r in summary["replays"] if not r["reproduced"]]
+    # A documented defect counts when its row failed with its signature or its replayed case failed (a search
+    # with few examples may miss the row; the replay is deterministic).
+    documented = [f for f in summary["findings"] if f["defect"] is not None] + \
+        [r for r in summary["replays"] if r["reproduced"]]
+    status = CANNOT_RUN if crashed else NEW_FINDING if (new or lost) else DOCUMENTED_ONLY if documented else OK
+    summary["status"] = status
+
+    lines = []
+    for subject, entry in summary["subjects"].items():
+        lines.append(f"  {subject}: {'all rows passed' if not entry['failed_rows'] else 'FAILED ' + ', '.join(entry['failed_rows'])}")
+        for row, what in entry["not_judged"].items():
+            lines += [f"    not judged in {row}: {w} ({why})" for w, why in what.items()]
+    lines += [f"  skipped {subject}: {why}" for subject, why in summary["skipped"].items()]
+    lines += [f"  COULD NOT RUN {line}" for line in crashed]
+    for f in summary["findings"]:
+        lines.append(f"  {'documented' if f['defect'] else 'NEW FINDING'}: {f['subject']} / {f['row']}: {f['why']}")
+    for r in summary["replays"]:
+        lines.append(f"  replay of {r['defect']} ({r['subject']} / {r['row']}): {r['account']}"
+                     + ("" if r["reproduced"] else "  <- LOST"))
+        if r["reproduced"] and not any(f["defect"] == r["defect"] and f["subject"] == r["subject"]
+                                       and f["row"] == r["row"] for f in summary["findings"]):
+            lines.append("    (verify's search did not reach this row's failure this run; its replay did)")
+    summary["verdicts"] = lines
+    table = coverage.build(summary, known) if args.coverage else None
+    summary["coverage"] = table.as_dict() if table is not None else None
+    (reports / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    md = [f"# Real clients: {summary['framework']}, backend {args.backend}, {args.examples} examples per row", "",
+          f"**{STATUS_TEXT[status]}**", "", "```", *[line[2:] for line in lines], "```", ""]
+    if table is not None:
+        md += ["## Coverage of the framework's CP code", "", table.markdown(), ""]
+    for subject, entry in summary["subjects"].items():
+        md += [f"## {subject}", "", entry["table"], ""]
+    (reports / "summary.md").write_text("\n".join(md))
+
+    if table is not None:
+        print("\nreal clients: coverage of the framework's CP code")
+        print(table.text())
+    print("\nreal clients: summary")
+    print("\n".join(lines))
+    print(STATUS_TEXT[status])
+    print(f"reports: {reports}/ (summary.md, summary.json, one JSON per subject)")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
