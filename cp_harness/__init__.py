@@ -13,6 +13,8 @@ implementation. Data flows one way, and so do the imports (lowest first;
   bytes moved through ``torch.distributed``, documented functions called.
 * :mod:`cp_harness.judging` -- comparison (exact / ULP), budgets, the excess
   judge, communication minima, error maps, the verdict model and its renderer.
+* :mod:`cp_harness.standins` -- kernel stand-ins: one device kernel replaced by a
+  CPU computation of its contract (ring SDPA's per-step kernel), named in reports.
 * :mod:`cp_harness.usage` -- how a CP model uses the API under test:
   resolving a returned sharder the framework's way, the miniature models.
 * :mod:`cp_harness.repro` -- standalone repros: a failing case as one script that needs torch, numpy and the

@@ -41,6 +41,8 @@ class RunSummary:
         self.error_maps.extend(runner.error_maps)
         for what, why in sorted(tally.not_judged.items()):
             self.note(f"not judged: {what} ({why})")
+        for what, text in sorted(tally.standins.items()):
+            self.note(f"ran on a stand-in: {what} ({text})")
 
     def count(self, name: str, n: int = 1) -> None:
         self.counts[name] += n

@@ -79,10 +79,15 @@ class RunCounts:
     seconds: float = 0.0
     not_judged: dict = dataclasses.field(default_factory=dict)  # "<subject>: <what>" -> why it was not judged
 
+    standins: dict = dataclasses.field(default_factory=dict)  # "<subject>: <stand-in>" -> its report line
+
     def add_not_judged(self, report: CaseReport) -> None:
+        """What the case could not judge, and the kernel stand-ins it ran on (both named in the summary)."""
         subject = report.case.get("spec") or report.case["check"]
         for what, why in report.not_judged.items():
             self.not_judged[f"{subject}: {what}"] = why
+        for name, text in report.standins.items():
+            self.standins[f"{subject}: {name}"] = text
 
     def add(self, case: dict, selection: str) -> None:
         self.by_size[int(case["world_size"])] += 1

@@ -22,10 +22,16 @@ FIXTURES = ROOT / "tests" / "fixtures"
 
 
 def cpu_specs() -> tuple[str, ...]:
-    """The model specs that run on the CPU (no ``"cuda"`` in their ``REQUIRES``), as module names; imports them."""
+    """The model specs that run on the CPU (no ``"cuda"`` in their ``REQUIRES``, or a declared kernel stand-in that
+    meets it: ``cp_harness.standins``), as module names; imports them."""
+    from cp_harness import standins
     from examples.automodel.models import PACKAGE, SPECS, needs_cuda
 
-    return tuple(f"{PACKAGE}.{name}" for name in SPECS if not needs_cuda(name))
+    def stood_in(name: str) -> bool:
+        declared = getattr(importlib.import_module(f"{PACKAGE}.{name}"), "STANDINS", ())
+        return any(standins.get(s).meets == "cuda" and standins.get(s).device_type == "cpu" for s in declared)
+
+    return tuple(f"{PACKAGE}.{name}" for name in SPECS if not needs_cuda(name) or stood_in(name))
 
 
 REAL_MODEL_PACKAGES = ("transformers", "nemo_automodel")

@@ -26,6 +26,10 @@ CP failure: the CP path's kernels (...) round differently from the one-device pa
 with a one-process repro command; where only padding and the kernels together explain it, it says both. The
 case still fails; the problem's ``kind`` is ``"kernel sensitivity"`` (``"padding and kernel sensitivity"``).
 
+**Stand-ins.** A spec's declared kernel stand-ins (``STANDINS``, ``cp_harness.standins``) are entered on every
+rank around the CP step only (the one-device runs use the real kernel); the ones whose computation ran are named
+in the report (``CaseReport.standins``: "CPU, stand-in: ...").
+
 Case keys: ``spec`` (module path of a model spec), ``dtype`` (``float32``, ``bfloat16``), ``seed`` (model
 weights), ``overrides`` (optional config fields), ``batch`` (``kind``, ``seq_len`` and ``spec.make_batch``'s
 keywords: ``batch_size``, ``seed``, ``documents``, ``pad``), ``world_size``.
@@ -42,6 +46,7 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
+from cp_harness import standins
 from cp_harness.cases.profiles import current_space
 from cp_harness.cases.strategies import as_space
 from cp_harness.checks import Repro, VerifyRow, register
@@ -146,9 +151,11 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
     except Exception as exc:  # noqa: BLE001 - reported by every rank of the case, naming this one
         error = exc
     _agree_ready(ctx, error)
-    forward_only = model_specs.spec_traits(case["spec"]).forward_only(ctx.device.type)
+    traits = model_specs.spec_traits(case["spec"])
+    forward_only = traits.forward_only(ctx.device.type)
     backward = forward_only is None
-    cp = model_specs.step(spec, model, ctx.mesh, batch, backward=backward)
+    with standins.entered(traits.standins, ctx.device.type) as stood_in:  # the CP step only: never the reference
+        cp = model_specs.step(spec, model, ctx.mesh, batch, backward=backward)
     if ctx.rank != 0:
         return {}, {}
     runs = {Run.CP: _quantities(cp),
@@ -156,7 +163,7 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
             Run.REORDERED: _quantities(model_specs.step(spec, model, None, batch, split=max(2, ctx.cp_size),
                                                         reverse=True, backward=backward))}
     valid = spec.valid_positions(batch).to(torch.bool)
-    info: dict[str, Any] = {"padded_len": None, "not_judged": {}}
+    info: dict[str, Any] = {"padded_len": None, "not_judged": {}, "standins": stood_in.used()}
     if forward_only is not None:
         count = sum(1 for p in model.parameters() if p.requires_grad)
         info["not_judged"][f"the gradients of all {count} parameters on {ctx.device.type}"] = forward_only
@@ -334,7 +341,8 @@ _AGAINST = {Run.PADDED: "CP vs one device padded to {padded_len}",
 
 def _evaluate(case: dict, outputs: list) -> CaseReport:
     info = outputs[0].info
-    report = CaseReport(case=case, not_judged=dict(info.get("not_judged", {})))
+    report = CaseReport(case=case, not_judged=dict(info.get("not_judged", {})),
+                        standins=dict(info.get("standins", {})))
     valid, runs = _from_wire(outputs[0].tensors)
     dtype = case["dtype"]
     judged = _judged(case, valid, runs)

@@ -89,6 +89,9 @@ class CaseReport:
     # What this case could not judge where it ran, and why (e.g. gradients on a device without a backward
     # kernel): named so that a report never reads as if it had judged them.
     not_judged: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Kernel stand-ins the CP run computed with instead of a device kernel (cp_harness.standins): name -> the
+    # report line ("CPU, stand-in: ..."), so that a report never reads as if the device kernel had run.
+    standins: dict[str, str] = dataclasses.field(default_factory=dict)
     # Where the time went (seconds: ranks, transport, oracle, compare; set by the runner). Not part of the verdict.
     timing: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -140,6 +143,7 @@ def merge_groups(case: dict, reports: list[tuple[str, CaseReport]]) -> CaseRepor
         merged.problems += [dataclasses.replace(p, message=f"{label}: {p.message}") for p in report.problems]
         merged.called |= report.called
         merged.not_judged.update(report.not_judged)
+        merged.standins.update(report.standins)
     if reports:
         merged.comm, merged.info = reports[0][1].comm, reports[0][1].info
     return merged

@@ -16,7 +16,12 @@ defaults:
 - ``FORWARD_ONLY_ON``: device type -> why gradients cannot be judged there (logits and loss are; the report
   names what was not judged and why);
 - ``REQUIRES``: ``"cuda"`` or an importable module name -> why the spec needs it (unmet: its cases are skipped
-  with that reason, never failed and never passed).
+  with that reason, never failed and never passed);
+- ``STANDINS``: names of kernel stand-ins (``cp_harness.standins``) the spec's CP path may run on: each replaces
+  one device kernel by a CPU computation of its contract. Declaring one says that the requirement it meets
+  (``StandIn.meets``, e.g. ``"cuda"``) is for that kernel only: where the requirement is unmet, the spec runs
+  with the stand-in entered around its CP step (never around the one-device reference), and the report names
+  it; where the requirement is met (a GPU), the real kernel runs.
 
 Optional functions (``OPTIONAL_FUNCTIONS``, with their arities) enable more checks: ``pad_batch`` +
 ``cp_padded_length`` padding sensitivity, ``cp_kernels`` kernel sensitivity (``ModelSpec`` does not list them:
@@ -33,6 +38,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from cp_harness import standins
 
 BATCH_KINDS = ("plain", "right_padded", "packed")
 
@@ -102,16 +109,27 @@ class SpecTraits:
     forward_only_on: Mapping[str, str] = dataclasses.field(default_factory=dict)
     requires: Mapping[str, str] = dataclasses.field(default_factory=dict)
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    standins: tuple[str, ...] = ()  # kernel stand-ins the CP path may run on (cp_harness.standins)
 
-    def unmet(self) -> dict[str, str]:
-        """The ``REQUIRES`` entries this process does not meet: ``"cuda"`` without a CUDA device, a module that
-        cannot be imported."""
+    def _missing(self) -> dict[str, str]:
         out = {}
         for key, why in self.requires.items():
             missing = not torch.cuda.is_available() if key == "cuda" else importlib.util.find_spec(key) is None
             if missing:
                 out[key] = why
         return out
+
+    def stood_in(self) -> dict[str, str]:
+        """The ``REQUIRES`` entries this process does not meet that a declared stand-in meets: key -> the
+        stand-in's report line (the spec then runs here, on the stand-in)."""
+        meets = {standins.get(name).meets: standins.get(name).description for name in self.standins}
+        return {key: meets[key] for key in self._missing() if key in meets}
+
+    def unmet(self) -> dict[str, str]:
+        """The ``REQUIRES`` entries this process does not meet, and no declared stand-in meets: ``"cuda"``
+        without a CUDA device, a module that cannot be imported."""
+        stood_in = self.stood_in()
+        return {key: why for key, why in self._missing().items() if key not in stood_in}
 
     def forward_only(self, device_type: str) -> str | None:
         """Why gradients are not judged on ``device_type`` (``None``: they are)."""
@@ -183,10 +201,16 @@ def check_spec(name: str, module: types.ModuleType) -> SpecTraits:
         value = getattr(module, attribute, {})
         if not _str_map(value):
             problems.append(f"{attribute}: {type(value).__name__}; give a dict of str -> non-empty str (what -> why)")
+    declared = getattr(module, "STANDINS", ())
+    known = standins.known()
+    if not isinstance(declared, tuple) or any(not isinstance(n, str) or n not in known for n in declared):
+        problems.append(f"STANDINS: {declared!r}; give a tuple of registered stand-in names, among {sorted(known)}")
+        declared = ()
     if problems:
         raise SpecError(f"model spec {name!r} does not meet the spec contract "
                         f"(cp_harness.usage.spec_contract.ModelSpec, docs/extending.md):\n  " + "\n  ".join(problems))
     return SpecTraits(name=name, world_sizes=sizes, batch_kinds=kinds, batch_rows=rows,
                       covers=dict(getattr(module, "COVERS", {})),
                       forward_only_on=dict(getattr(module, "FORWARD_ONLY_ON", {})),
-                      requires=dict(getattr(module, "REQUIRES", {})), dtypes=tuple(names[d] for d in dtypes))
+                      requires=dict(getattr(module, "REQUIRES", {})), dtypes=tuple(names[d] for d in dtypes),
+                      standins=declared)

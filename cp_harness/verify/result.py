@@ -142,6 +142,8 @@ COLUMNS = {
     "unaccounted_ops": "communication ops the meter could not attribute (no byte rule, or a group "
                        "it could not size); the table then says 'unaccounted' instead of a ratio",
     "not_judged": "what the row's cases could not judge where they ran (e.g. gradients on CPU), and why",
+    "standins": "kernel stand-ins some of the row's cases computed with instead of a device kernel (name -> what "
+                "ran instead, cp_harness.standins); {}: none",
     "skipped": "why the row did not run here at all (e.g. every model spec it draws needs CUDA); null: it ran",
 }
 
@@ -155,7 +157,8 @@ def format_table(rows: list[Row]) -> str:
     for row in rows:
         ratio = row.comm_ratio
         ratio_text = "unaccounted" if row.tally.unaccounted_ops else "-" if ratio is None else f"{ratio:.2f}"
-        mark = "   FAILED" if not row.ok else "   skipped" if row.tally.skipped else ""
+        mark = ("   FAILED" if not row.ok else "   skipped" if row.tally.skipped else
+                "   stand-in" if row.tally.standins else "")
         lines.append(f"{row.name:<{width}} {row.tally.examples:>8} {row.tally.passed:>7} {row.ulp_text():>9} "
                      f"{row.excess_text():>9} {ratio_text:>15}" + mark)
     return "\n".join(lines)
@@ -186,6 +189,8 @@ def result_text(result: VerifyResult) -> str:
             lines.append(f"skipped {row.name}: {row.tally.skipped}")
         for what, why in sorted(row.tally.not_judged.items()):
             lines.append(f"not judged in {row.name}: {what} ({why})")
+        for name, text in sorted(row.tally.standins.items()):
+            lines.append(f"ran on a stand-in in {row.name}: {text} ({name}; the device kernel did not run)")
     for row in result.failed_rows:
         f = row.failure
         lines.append(f"\nFAILED {row.name}")

@@ -36,6 +36,7 @@ class RowTally:
     unaccounted_ops: list[str] = dataclasses.field(default_factory=list)  # ops whose bytes the meter could not tell
     called: set = dataclasses.field(default_factory=set)  # documented functions its cases called on the ranks
     not_judged: dict = dataclasses.field(default_factory=dict)  # what its cases could not judge here -> why
+    standins: dict = dataclasses.field(default_factory=dict)  # kernel stand-ins its cases ran on -> report line
     skipped: str | None = None  # why the row did not run at all here (e.g. its model specs need CUDA)
 
     def add(self, case: dict, report: CaseReport) -> None:
@@ -57,6 +58,7 @@ class RowTally:
         if excess is not None and excess == excess:
             self.max_excess = excess if self.max_excess is None else max(self.max_excess, excess)
         self.not_judged.update(report.not_judged)
+        self.standins.update(report.standins)
         if report.ok:
             self.passed += 1
         else:
@@ -122,7 +124,7 @@ class Row:
             "max_ulp": t.max_ulp, "max_excess": t.max_excess, "examples_by_dtype": t.examples_by_dtype,
             "failed_by_dtype": t.failed_by_dtype, "arithmetic": t.arithmetic, "moved_bytes": t.moved_bytes,
             "minimum_bytes": t.minimum_bytes, "unaccounted_ops": t.unaccounted_ops,
-            "not_judged": t.not_judged, "skipped": t.skipped,
+            "not_judged": t.not_judged, "standins": t.standins, "skipped": t.skipped,
             "failure": f.text if f is not None else None, "failing_case": f.case if f is not None else None,
             "reproduce": f.reproduce if f is not None else None, "error_maps": f.error_maps if f is not None else [],
             "repro_script": f.repro.path if f is not None and f.repro is not None else None,

@@ -6,7 +6,8 @@ with a reason per entry (``"cuda"`` or a module the framework really imports), `
 where they do not, ``build`` fails with the error its ``REQUIRES`` quotes. The SDPA model also runs one device
 on the CPU (SDPA has a CPU kernel; only the ring has not). The CUDA checks (build and one-device step on the GPU)
 carry the ``gpu`` marker: they run under ``--cp-backend nccl`` (the nightly) and skip, naming the reason, where a
-spec's ``REQUIRES`` is unmet. The CP paths themselves run only in the nightly's ``verify --model`` rows, never here.
+spec's ``REQUIRES`` is unmet. The CP paths themselves run only in the nightly's ``verify --model`` rows, except the
+ring SDPA specs' on the CPU stand-in (``tests/checks/test_real_model_standins.py``).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2] / "cp_harness"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("cases",),                      # case descriptions, strategies, profiles, the implementation under test
     ("instruments", "judging"),      # communication meter, coverage; comparison, budgets, excess, reports
+    ("standins",),                   # kernel stand-ins: one device kernel replaced by a CPU computation of it
     ("usage",),                      # how a CP model uses the API: resolving the sharder, miniature models
     ("repro",),                      # standalone repro scripts: their parts, families and the one writer
     ("checks",),                     # one module per check: rank half, oracle half, everything it owns

@@ -65,3 +65,25 @@ def test_every_problem_is_listed_at_once():
 def test_requirements_name_what_is_missing_here():
     traits = check_spec("a_spec", _spec(REQUIRES={"no_such_module_cp_harness": "GPU kernels", "torch": "always there"}))
     assert traits.unmet() == {"no_such_module_cp_harness": "GPU kernels"}
+
+
+def test_a_declared_stand_in_meets_its_requirement_where_it_is_unmet():
+    """``STANDINS``: a stand-in that meets ``cuda`` makes a spec whose only ``cuda`` need is that kernel runnable
+    here (without CUDA), and says so; another unmet requirement still skips it; an unknown name is refused."""
+    needs_cuda = {"cuda": "the ring's CUDA kernel"}
+    plain = check_spec("a_spec", _spec(REQUIRES=needs_cuda))
+    with_standin = check_spec("a_spec", _spec(REQUIRES=needs_cuda, STANDINS=("ring_sdpa_cpu",)))
+    assert with_standin.standins == ("ring_sdpa_cpu",) and plain.standins == ()
+    if torch.cuda.is_available():  # the requirement is met: the real kernel runs, nothing stands in
+        assert not plain.unmet() and not with_standin.unmet() and with_standin.stood_in() == {}
+    else:
+        assert plain.unmet() == needs_cuda and with_standin.unmet() == {}
+        assert with_standin.stood_in() == {"cuda": "CPU, stand-in: ring SDPA per-step kernel = "
+                                                   "aten._scaled_dot_product_flash_attention_for_cpu"}
+    also = check_spec("a_spec", _spec(REQUIRES={**needs_cuda, "no_such_module_cp_harness": "fused kernels"},
+                                      STANDINS=("ring_sdpa_cpu",)))
+    assert "no_such_module_cp_harness" in also.unmet()
+    with pytest.raises(SpecError, match=r"STANDINS: \('no_such_standin',\); give a tuple of registered stand-in"):
+        check_spec("a_spec", _spec(STANDINS=("no_such_standin",)))
+    with pytest.raises(SpecError, match="STANDINS: 'ring_sdpa_cpu'"):
+        check_spec("a_spec", _spec(STANDINS="ring_sdpa_cpu"))

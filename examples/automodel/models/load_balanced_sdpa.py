@@ -111,6 +111,9 @@ REQUIRES: dict[str, str] = {
     "cuda": "torch context_parallel's ring SDPA has DTensor handlers for the CUDA flash / memory-efficient / cuDNN "
             "SDPA kernels only; on the CPU (gloo, torch 2.13) the forward fails with: " + CPU_ERROR,
 }
+# The "cuda" above is for the ring's per-step kernel only: on the CPU the harness runs torch's own ring with
+# the CPU flash kernel as that op (cp_harness.standins.ring_sdpa_cpu); on a GPU the real kernel runs.
+STANDINS = ("ring_sdpa_cpu",)
 COVERS: dict[str, str] = {
     "nemo_automodel.components.distributed.context_parallel.utils.attach_context_parallel_hooks":
         "self_attn pre-hooks: attention_mask -> None, is_causal=True (model setup at cp_size > 1)",

@@ -26,6 +26,7 @@ from .load_balanced_sdpa import (  # noqa: F401 - the same spec interface
     FRAMEWORK_CLASS,
     IGNORE_INDEX,
     REQUIRES,
+    STANDINS,
     TINY,
     WORLD_SIZES,
     build,

@@ -1,0 +1,14 @@
+"""Kernel stand-ins: one device kernel replaced by a CPU computation of the same contract, so that a CP path
+whose only device-specific part is that kernel runs, unchanged otherwise, on a CPU.
+
+* ``registry`` -- what a stand-in is (``StandIn``: name, device, the kernel it replaces, the computation instead,
+  the requirement it meets, its installer, the report line), the registry, and entering a spec's stand-ins.
+* ``ring_sdpa_cpu`` -- torch ``context_parallel``'s own ring SDPA with
+  ``aten._scaled_dot_product_flash_attention_for_cpu`` as its per-step op (DTensor handlers that call torch's
+  ring templates; nothing of the ring re-implemented).
+"""
+
+from cp_harness.standins import ring_sdpa_cpu  # noqa: F401 - registers the bundled stand-ins
+from cp_harness.standins.registry import Entered, StandIn, entered, get, known
+
+__all__ = ["Entered", "StandIn", "entered", "get", "known"]
