@@ -107,7 +107,7 @@ def nonzero_parameters(model: torch.nn.Module) -> None:
                 parameter.normal_(std=0.1)
 
 
-def build_seeded(construct: Callable[[], torch.nn.Module], dtype: torch.dtype, seed: int, *,
+def build_seeded(construct: Callable[[], Any], dtype: torch.dtype, seed: int, *,
                  nonzero: bool = False) -> torch.nn.Module:
     """``construct()`` then the framework's ``initialize_weights`` on the CPU in ``dtype``, all under ``seed``.
 

@@ -81,7 +81,7 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
                         nonzero=True)
 
 
-def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
+def cp_padded_length(model: Any, seq_len: int, cp_size: int) -> int:
     """Global length an unpacked row of ``seq_len`` is padded to at ``cp_size`` (``cp_size * max(lcm(ratios), 2)``).
 
     Running one device on a row right-padded (masked) to this length reproduces what CP padding does to the

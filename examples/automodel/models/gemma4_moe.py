@@ -183,7 +183,7 @@ def _enter_cp(twin: torch.nn.Module, cp_mesh: Any) -> None:
         flex = model_owned_cp.flex_attention_eager()
         for module in twin.modules():
             if hasattr(module, "_gemma4_cp_sliding_backend"):  # set by attach_gemma4_cp_ring_attention
-                module._gemma4_cp_compiled_flex_attn = flex
+                module._gemma4_cp_compiled_flex_attn = flex  # type: ignore[assignment]  # a function, not a Module
 
 
 def one_device_batch(batch: dict[str, Any]) -> dict[str, Any]:

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -219,7 +218,7 @@ def _gather_over_one_rank(gather: Callable[..., torch.Tensor]) -> Callable[..., 
     return all_gather_sequence
 
 
-def _mla_forward_with_cp_kernels(layer: torch.nn.Module, framework_module: types.ModuleType,
+def _mla_forward_with_cp_kernels(layer: Any, framework_module: Any,
                                  packed_context_class: type, hidden_states: torch.Tensor,
                                  attention_mask: torch.Tensor | None = None, packed_context: Any = None,
                                  **kwargs: Any) -> torch.Tensor:
@@ -241,7 +240,7 @@ def _mla_forward_with_cp_kernels(layer: torch.nn.Module, framework_module: types
 
 
 @contextlib.contextmanager
-def mla_cp_kernels(model: torch.nn.Module, attention_class: type, framework_module: types.ModuleType,
+def mla_cp_kernels(model: torch.nn.Module, attention_class: type, framework_module: Any,
                    packed_context_class: type, description: str) -> Iterator[str]:
     """Inside: every ``attention_class`` (MLA) module of ``model`` computes its one-device forward with the CP
     path's attention kernel; ``description`` is the context's value. Shared by ``kimi_linear`` and
@@ -266,7 +265,7 @@ def mla_cp_kernels(model: torch.nn.Module, attention_class: type, framework_modu
     parameters; FlexAttention runs as the spec's ``forward`` sets it (uncompiled on CPU). On exit every
     module's own ``forward`` and ``_cp_mesh`` are back.
     """
-    layers = [m for m in model.modules() if isinstance(m, attention_class)]
+    layers: list[Any] = [m for m in model.modules() if isinstance(m, attention_class)]
     saved = [(layer, layer._cp_mesh) for layer in layers]
     try:
         for layer in layers:
@@ -319,7 +318,7 @@ def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, v
         raise ValueError(f"packing must be 'neat' or 'thd', got {packing!r}")
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(1, vocab, (batch_size, seq_len), generator=generator)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for row, lengths in enumerate(documents):
         if sum(lengths) > seq_len:
             raise ValueError(f"documents {lengths} exceed the row of {seq_len}")

@@ -190,8 +190,8 @@ def thd_batch(batch: dict[str, Any], cp_size: int) -> tuple[dict[str, Any], torc
             column += span
         if column < width:  # the row's trailing pack padding belongs to its last document's padded span
             seq_lens_padded[row, len(docs) - 1] += width - column
-            out_positions[row, column:] = torch.arange(out_positions[row, column - 1] + 1,
-                                                       out_positions[row, column - 1] + 1 + width - column)
+            start = int(out_positions[row, column - 1]) + 1
+            out_positions[row, column:] = torch.arange(start, start + width - column)
     laid_out = {"input_ids": out_ids, "labels": out_labels, "position_ids": out_positions, "seq_lens": seq_lens,
                 "seq_lens_padded": seq_lens_padded, "qkv_format": "thd"}
     return laid_out, position_map

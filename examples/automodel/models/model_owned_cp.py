@@ -43,7 +43,7 @@ def _transformer_engine_placeholder() -> Iterator[None]:
         return
     saved = {name: sys.modules.get(name) for name in _TE_MODULES}
     modules = [types.ModuleType(name) for name in _TE_MODULES]
-    modules[2].DotProductAttention = type("DotProductAttention", (), {})  # no module is an instance of it
+    vars(modules[2])["DotProductAttention"] = type("DotProductAttention", (), {})  # no module is an instance of it
     sys.modules.update(zip(_TE_MODULES, modules))
     try:
         yield

@@ -112,7 +112,7 @@ def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> NemotronHCon
     """The HF ``NemotronHConfig`` for the tiny model (``TINY`` with ``overrides``) in ``dtype``."""
     name = dtype_name(NAME, dtype)
     cfg = NemotronHConfig(**tiny(TINY, overrides))
-    cfg.torch_dtype = name
+    cfg.dtype = name  # what the deprecated torch_dtype setter sets
     return cfg
 
 
@@ -125,7 +125,7 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
                         seed).to(rank_device())
 
 
-def _mamba_cp_once(model: torch.nn.Module, mesh: Any) -> None:
+def _mamba_cp_once(model: Any, mesh: Any) -> None:
     """The CP assignments of ``NemotronHModelParallelizer._apply`` for a new CP mesh (Mamba layers only: the
     attention layers here are SDPA, which that loop leaves alone)."""
     if getattr(model, "_cp_harness_cp_mesh", None) is mesh:
@@ -142,7 +142,7 @@ def _mamba_cp_once(model: torch.nn.Module, mesh: Any) -> None:
 
 
 @contextlib.contextmanager
-def _mamba_cp_off(model: torch.nn.Module):
+def _mamba_cp_off(model: Any):
     """No Mamba CP for the block: a one-device user's model has ``mixer.cp = None``."""
     mixers = [layer.mixer for layer in model.model.layers.values() if getattr(layer, "block_type", None) == "mamba"]
     saved = [mixer.cp for mixer in mixers]

@@ -193,7 +193,7 @@ shard = model_owned_cp.shard_on_twin
 forward = model_owned_cp.twin_forward
 
 
-def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
+def cp_padded_length(model: Any, seq_len: int, cp_size: int) -> int:
     """Global length an unpacked row of ``seq_len`` is padded to at ``cp_size``: ``cp * max(ratio, 2)``."""
     if cp_size <= 1:
         return seq_len

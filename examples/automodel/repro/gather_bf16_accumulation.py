@@ -16,6 +16,7 @@ gradient slices and rounds the result once.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -40,7 +41,10 @@ def main(rank: int, world: int, args) -> int:
             gather = lambda t: all_gather_sequence(t, dist.group.WORLD, dim=1)  # noqa: E731
         x = torch.ones(1, 1, 64, dtype=torch.bfloat16, requires_grad=True)
         gather(x).backward(upstream(rank))
-        expected = sum(upstream(r)[:, rank:rank + 1].float() for r in range(world)).to(torch.bfloat16)
+        # The float32 sum in rank order, rounded once (reduce adds left to right, as sum() did).
+        expected = functools.reduce(torch.add, [upstream(r)[:, rank:rank + 1].float() for r in range(world)])
+        expected = expected.to(torch.bfloat16)
+        assert x.grad is not None  # a backward that returns sets it
         wrong = int((x.grad != expected).sum())
         print(f"rank {rank}: {wrong} of 64 gradient elements differ from the float32 sum rounded once", flush=True)
         ok = torch.tensor([int(wrong == 0)])

@@ -17,7 +17,9 @@ all-reduce).
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,6 +39,7 @@ def check(rank: int, gather) -> bool:
     y = gather(x, group)                                               # [1, 4, 3]
     c = torch.full((1, 4, 3), float(rank + 1), dtype=torch.float64)    # upstream: 1 on rank 0, 2 on rank 1
     ((y + u) * c).sum().backward()
+    assert w.grad is not None and x.grad is not None  # a backward that returns sets them
     w_ok = torch.equal(w.grad, 3 * c)                                  # d/dw = 3 * c, this rank's own
     x_ok = torch.equal(x.grad, torch.full_like(x, 3.0))                # sum over ranks of c = 1 + 2
     print(f"rank {rank}: w.grad {w.grad[0, 0, 0].item()} (expected {3 * (rank + 1)}), "
@@ -50,11 +53,12 @@ def main(rank: int, world: int, args) -> int:
         names = list(FUNCTIONS) if args.function == "all" else [args.function]
         bad = []
         for name in names:
+            gather: Callable[[torch.Tensor, object], torch.Tensor]
             if args.fixed:
                 gather = lambda t, g: FixedGather.apply(t, g, 1)  # noqa: E731
             else:
                 fn = __import__(FUNCTIONS[name], fromlist=["all_gather_sequence"]).all_gather_sequence
-                gather = lambda t, g, fn=fn: fn(t, g, dim=1)  # noqa: E731
+                gather = functools.partial(fn, dim=1)
             if rank == 0:
                 print(f"-- {'FixedGather' if args.fixed else FUNCTIONS[name] + '.all_gather_sequence'}", flush=True)
             ok = torch.tensor([int(check(rank, gather))])

@@ -55,7 +55,8 @@ def check(rank: int, world: int, gather, dtype: torch.dtype = torch.float64) -> 
     y = gather(x, group)                                                                     # [2, 2*world]
     upstream = [torch.arange(2 * 2 * world, dtype=dtype).view(2 * world, 2).add(100 * r) for r in range(world)]
     (y.t() * upstream[rank]).sum().backward()          # d/dy = upstream[rank].t(): transposed, non-contiguous
-    want = sum(u.t()[:, 2 * rank:2 * rank + 2] for u in upstream)
+    want = torch.stack([u.t()[:, 2 * rank:2 * rank + 2] for u in upstream]).sum(0)  # integers: exact in any order
+    assert x.grad is not None  # a backward that returns sets it
     ok = torch.equal(x.grad, want)
     print(f"rank {rank}: grad {x.grad.tolist()}, expected {want.tolist()}: {'ok' if ok else 'WRONG'}", flush=True)
     return ok

@@ -29,11 +29,14 @@ def main(rank: int, world: int, args) -> int:
         if args.fixed:
             gather = lambda t, g: FixedGather.apply(t, g, 1)  # noqa: E731
         else:
-            from nemo_automodel.components.models.deepseek_v41.cp import gather_sequence as gather
+            from nemo_automodel.components.models.deepseek_v41.cp import gather_sequence
+
+            gather = gather_sequence
         x = torch.full((1, 2, 3), float(rank), dtype=torch.float64, requires_grad=True)  # [B, L, C]
         y = gather(x, group)                                                               # [1, 4, 3]
         try:
             (y * (cp_rank + 1)).sum().backward()
+            assert x.grad is not None  # a backward that returns sets it
             ok = torch.equal(x.grad, torch.full_like(x, 3.0))  # upstream 1 from CP rank 0, 2 from CP rank 1
             print(f"rank {rank} (CP group {rank // 2}, CP rank {cp_rank}): grad {x.grad.flatten().tolist()[:3]}..., "
                   f"expected 3.0: {'ok' if ok else 'WRONG'}", flush=True)

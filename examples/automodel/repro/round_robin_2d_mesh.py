@@ -46,7 +46,7 @@ def main(rank: int, world: int, args) -> int:
             print(f"rank {rank} {strategy.__name__}: rejected before touching the batch: {error}", flush=True)
             continue
         ok = False
-        touched = {k: list(v.shape) for k, v in batch.items()}
+        touched: dict[str, object] = {k: list(v.shape) for k, v in batch.items()}
         touched["attention_mask"] = "popped" if "attention_mask" not in batch else "kept"
         try:
             with ctx_factory():

@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 
 def draw_cases(model: str, examples: int, world_sizes: tuple[int, ...], seed: int, admits) -> list[dict]:
@@ -92,7 +93,7 @@ def main() -> int:
             started = time.perf_counter()
             report = runner.run(case)
             seconds.append((int(case["world_size"]), time.perf_counter() - started))
-            record = {"case": case, "ok": report.ok, "problems": report.problems, "tensors": {}}
+            record: dict[str, Any] = {"case": case, "ok": report.ok, "problems": report.problems, "tensors": {}}
             for comparison in report.comparisons:
                 verdict = getattr(comparison, "excess", None)
                 if verdict is None:

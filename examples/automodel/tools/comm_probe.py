@@ -22,6 +22,7 @@ import functools
 import os
 import socket
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -149,14 +150,16 @@ def run_rank(rank: int, world: int, port: int, queue) -> None:
     from cp_harness.judging import comm_minimum
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("cp",))
+    world_group = dist.group.WORLD
+    assert world_group is not None  # the process group was just initialised
+    mesh = DeviceMesh.from_group(world_group, "cpu", mesh_dim_names=("cp",))
     install()
     rows = []
     for name, (run, case) in primitives(rank, mesh).items():
         _log = []
         run()
         log, _log = _log, None
-        everything = [None] * world
+        everything: list[Any] = [None] * world
         dist.all_gather_object(everything, log)
         if rank == 0:
             calls = [c for rank_log in everything for c in rank_log if c[0] != "control"]

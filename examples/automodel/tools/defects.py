@@ -53,14 +53,18 @@ class Failure:
 class Signature:
     """How a documented defect fails; ``matches(failure)``; ``text`` says it in words."""
 
-    text = ""
+    @property
+    def text(self) -> str:
+        raise NotImplementedError
 
     def matches(self, failure: Failure) -> bool:
         raise NotImplementedError
 
 
 class GradientsWrong(Signature):
-    text = "forward right, gradients wrong: every failing tensor is a gradient, no rank raised"
+    @property
+    def text(self) -> str:
+        return "forward right, gradients wrong: every failing tensor is a gradient, no rank raised"
 
     def matches(self, failure: Failure) -> bool:
         return bool(failure.tensors) and not failure.problems and all(t["gradient"] for t in failure.tensors)

@@ -21,6 +21,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from examples.automodel.tools.defects import load_known
 
@@ -39,7 +40,7 @@ def entries() -> list[dict]:
     return [{**e, "name": f"{e['id']}-{e['adapter']}-{ids[e['row']]}"} for e in load_known() if "adapter" in e]
 
 
-def export_all(runner, directory: str) -> dict[str, object]:
+def export_all(runner, directory: str) -> dict[str, Any]:
     """Run every documented row's case on ``runner`` (a ``CaseRunner`` whose pool loads the adapters by name) and
     write its repro into ``directory``: ``{name: Exported}``. A case that no longer fails is an error."""
     out = {}
