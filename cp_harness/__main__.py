@@ -25,8 +25,9 @@ from cp_harness import options
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line; every option comes from the one table (``cp_harness.options``)."""
-    parser = argparse.ArgumentParser(prog="cp_harness", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="cp_harness", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     verify = sub.add_parser("verify", help="verify an implementation and print the report")
     options.add_cli_options(verify, "verify")
@@ -39,8 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     repro = sub.add_parser("repro", help="write the standalone repro script of a failing case")
     options.add_cli_options(repro, "repro")
     repro.add_argument("case", help="the case as JSON (the 'case:' line of a failure)")
-    repro.add_argument("-o", "--output", default="repro.py", metavar="PATH",
-                       help="the script to write (its arrays go beside it as PATH.npz; default repro.py)")
+    repro.add_argument(
+        "-o",
+        "--output",
+        default="repro.py",
+        metavar="PATH",
+        help="the script to write (its arrays go beside it as PATH.npz; default repro.py)",
+    )
     return parser
 
 
@@ -54,12 +60,20 @@ def _node(values: dict, print_only: bool) -> int:
     pool = options.pool_options(values)
     external = values.get("launcher") == "external"  # srun: every task becomes one rank
     if not external and (pool.get("node_rank") is None or pool.get("nnodes", 1) < 2):
-        print("node: give --nnodes N (> 1) and --node-rank K of this node, or --launcher external (one rank per "
-              "srun task)", file=sys.stderr)
+        print(
+            "node: give --nnodes N (> 1) and --node-rank K of this node, or --launcher external (one rank per "
+            "srun task)",
+            file=sys.stderr,
+        )
         return 2
     try:
-        config = PoolConfig(world_size=max(values["world_sizes"]), backend=values["backend"], impl=values["impl"],
-                            preload=tuple(values["model_specs"]), **pool)
+        config = PoolConfig(
+            world_size=max(values["world_sizes"]),
+            backend=values["backend"],
+            impl=values["impl"],
+            preload=tuple(values["model_specs"]),
+            **pool,
+        )
         command = RankProcesses(config).node_command(config.node_rank or 0, local=False)
     except ValueError as exc:
         print(f"node: {exc}", file=sys.stderr)
@@ -115,11 +129,18 @@ def _case_runner(values: dict, text: str):
         print(f"cannot run: {exc}", file=sys.stderr)
         return None, 2
     timeout = values["case_timeout"] or (300.0 if case.get("spec") else 120.0)
-    return case, CaseRunner(PoolConfig(world_size=ranks, backend=values["backend"], impl=values["impl"],
-                                       launcher=values["launcher"], case_timeout=timeout,
-                                       collective_timeout=max(30.0, timeout / 2),
-                                       preload=(case["spec"],) if case.get("spec") else ()),
-                            policy=policy_named(values["precision_policy"]))
+    return case, CaseRunner(
+        PoolConfig(
+            world_size=ranks,
+            backend=values["backend"],
+            impl=values["impl"],
+            launcher=values["launcher"],
+            case_timeout=timeout,
+            collective_timeout=max(30.0, timeout / 2),
+            preload=(case["spec"],) if case.get("spec") else (),
+        ),
+        policy=policy_named(values["precision_policy"]),
+    )
 
 
 def _run_case(values: dict, text: str) -> int:
@@ -146,9 +167,11 @@ def _repro(values: dict, text: str, output: str) -> int:
 
     stem = os.path.splitext(os.path.basename(output))[0]
     if stem in {name.split(".")[0] for name in impl_names(values["impl"])}:
-        print(f"-o {output}: run as a script, its folder comes first on sys.path, so `import {stem}` would import "
-              f"the script instead of the module under test; name it otherwise (e.g. {stem}-repro.py)",
-              file=sys.stderr)
+        print(
+            f"-o {output}: run as a script, its folder comes first on sys.path, so `import {stem}` would import "
+            f"the script instead of the module under test; name it otherwise (e.g. {stem}-repro.py)",
+            file=sys.stderr,
+        )
         return 2
     case, runner = _case_runner(values, text)
     if case is None:

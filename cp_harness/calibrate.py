@@ -88,10 +88,18 @@ def measure(runner: CaseRunner, strategy, space: CaseSpace, examples: int, seed:
         for c in report.comparisons:
             if not c.arithmetic:
                 continue
-            entry = {"case": canonical(case), "n": int(case["world_size"]), "tensor": c.name,
-                     "measure": c.ulp_dtype, "floor_fraction": c.floor_fraction, "cp": c.max_ulp,
-                     "one_rank": c.excess.baseline if c.excess is not None else None,
-                     "rank": c.rank, "problems": len(report.problems), "by_measure": {}}
+            entry = {
+                "case": canonical(case),
+                "n": int(case["world_size"]),
+                "tensor": c.name,
+                "measure": c.ulp_dtype,
+                "floor_fraction": c.floor_fraction,
+                "cp": c.max_ulp,
+                "one_rank": c.excess.baseline if c.excess is not None else None,
+                "rank": c.rank,
+                "problems": len(report.problems),
+                "by_measure": {},
+            }
             ref = reference.get(c.name) if excess.pairs_with_baseline(c) else None
             for label, fraction in MEASURES.items():
                 entry["by_measure"][label] = _terms(c, ref, fraction)
@@ -103,8 +111,13 @@ def measure(runner: CaseRunner, strategy, space: CaseSpace, examples: int, seed:
 
 def summary(name: str, pairs: list[dict]) -> dict:
     multi = [p for p in pairs if p["one_rank"] is not None and not p["problems"]]
-    out: dict[str, Any] = {"row": name, "tensors": len(pairs), "cases": len({p["case"] for p in pairs}),
-                           "multi_rank_tensors": len(multi), "by_measure": {}}
+    out: dict[str, Any] = {
+        "row": name,
+        "tensors": len(pairs),
+        "cases": len({p["case"] for p in pairs}),
+        "multi_rank_tensors": len(multi),
+        "by_measure": {},
+    }
     for label in MEASURES:
         m = [p["by_measure"][label] for p in multi if p["by_measure"][label]["one_rank"] is not None]
         n1 = [p["by_measure"][label]["cp"] for p in pairs if p["n"] == 1 and not p["problems"]]
@@ -120,13 +133,15 @@ def summary(name: str, pairs: list[dict]) -> dict:
             "worst_n1_case": max([0.0] + n1),
             "worst_ratio": max(worst_ratio.values(), default=0.0),
             "worst_ratio_tensors": dict(sorted(worst_ratio.items(), key=lambda kv: -kv[1])[:3]),
-            "c_needed": {str(k): max([0.0] + [t["need"][str(k)] for t in m]) for k in FLOORS}}
+            "c_needed": {str(k): max([0.0] + [t["need"][str(k)] for t in m]) for k in FLOORS},
+        }
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cp_harness.calibrate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m cp_harness.calibrate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     options.add_cli_options(parser, "calibrate")
     args = parser.parse_args(argv)
     values = options.from_cli(args)  # the one read of $CP_IMPL
@@ -137,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [(n, s) for n, s in _rows(dtypes) if not wanted or any(w in n for w in wanted)]
     space = CaseSpace(world_sizes=tuple(sizes), impls=impl_names(values["impl"]))
     # Every error measured, none judged: the judge's own numbers are what is being measured.
-    runner = CaseRunner(PoolConfig(world_size=max(sizes), impl=values["impl"], backend=values["backend"],
-                                   launcher=values["launcher"]), policy=UNJUDGED)
+    runner = CaseRunner(
+        PoolConfig(world_size=max(sizes), impl=values["impl"], backend=values["backend"], launcher=values["launcher"]),
+        policy=UNJUDGED,
+    )
     results, everything = [], {}
     started = time.perf_counter()
     try:
@@ -149,20 +166,35 @@ def main(argv: list[str] | None = None) -> int:
             s = summary(name, pairs)
             s["seconds"] = round(time.perf_counter() - t0, 1)
             results.append(s)
-            print(f"{name}: {s['cases']} cases, {s['multi_rank_tensors']} multi-rank tensors ({s['seconds']} s)",
-                  flush=True)
+            print(
+                f"{name}: {s['cases']} cases, {s['multi_rank_tensors']} multi-rank tensors ({s['seconds']} s)",
+                flush=True,
+            )
             for label, m in s["by_measure"].items():
                 need = ", ".join(f"k={k}: {v:.3g}" for k, v in m["c_needed"].items())
-                print(f"    {label:<12} worst CP {m['worst_cp']:.3g}  one-rank {m['worst_one_rank']:.3g} "
-                      f"(N=1 cases {m['worst_n1_case']:.3g})  ratio {m['worst_ratio']:.3g}  c needed: {need}  "
-                      f"{m['worst_ratio_tensors']}", flush=True)
+                print(
+                    f"    {label:<12} worst CP {m['worst_cp']:.3g}  one-rank {m['worst_one_rank']:.3g} "
+                    f"(N=1 cases {m['worst_n1_case']:.3g})  ratio {m['worst_ratio']:.3g}  c needed: {need}  "
+                    f"{m['worst_ratio_tensors']}",
+                    flush=True,
+                )
     finally:
         runner.close()
     print(f"{time.perf_counter() - started:.0f} s, {runner.tally.baseline_runs} one-rank runs", file=sys.stderr)
     if values["json_path"]:
         with open(values["json_path"], "w") as f:
-            json.dump({"impl": values["impl"], "world_sizes": list(sizes), "seed": values["seed"], "examples": examples,
-                       "rows": results, "pairs": everything}, f, indent=1)
+            json.dump(
+                {
+                    "impl": values["impl"],
+                    "world_sizes": list(sizes),
+                    "seed": values["seed"],
+                    "examples": examples,
+                    "rows": results,
+                    "pairs": everything,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

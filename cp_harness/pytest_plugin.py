@@ -88,7 +88,9 @@ def _xdist_workers(config: pytest.Config) -> int:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: long-running checks (run nightly; deselect with -m 'not slow')")
-    config.addinivalue_line("markers", "gpu: needs CUDA devices and the NCCL backend (skipped unless --cp-backend nccl)")
+    config.addinivalue_line(
+        "markers", "gpu: needs CUDA devices and the NCCL backend (skipped unless --cp-backend nccl)"
+    )
     cp_run = _is_cp_run(config)
     values = cp_settings(config)  # the one read of the environment ($CP_IMPL, $CP_HARNESS_ERROR_MAP_DIR)
     profile = config.getoption("--hypothesis-profile", default=None)
@@ -104,8 +106,12 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--cp-impl: {exc}") from exc
     # The session's case space, registered and loaded once before any test module builds its strategies (as
     # Hypothesis profiles are).
-    profiles.register_space("session", profiles.CaseSpace(world_sizes=tuple(sizes), impls=impls,
-                                                          favour_small=profile == "ci", models=tuple(values["model_specs"])))
+    profiles.register_space(
+        "session",
+        profiles.CaseSpace(
+            world_sizes=tuple(sizes), impls=impls, favour_small=profile == "ci", models=tuple(values["model_specs"])
+        ),
+    )
     profiles.load_space("session")
     if values["backend"] == "nccl":
         _configure_gpus(config, max(sizes))
@@ -190,12 +196,14 @@ def _skip_case(reason: str) -> None:
 
 def _within(ranks: int):
     """Admission of a pool of ``ranks``: a case that needs more is skipped, saying why."""
+
     def admit(case: dict) -> None:
         from cp_harness.cases.meshes import ranks_needed
 
         n = ranks_needed(case)
         if n > ranks:
             _skip_case(f"case needs {n} ranks; this run's pool has {ranks} (--cp-world-sizes)")
+
     return admit
 
 
@@ -207,19 +215,28 @@ def cp_runner(pytestconfig: pytest.Config, cp_world_sizes, cp_impl_selection):
         try:  # a module that does not import fails every CP test at once, with this message, before any rank starts
             load_impl(name)
         except Exception as exc:  # noqa: BLE001
-            raise pytest.UsageError(f"--cp-impl {name}: the implementation does not import here: "
-                                    f"{type(exc).__name__}: {exc}") from exc
+            raise pytest.UsageError(
+                f"--cp-impl {name}: the implementation does not import here: {type(exc).__name__}: {exc}"
+            ) from exc
     values = cp_settings(pytestconfig)
     timeout = values["case_timeout"] if values["case_timeout"] is not None else 120.0
     from cp_harness.judging.policy import policy_named
     from cp_harness.runner import CaseRunner
 
-    runner = CaseRunner(PoolConfig(world_size=max(cp_world_sizes), backend=values["backend"], preload=tuple(values["model_specs"]),
-                                   impl=cp_impl_selection, **{**options.pool_options(values), "case_timeout": timeout},
-                                   collective_timeout=max(10.0, timeout / 2)),
-                        admit=_within(max(cp_world_sizes)),
-                        policy=policy_named(values["precision_policy"]), error_dir=values["error_dir"],
-                        repro_dir=values["export_repros"])
+    runner = CaseRunner(
+        PoolConfig(
+            world_size=max(cp_world_sizes),
+            backend=values["backend"],
+            preload=tuple(values["model_specs"]),
+            impl=cp_impl_selection,
+            **{**options.pool_options(values), "case_timeout": timeout},
+            collective_timeout=max(10.0, timeout / 2),
+        ),
+        admit=_within(max(cp_world_sizes)),
+        policy=policy_named(values["precision_policy"]),
+        error_dir=values["error_dir"],
+        repro_dir=values["export_repros"],
+    )
     try:
         yield runner
     finally:
@@ -244,8 +261,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def _write_summary_json(terminalreporter, exitstatus, config: pytest.Config, path: str) -> None:
     outcomes = {key: len(terminalreporter.stats.get(key, [])) for key in ("passed", "failed", "error", "skipped")}
-    data = {"exit_status": int(exitstatus), "seconds": time.time() - config.stash.get(_STARTED, time.time()),
-            "outcomes": outcomes, "summary": SUMMARY.as_dict()}
+    data = {
+        "exit_status": int(exitstatus),
+        "seconds": time.time() - config.stash.get(_STARTED, time.time()),
+        "outcomes": outcomes,
+        "summary": SUMMARY.as_dict(),
+    }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
@@ -259,7 +280,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     if SUMMARY.empty:
         return
     terminalreporter.section("cp_harness")
-    terminalreporter.write_line(f"implementation: {values['impl']}, backend: {values['backend']}, "
-                                f"precision policy: {values['precision_policy']}")
+    terminalreporter.write_line(
+        f"implementation: {values['impl']}, backend: {values['backend']}, "
+        f"precision policy: {values['precision_policy']}"
+    )
     for line in SUMMARY.lines():
         terminalreporter.write_line(line)

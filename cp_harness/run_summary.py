@@ -53,10 +53,17 @@ class RunSummary:
 
     def as_dict(self) -> dict:
         """Plain data (JSON-able) for the trip from an xdist worker to the controller."""
-        return {"by_size": {str(k): v for k, v in self.by_size.items()}, "by_dtype": dict(self.by_dtype),
-                "by_impl": dict(self.by_impl), "several_impls": self.several_impls,
-                "baseline_runs": self.baseline_runs, "pool_starts": self.pool_starts, "counts": dict(self.counts),
-                "notes": list(self.notes), "error_maps": list(self.error_maps)}
+        return {
+            "by_size": {str(k): v for k, v in self.by_size.items()},
+            "by_dtype": dict(self.by_dtype),
+            "by_impl": dict(self.by_impl),
+            "several_impls": self.several_impls,
+            "baseline_runs": self.baseline_runs,
+            "pool_starts": self.pool_starts,
+            "counts": dict(self.counts),
+            "notes": list(self.notes),
+            "error_maps": list(self.error_maps),
+        }
 
     def merge(self, data: dict) -> None:
         """Add a worker's ``as_dict``."""

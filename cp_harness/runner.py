@@ -141,9 +141,16 @@ def admit_all(case: dict) -> None:
 class CaseRunner:
     """Runs cases on a warm pool and remembers what ran (``tally``: cases per CP size, check, dtype, ...)."""
 
-    def __init__(self, config: PoolConfig, *, pool: RankPool | None = None, policy: JudgingPolicy = STRICT,
-                 admit: Callable[[dict], None] = admit_all, error_dir: str | None = None,
-                 repro_dir: str | None = None):
+    def __init__(
+        self,
+        config: PoolConfig,
+        *,
+        pool: RankPool | None = None,
+        policy: JudgingPolicy = STRICT,
+        admit: Callable[[dict], None] = admit_all,
+        error_dir: str | None = None,
+        repro_dir: str | None = None,
+    ):
         """``pool``: run on another runner's warm pool (its ranks, this runner's own counters); ``close``
         then leaves that pool running for its owner. ``policy``: how arithmetic is judged. ``admit(case)``
         raises to refuse a case before it is sent (the pytest plugin skips cases larger than its pool).
@@ -172,8 +179,9 @@ class CaseRunner:
             raise job.error
         return self._collect(job)
 
-    def run_outputs_many(self, cases: Iterable[dict], *, timeout: float | None = None,
-                         ahead: int = 2) -> Iterator[list]:
+    def run_outputs_many(
+        self, cases: Iterable[dict], *, timeout: float | None = None, ahead: int = 2
+    ) -> Iterator[list]:
         """``run_outputs`` of each case, in order, with up to ``ahead`` later cases queued on the ranks
         while the caller works on one; a ``RankFailure`` is raised at its own case's turn."""
         jobs = self._pipeline(cases, timeout=timeout, excess=False, count=True, ahead=ahead)
@@ -253,8 +261,9 @@ class CaseRunner:
                 outputs = self._collect(job)
             except RankFailure as exc:
                 report = CaseReport(case=case)
-                report.problem(f"rank {exc.rank} {exc.kind}: {exc}", rank=exc.rank,
-                               kind=ProblemKind.of_rank_failure(exc.kind))
+                report.problem(
+                    f"rank {exc.rank} {exc.kind}: {exc}", rank=exc.rank, kind=ProblemKind.of_rank_failure(exc.kind)
+                )
             else:
                 if job.expect_error is not None:
                     raise job.expect_error
@@ -272,9 +281,12 @@ class CaseRunner:
         base = self.baseline(base_case, timeout=timeout)
         if base.problems:
             first = base.problems[0]
-            report.problem("the one-rank baseline of this case (same implementation, world_size 1) failed: "
-                           + first.message + (f"\n{first.detail}" if first.detail else ""),
-                           kind=ProblemKind.BASELINE_FAILED)
+            report.problem(
+                "the one-rank baseline of this case (same implementation, world_size 1) failed: "
+                + first.message
+                + (f"\n{first.detail}" if first.detail else ""),
+                kind=ProblemKind.BASELINE_FAILED,
+            )
             return
         excess.apply(report, base, self.policy.excess_rule(report.case.get("dtype", "float64")))
 
@@ -293,8 +305,9 @@ class CaseRunner:
             report = CaseReport(case=job.case)
             layout = meshes.MeshLayout.of(job.case)
             where = f" ({layout.describe(exc.rank)})" if layout is not None and exc.rank is not None else ""
-            report.problem(f"rank {exc.rank}{where} {exc.kind}: {exc}", rank=exc.rank,
-                           kind=ProblemKind.of_rank_failure(exc.kind))
+            report.problem(
+                f"rank {exc.rank}{where} {exc.kind}: {exc}", rank=exc.rank, kind=ProblemKind.of_rank_failure(exc.kind)
+            )
             if layout is not None:
                 self._compare_with_prefix_mesh(report, timeout=timeout)
             return report
@@ -309,15 +322,22 @@ class CaseRunner:
             self.tally.add_not_judged(part)
             if excess:
                 self.judge_excess(part, timeout=timeout)
-        report = reports[0] if layout is None else merge_groups(
-            job.case, [(layout.group_label(g), part) for g, part in zip(layout.running(), reports)])
+        report = (
+            reports[0]
+            if layout is None
+            else merge_groups(job.case, [(layout.group_label(g), part) for g, part in zip(layout.running(), reports)])
+        )
         if layout is not None and not report.ok:
             self._compare_with_prefix_mesh(report, timeout=timeout)
         if not report.ok:
             self.tally.failures += 1
         assert job.ticket is not None  # collected above
-        report.timing = {**job.ticket.timing, "oracle": job.oracle_seconds, "compare": compared - started,
-                         "excess": time.perf_counter() - compared}
+        report.timing = {
+            **job.ticket.timing,
+            "oracle": job.oracle_seconds,
+            "compare": compared - started,
+            "excess": time.perf_counter() - compared,
+        }
         return report
 
     def _compare_with_prefix_mesh(self, report: CaseReport, *, timeout: float | None) -> None:
@@ -326,10 +346,13 @@ class CaseRunner:
         twin = meshes.without_layout(report.case)
         other = self._judge(self._submit(twin, timeout=timeout, excess=True, count=False), timeout=timeout)
         if other.ok:
-            report.problem(f"the same case passes on a one-dimensional mesh over ranks 0..{int(twin['world_size']) - 1} "
-                           f"(where a CP rank is its global rank): the implementation mistakes a global rank for a CP "
-                           f"rank (dist.get_rank(), a peer addressed by CP rank) or communicates outside "
-                           f"mesh['cp']'s group; the problems above say where", kind=ProblemKind.MESH_FINDING)
+            report.problem(
+                f"the same case passes on a one-dimensional mesh over ranks 0..{int(twin['world_size']) - 1} "
+                f"(where a CP rank is its global rank): the implementation mistakes a global rank for a CP "
+                f"rank (dist.get_rank(), a peer addressed by CP rank) or communicates outside "
+                f"mesh['cp']'s group; the problems above say where",
+                kind=ProblemKind.MESH_FINDING,
+            )
 
     def run(self, case: dict, *, timeout: float | None = None) -> CaseReport:
         """Run and evaluate ``case``; a rank fault becomes a failed report naming the rank.
@@ -339,8 +362,15 @@ class CaseRunner:
         """
         return self._judge(self._submit(case, timeout=timeout, excess=True), timeout=timeout)
 
-    def run_many(self, cases: Iterable[dict], *, timeout: float | None = None, excess: bool = True,
-                 count: bool = True, ahead: int = 2) -> Iterator[CaseReport]:
+    def run_many(
+        self,
+        cases: Iterable[dict],
+        *,
+        timeout: float | None = None,
+        excess: bool = True,
+        count: bool = True,
+        ahead: int = 2,
+    ) -> Iterator[CaseReport]:
         """``run`` of each case, in order, pipelined: while case ``k`` is judged, cases ``k+1..k+ahead`` are
         queued on the ranks, so the ranks never wait for the test process (nor it for them, when it is slower).
 
@@ -352,8 +382,9 @@ class CaseRunner:
         for job in self._pipeline(cases, timeout=timeout, excess=excess, count=count, ahead=ahead):
             yield self._judge(job, timeout=timeout, excess=excess)
 
-    def _pipeline(self, cases: Iterable[dict], *, timeout: float | None, excess: bool, count: bool,
-                  ahead: int) -> Iterator[_Job]:
+    def _pipeline(
+        self, cases: Iterable[dict], *, timeout: float | None, excess: bool, count: bool, ahead: int
+    ) -> Iterator[_Job]:
         """Submitted jobs in order, keeping ``ahead`` more submitted while the caller handles one."""
         if ahead < 0:
             raise ValueError(f"ahead={ahead}; at least 0")
@@ -391,8 +422,9 @@ class CaseRunner:
             raise AssertionError(message)
         return report
 
-    def export_repro(self, case: dict, report: CaseReport, directory: str, *, note: str = "",
-                     name: str | None = None) -> Exported:
+    def export_repro(
+        self, case: dict, report: CaseReport, directory: str, *, note: str = "", name: str | None = None
+    ) -> Exported:
         """Write the standalone repro of the failing ``case`` (judged as ``report``) into ``directory`` (as
         ``name``.py, default the case's id): the script's path, or why none was written (a check without one, a
         kind of case no script family covers)."""
@@ -403,8 +435,9 @@ class CaseRunner:
                 return self._narrowed(case, check, directory, name)
             if check.repro is None or check.repro.plan is None:
                 raise repro.NotExportable(f"the check {check.name!r} writes no standalone repro")
-            return Exported(repro.write(repro.on_world_mesh(check.repro.plan(request), case), directory, name), case=case,
-                            note=note)
+            return Exported(
+                repro.write(repro.on_world_mesh(check.repro.plan(request), case), directory, name), case=case, note=note
+            )
         except repro.NotExportable as why:
             return Exported(None, why=str(why), case=case)
 
@@ -412,38 +445,56 @@ class CaseRunner:
         """A model failure narrowed: the first documented call of the run that is wrong on its own, replayed on
         the ranks with what it received (judged by the check that replays that function), else the first failing
         case of ``check.repro.narrow``."""
-        definitions = {f: judge for c in checks.load_checks().values() if c.repro is not None
-                       for f, judge in c.repro.replays.items()}
+        definitions = {
+            f: judge
+            for c in checks.load_checks().values()
+            if c.repro is not None
+            for f, judge in c.repro.replays.items()
+        }
         impl = case_impl(case, self.config.impl)
         try:
             outputs = per_group(self.run_outputs({**case, "record_calls": True}), meshes.MeshLayout.of(case))[0]
         except RankFailure:  # the run raised before its calls could be replayed: narrow to the cases below
             outputs = []
-        for call in (repro.recorded_calls(outputs) if outputs else []):
+        for call in repro.recorded_calls(outputs) if outputs else []:
             if call.function not in definitions:
                 continue
             if repro_calls.replay_differs(definitions[call.function](call), call):
                 expected = definitions[call.function](repro.portable(call))
-                note = (f"narrowed from that case to call {call.index + 1} of its run ({call.function}), with the "
-                        "inputs and upstream gradient it received on the ranks")
+                note = (
+                    f"narrowed from that case to call {call.index + 1} of its run ({call.function}), with the "
+                    "inputs and upstream gradient it received on the ranks"
+                )
                 request = repro.Request(case, impl, self.policy, note=note)
-                plan = repro_calls.plan(expected, request.subject(call.function), f"{request.name}-call{call.index + 1}",
-                                        request.case_text)
+                plan = repro_calls.plan(
+                    expected, request.subject(call.function), f"{request.name}-call{call.index + 1}", request.case_text
+                )
                 return Exported(repro.write(repro.on_world_mesh(plan, case), directory, name), case=case, note=note)
         assert check.repro is not None and check.repro.narrow is not None  # export_repro narrows only then
         for other in check.repro.narrow(case):
             report = self.run(other)
             if not report.ok:
-                return self.export_repro(other, report, directory, note=f"narrowed from the case {canonical(case)}",
-                                         name=name)
-        return Exported(None, case=case, why="no documented call of the model run is wrong on its own, and no case it "
-                                              "was narrowed to fails: the model's failure has no standalone repro")
+                return self.export_repro(
+                    other, report, directory, note=f"narrowed from the case {canonical(case)}", name=name
+                )
+        return Exported(
+            None,
+            case=case,
+            why="no documented call of the model run is wrong on its own, and no case it "
+            "was narrowed to fails: the model's failure has no standalone repro",
+        )
 
     def sharing_pool(self) -> CaseRunner:
         """A runner with its own counters on this runner's pool (the harness's own tests judge deliberately
         broken modules on the session's ranks without counting them as examples of the gate)."""
-        return CaseRunner(self.config, pool=self.pool, policy=self.policy, admit=self.admit, error_dir=self.error_dir,
-                          repro_dir=self.repro_dir)
+        return CaseRunner(
+            self.config,
+            pool=self.pool,
+            policy=self.policy,
+            admit=self.admit,
+            error_dir=self.error_dir,
+            repro_dir=self.repro_dir,
+        )
 
     def close(self) -> None:
         if self._owns_pool:

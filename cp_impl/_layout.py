@@ -80,7 +80,11 @@ def primary_key(batch: Mapping[str, Any], api: str, *, allow_embeds: bool) -> st
         return "input_ids"
     if has_embeds:
         return "inputs_embeds"
-    wanted = "input_ids [batch, sequence] (or inputs_embeds [batch, sequence, hidden])" if allow_embeds else "input_ids [batch, sequence]"
+    wanted = (
+        "input_ids [batch, sequence] (or inputs_embeds [batch, sequence, hidden])"
+        if allow_embeds
+        else "input_ids [batch, sequence]"
+    )
     raise ValueError(f"{api}: input_ids: the batch has no token tensor; pass {wanted}")
 
 
@@ -124,7 +128,11 @@ def check_token_tensor(batch: Mapping[str, Any], key: str, b: int, s: int, kind:
         "mask": value.dtype == torch.bool or is_integer_dtype(value.dtype),
     }[kind]
     if not ok:
-        wanted = {"int": "an integer dtype (e.g. torch.int64)", "bool": "torch.bool", "mask": "torch.bool or an integer dtype with 0/1 values"}[kind]
+        wanted = {
+            "int": "an integer dtype (e.g. torch.int64)",
+            "bool": "torch.bool",
+            "mask": "torch.bool or an integer dtype with 0/1 values",
+        }[kind]
         raise TypeError(f"{api}: {key}: expected {wanted}, got {value.dtype}")
     return value
 
@@ -134,7 +142,9 @@ def check_num_chunks(num_chunks: Any, batch_size: int, api: str, *, exact: bool 
     if not isinstance(num_chunks, int) or isinstance(num_chunks, bool):
         raise TypeError(f"{api}: num_chunks: expected a positive int, got {type(num_chunks).__name__}")
     if num_chunks < 1:
-        raise ValueError(f"{api}: num_chunks: expected a positive int, got {num_chunks}; pass 1 without pipeline parallelism")
+        raise ValueError(
+            f"{api}: num_chunks: expected a positive int, got {num_chunks}; pass 1 without pipeline parallelism"
+        )
     if exact and batch_size != num_chunks:
         raise ValueError(
             f"{api}: num_chunks={num_chunks} but the batch size is {batch_size}: a packed batch holds exactly "
@@ -159,9 +169,13 @@ def check_images(batch: Mapping[str, Any], b: int, s: int, api: str, *, single_i
         return
     if isinstance(pixels, torch.Tensor):
         if pixels.dim() != 4:
-            raise ValueError(f"{api}: pixel_values: expected [images, channels, height, width] or a list of [channels, height, width]")
+            raise ValueError(
+                f"{api}: pixel_values: expected [images, channels, height, width] or a list of [channels, height, width]"
+            )
     elif not isinstance(pixels, (list, tuple)) or not all(isinstance(p, torch.Tensor) and p.dim() == 3 for p in pixels):
-        raise ValueError(f"{api}: pixel_values: expected a list of [channels, height, width] tensors or one [images, channels, height, width] tensor")
+        raise ValueError(
+            f"{api}: pixel_values: expected a list of [channels, height, width] tensors or one [images, channels, height, width] tensor"
+        )
 
 
 # ------------------------------------------------------------- layouts
@@ -301,10 +315,14 @@ def dense_layout(b: int, s: int, device: torch.device) -> RowLayout:
 # ----------------------------------------------------------- positions
 
 
-def validate_document_positions(keep: torch.Tensor, positions: torch.Tensor, api: str = "validate_document_positions") -> None:
+def validate_document_positions(
+    keep: torch.Tensor, positions: torch.Tensor, api: str = "validate_document_positions"
+) -> None:
     """Check document positions of kept tokens row by row (see the public docstring)."""
     if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
-        raise TypeError(f"{api}: keep: expected a bool tensor [batch, sequence], got {getattr(keep, 'dtype', type(keep).__name__)}")
+        raise TypeError(
+            f"{api}: keep: expected a bool tensor [batch, sequence], got {getattr(keep, 'dtype', type(keep).__name__)}"
+        )
     if not isinstance(positions, torch.Tensor) or not is_integer_dtype(positions.dtype):
         raise TypeError(
             f"{api}: positions: expected an integer tensor [batch, sequence], got "
@@ -333,8 +351,10 @@ def validate_document_positions(keep: torch.Tensor, positions: torch.Tensor, api
     if negative[i, j]:
         why = "kept positions must be >= 0"
     elif jump[i, j]:
-        why = (f"it follows a kept token at position {int(pos[i, j - 1])}, so it must be {int(pos[i, j - 1]) + 1} "
-               f"(same document) or 0 (new document)")
+        why = (
+            f"it follows a kept token at position {int(pos[i, j - 1])}, so it must be {int(pos[i, j - 1]) + 1} "
+            f"(same document) or 0 (new document)"
+        )
     else:
         why = "it is the first kept token after padding, so it must be 0 (a gap cannot resume a document)"
     raise ValueError(f"{api}: positions row {i}, column {j} = {value}: {why}")
@@ -372,7 +392,9 @@ def derive_layout(batch: Mapping[str, Any], primary: str, api: str) -> DerivedLa
     if present:
         if len(present) == 1:
             missing = [k for k in PACKED_KEYS if k not in present][0]
-            raise ValueError(f"{api}: {present[0]} is given without {missing}; a packed batch needs both [batch, documents]")
+            raise ValueError(
+                f"{api}: {present[0]} is given without {missing}; a packed batch needs both [batch, documents]"
+            )
         layout = packed_layout(batch["seq_lens"], batch["seq_lens_padded"], b, s, device, api)
         if mask is not None:
             differs = mask.to(layout.keep.device).bool() != layout.keep

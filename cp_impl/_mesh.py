@@ -75,7 +75,7 @@ def resolve_mesh(mesh: Any, name: str = "mesh") -> CPMesh:
         names = getattr(mesh, "mesh_dim_names", None)
         raise ValueError(
             f"{name}: expected a one-dimensional CP mesh, got a {mesh.ndim}-D mesh "
-            f"(dims {names}); pass the CP sub-mesh, e.g. world_mesh[\"cp\"]"
+            f'(dims {names}); pass the CP sub-mesh, e.g. world_mesh["cp"]'
         )
     size = int(mesh.size())
     if size == 1:

@@ -118,8 +118,15 @@ def _shard_prepared(
     return shard_batch_tokens(cp_mesh, batch, plan, layout=layout, seq_len=s, drop=("attention_mask",), replace=replace)
 
 
-def make_sharder(*, api: str, num_chunks: int, allow_embeds: bool, shard_primary: bool, packed: bool,
-                 layout: TokenLayout = LAYOUTS["contiguous"]) -> ContextParallelSharder:
+def make_sharder(
+    *,
+    api: str,
+    num_chunks: int,
+    allow_embeds: bool,
+    shard_primary: bool,
+    packed: bool,
+    layout: TokenLayout = LAYOUTS["contiguous"],
+) -> ContextParallelSharder:
     """An unresolved sharder whose strategy shards batches prepared by ``api`` with ``layout``."""
     strategy = functools.partial(
         _shard_prepared,
@@ -138,9 +145,18 @@ def relayout(sharder: ContextParallelSharder, layout: TokenLayout) -> ContextPar
     return unresolved(functools.partial(sharder.shard_batch, layout=layout), layout)
 
 
-def prepare(batch: MutableMapping[str, Any], *, api: str, sharder_api: str, num_chunks: Any, allow_embeds: bool,
-            single_image: bool, shard_primary: bool, packed: bool,
-            check_more: Callable[[int, int], None] | None = None) -> dict[str, ContextParallelSharder]:
+def prepare(
+    batch: MutableMapping[str, Any],
+    *,
+    api: str,
+    sharder_api: str,
+    num_chunks: Any,
+    allow_embeds: bool,
+    single_image: bool,
+    shard_primary: bool,
+    packed: bool,
+    check_more: Callable[[int, int], None] | None = None,
+) -> dict[str, ContextParallelSharder]:
     """The body every ``prepare_*`` hook shares: validate all of the batch, then normalise its layout in place.
 
     ``batch [B, S]`` is checked (primary token tensor, ``num_chunks`` dividing
@@ -155,6 +171,7 @@ def prepare(batch: MutableMapping[str, Any], *, api: str, sharder_api: str, num_
         check_more(b, s)
     check_images(batch, b, s, api, single_image=single_image)
     write_layout(batch, derive_layout(batch, primary, api), document_ids=packed)
-    sharder = make_sharder(api=sharder_api, num_chunks=num_chunks, allow_embeds=allow_embeds,
-                           shard_primary=shard_primary, packed=packed)
+    sharder = make_sharder(
+        api=sharder_api, num_chunks=num_chunks, allow_embeds=allow_embeds, shard_primary=shard_primary, packed=packed
+    )
     return {"cp_sharder": sharder}

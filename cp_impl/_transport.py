@@ -43,9 +43,18 @@ _BODY = DESCRIPTOR_LEN - _HEADER
 _NOT_A_TENSOR = -1
 _NOT_AN_INT = -(2**62)
 _DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
-    torch.complex64, torch.complex128,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
 )
 _MASK61 = (1 << 61) - 1
 
@@ -91,7 +100,7 @@ def _describe(row: Sequence[int], names: Sequence[str], flag_names: Sequence[str
             parts.append(f"{name}=<not a tensor>")
             continue
         ndim = code % 64
-        dims = body[pos:pos + ndim]
+        dims = body[pos : pos + ndim]
         pos += ndim
         parts.append(f"{name}={_dtype_name(code // 64)}{list(dims)}")
     for i, fname in enumerate(flag_names):
@@ -132,7 +141,7 @@ def agree(
         else:
             body.append(_NOT_A_TENSOR)
     if len(body) > _BODY:
-        body = body[: _BODY - 1] + [_digest(body[_BODY - 1:])]
+        body = body[: _BODY - 1] + [_digest(body[_BODY - 1 :])]
     body += [0] * (_BODY - len(body))
     flag_bits = sum(int(bool(v)) << i for i, v in enumerate(flags.values()))
     err_code = int(local_error[0]) if local_error else 0
@@ -191,7 +200,7 @@ def _all_gather(value: torch.Tensor, cp: CPMesh, dim: int) -> torch.Tensor:
         out = out.view(torch.bool)
     shape = list(value.shape)
     out = out.view(cp.size, *shape)
-    merged = shape[:dim] + [cp.size * shape[dim]] + shape[dim + 1:]
+    merged = shape[:dim] + [cp.size * shape[dim]] + shape[dim + 1 :]
     if dim == 0:
         return out.view(merged)
     return out.movedim(0, dim).reshape(merged)
@@ -216,7 +225,7 @@ def _reduce_scatter(grad: torch.Tensor, cp: CPMesh, dim: int) -> torch.Tensor:
     """
     shape = list(grad.shape)
     local = shape[dim] // cp.size
-    split = shape[:dim] + [cp.size, local] + shape[dim + 1:]
+    split = shape[:dim] + [cp.size, local] + shape[dim + 1 :]
     chunks = grad.reshape(split).movedim(dim, 0).contiguous()  # [N, ..., local, ...]
     if grad.dtype in LOW_PRECISION:
         received = torch.empty_like(chunks)  # received[i]: rank i's gradient of this rank's shard
@@ -264,7 +273,12 @@ def gather_public(value: Any, mesh: Any, differentiable: Any, *, api: str, dim: 
     """
     cp = resolve_mesh(mesh)
     if not cp.single:
-        needs_grad = differentiable is True and torch.is_grad_enabled() and isinstance(value, torch.Tensor) and value.requires_grad
+        needs_grad = (
+            differentiable is True
+            and torch.is_grad_enabled()
+            and isinstance(value, torch.Tensor)
+            and value.requires_grad
+        )
         agree(
             cp,
             api,
@@ -336,11 +350,13 @@ class _HaloFn(torch.autograd.Function):
         if masked.numel() == 0:
             return out
         wire = _wire(masked)
-        buffers = [(src, torch.empty(batch, count, channels, dtype=wire.dtype, device=wire.device)) for src, _, count in recv]
-        outgoing = [(dst, wire[:, start:start + count].contiguous()) for dst, start, count in send]
+        buffers = [
+            (src, torch.empty(batch, count, channels, dtype=wire.dtype, device=wire.device)) for src, _, count in recv
+        ]
+        outgoing = [(dst, wire[:, start : start + count].contiguous()) for dst, start, count in send]
         _exchange(cp, outgoing, buffers)
         for (_, hist_start, count), (_, buf) in zip(recv, buffers):
-            out[:, hist_start:hist_start + count] = buf.view(masked.dtype) if masked.dtype == torch.bool else buf
+            out[:, hist_start : hist_start + count] = buf.view(masked.dtype) if masked.dtype == torch.bool else buf
         return out
 
     @staticmethod
@@ -351,14 +367,16 @@ class _HaloFn(torch.autograd.Function):
         if grad_in.numel() == 0:
             return grad_in, None, None
         batch, _, channels = grad_in.shape
-        outgoing = [(src, grad[:, hs:hs + count].contiguous()) for src, hs, count in recv]
-        buffers = [(dst, torch.empty(batch, count, channels, dtype=grad.dtype, device=grad.device)) for dst, _, count in send]
+        outgoing = [(src, grad[:, hs : hs + count].contiguous()) for src, hs, count in recv]
+        buffers = [
+            (dst, torch.empty(batch, count, channels, dtype=grad.dtype, device=grad.device)) for dst, _, count in send
+        ]
         _exchange(cp, outgoing, buffers)
         # A row's own gradient plus those of every later rank that read it: accumulated in float32 for
         # bfloat16/float16 and rounded once, like the gather's backward.
         wide = grad_in.to(accumulation_dtype(grad_in.dtype))
         for (_, start, count), (_, buf) in zip(send, buffers):
-            wide[:, start:start + count] += buf
+            wide[:, start : start + count] += buf
         return (wide if wide.dtype == grad_in.dtype else wide.to(grad_in.dtype)), None, None
 
 
@@ -384,4 +402,3 @@ def all_reduce_sum(value: torch.Tensor, cp: CPMesh) -> torch.Tensor:
     out = value.clone()
     dist.all_reduce(out, group=cp.group)
     return out
-

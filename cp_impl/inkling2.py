@@ -43,7 +43,9 @@ def _check_history_args(masked: object, width: object) -> None:
             f"got shape {list(masked.shape)}"
         )
     if not isinstance(width, int) or isinstance(width, bool):
-        raise TypeError(f"convolution_history: width: expected an int >= 1 (convolution taps), got {type(width).__name__}")
+        raise TypeError(
+            f"convolution_history: width: expected an int >= 1 (convolution taps), got {type(width).__name__}"
+        )
     if width < 1:
         raise ValueError(f"convolution_history: width: expected an int >= 1 (convolution taps), got {width}")
 
@@ -162,7 +164,9 @@ def unpack_row_layout(batch: CPBatch) -> None:
     _strategy.check_batch(batch, api)
     missing = [k for k in _layout.PACKED_KEYS if batch.get(k) is None]
     if missing:
-        raise ValueError(f"{api}: {missing[0]}: missing; a THD pack needs seq_lens and seq_lens_padded [batch, documents]")
+        raise ValueError(
+            f"{api}: {missing[0]}: missing; a THD pack needs seq_lens and seq_lens_padded [batch, documents]"
+        )
     derived = _layout.derive_layout(batch, _layout.primary_key(batch, api, allow_embeds=False), api)
     _strategy.write_layout(batch, derived, document_ids=False)
 
@@ -205,5 +209,13 @@ def prepare_cp_inputs(batch: CPBatch, num_chunks: int = 1) -> dict[str, ContextP
     """
     api = "inkling2.prepare_cp_inputs"
     _strategy.check_batch(batch, api)
-    return _strategy.prepare(batch, api=api, sharder_api="inkling2 shard_batch", num_chunks=num_chunks,
-                             allow_embeds=False, single_image=False, shard_primary=False, packed=False)
+    return _strategy.prepare(
+        batch,
+        api=api,
+        sharder_api="inkling2 shard_batch",
+        num_chunks=num_chunks,
+        allow_embeds=False,
+        single_image=False,
+        shard_primary=False,
+        packed=False,
+    )

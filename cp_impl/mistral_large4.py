@@ -62,7 +62,9 @@ def _is_normalised_pack(batch: CPBatch) -> bool:
     return all(batch.get(k) is not None for k in ("padding_mask", "position_ids", "document_ids"))
 
 
-def prepare_cp_inputs(batch: CPBatch, num_chunks: int = 1, shard_primary: bool = True) -> dict[str, ContextParallelSharder]:
+def prepare_cp_inputs(
+    batch: CPBatch, num_chunks: int = 1, shard_primary: bool = True
+) -> dict[str, ContextParallelSharder]:
     """Prepare contiguous CP shards with positions computed before partitioning.
 
     Args:
@@ -97,13 +99,23 @@ def prepare_cp_inputs(batch: CPBatch, num_chunks: int = 1, shard_primary: bool =
         ValueError / TypeError naming the field for a malformed batch,
         ``num_chunks`` or ``shard_primary``; the batch is then left as it was.
     """
-    if isinstance(batch, dict) and (any(batch.get(k) is not None for k in _layout.PACKED_KEYS) or _is_normalised_pack(batch)):
+    if isinstance(batch, dict) and (
+        any(batch.get(k) is not None for k in _layout.PACKED_KEYS) or _is_normalised_pack(batch)
+    ):
         return prepare_packed_cp_inputs(batch, num_chunks, shard_primary)
     api = "mistral_large4.prepare_cp_inputs"
     _strategy.check_batch(batch, api)
     _check_shard_primary(shard_primary, api)
-    return _strategy.prepare(batch, api=api, sharder_api="mistral_large4 shard_batch", num_chunks=num_chunks,
-                             allow_embeds=True, single_image=True, shard_primary=shard_primary, packed=False)
+    return _strategy.prepare(
+        batch,
+        api=api,
+        sharder_api="mistral_large4 shard_batch",
+        num_chunks=num_chunks,
+        allow_embeds=True,
+        single_image=True,
+        shard_primary=shard_primary,
+        packed=False,
+    )
 
 
 def prepare_packed_cp_inputs(batch: CPBatch, num_chunks: int, shard_primary: bool) -> dict[str, ContextParallelSharder]:
@@ -145,15 +157,25 @@ def prepare_packed_cp_inputs(batch: CPBatch, num_chunks: int, shard_primary: boo
     _check_shard_primary(shard_primary, api)
     missing = [k for k in _layout.PACKED_KEYS if batch.get(k) is None]
     if missing and not _is_normalised_pack(batch):
-        raise ValueError(f"{api}: {missing[0]}: missing; a packed batch needs seq_lens and seq_lens_padded [chunks, documents]")
+        raise ValueError(
+            f"{api}: {missing[0]}: missing; a packed batch needs seq_lens and seq_lens_padded [chunks, documents]"
+        )
 
     def reused_document_ids(b: int, s: int) -> None:
         if missing:  # normalised before: its document_ids are reused
             _layout.check_token_tensor(batch, "document_ids", b, s, "int", api)
 
-    return _strategy.prepare(batch, api=api, sharder_api="mistral_large4 packed shard_batch", num_chunks=num_chunks,
-                             allow_embeds=True, single_image=True, shard_primary=shard_primary, packed=True,
-                             check_more=reused_document_ids)
+    return _strategy.prepare(
+        batch,
+        api=api,
+        sharder_api="mistral_large4 packed shard_batch",
+        num_chunks=num_chunks,
+        allow_embeds=True,
+        single_image=True,
+        shard_primary=shard_primary,
+        packed=True,
+        check_more=reused_document_ids,
+    )
 
 
 # ----------------------------------------------------------------- loss
@@ -169,11 +191,15 @@ def _check_loss_args(logits: Any, labels: Any, valid: Any) -> None:
     if not isinstance(labels, torch.Tensor) or not _layout.is_integer_dtype(labels.dtype):
         raise TypeError(f"{api}: labels: expected an integer tensor [batch, local_sequence]")
     if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool:
-        raise TypeError(f"{api}: valid: expected a bool tensor [batch * local_sequence]; pass (~padding_mask).reshape(-1)")
+        raise TypeError(
+            f"{api}: valid: expected a bool tensor [batch * local_sequence]; pass (~padding_mask).reshape(-1)"
+        )
     if logits.dim() != 3 or logits.shape[2] < 1:
         raise ValueError(f"{api}: logits: expected [batch, local_sequence, vocab >= 1], got {list(logits.shape)}")
     if tuple(labels.shape) != tuple(logits.shape[:2]):
-        raise ValueError(f"{api}: labels: expected shape {list(logits.shape[:2])} (logits' [batch, local_sequence]), got {list(labels.shape)}")
+        raise ValueError(
+            f"{api}: labels: expected shape {list(logits.shape[:2])} (logits' [batch, local_sequence]), got {list(labels.shape)}"
+        )
     if tuple(valid.shape) != (labels.numel(),):
         raise ValueError(
             f"{api}: valid: expected the flattened keep mask [{labels.numel()}], got {list(valid.shape)}; "
@@ -181,7 +207,9 @@ def _check_loss_args(logits: Any, labels: Any, valid: Any) -> None:
         )
 
 
-def shifted_cp_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+def shifted_cp_loss(
+    logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, mesh: DeviceMesh | None
+) -> torch.Tensor:
     """Compute HF shifted CE across shard boundaries, scaled for FSDP CP averaging.
 
     Args:
@@ -230,8 +258,11 @@ def shifted_cp_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Ten
             )
     if not cp.single:
         _transport.agree(
-            cp, api, {"logits": logits, "labels": labels, "valid": valid},
-            local_error=local_error, error_texts=_LOSS_ERRORS,
+            cp,
+            api,
+            {"logits": logits, "labels": labels, "valid": valid},
+            local_error=local_error,
+            error_texts=_LOSS_ERRORS,
             hint="Pass shards of the same padded global batch on every rank.",
         )
     _check_loss_args(logits, labels, valid)

@@ -95,8 +95,9 @@ def _checked_padded_len(cp: CPMesh, padded_seq_len: Any, multiple: int) -> int:
     return padded_seq_len
 
 
-def contiguous_local_token_global_indices(cp_mesh: Any, padded_seq_len: int,
-                                          device: torch.device | str | None = None) -> torch.Tensor:
+def contiguous_local_token_global_indices(
+    cp_mesh: Any, padded_seq_len: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Global token index of each local token: LongTensor ``[L] = arange(r*L, (r+1)*L)``, ``L = S_pad / N``.
 
     ``padded_seq_len`` must be a non-negative int divisible by the CP size
@@ -107,8 +108,9 @@ def contiguous_local_token_global_indices(cp_mesh: Any, padded_seq_len: int,
     return torch.arange(cp.rank * local, (cp.rank + 1) * local, dtype=torch.int64, device=device)
 
 
-def load_balanced_local_token_global_indices(cp_mesh: Any, padded_seq_len: int,
-                                             device: torch.device | str | None = None) -> torch.Tensor:
+def load_balanced_local_token_global_indices(
+    cp_mesh: Any, padded_seq_len: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Head-tail pairing: LongTensor ``[L]``, chunk ``r`` then chunk ``2N-1-r`` of ``2N`` chunks of ``S_pad / 2N``.
 
     ``padded_seq_len`` must be divisible by ``2N`` (``ValueError`` otherwise).
@@ -166,8 +168,9 @@ def _pad_block(tensor: torch.Tensor, seq_dim: int, count: int, pad_value: Any, c
     return torch.full(shape, pad_value, dtype=tensor.dtype, device=tensor.device)
 
 
-def pad_tokens(tensor: torch.Tensor, padded_len: int, seq_dim: int = 1, pad_value: Any = 0, *,
-               continue_count: bool = False) -> torch.Tensor:
+def pad_tokens(
+    tensor: torch.Tensor, padded_len: int, seq_dim: int = 1, pad_value: Any = 0, *, continue_count: bool = False
+) -> torch.Tensor:
     """``tensor`` right-padded along ``seq_dim`` to ``padded_len`` (itself when nothing is missing)."""
     missing = padded_len - tensor.shape[seq_dim]
     if missing <= 0:
@@ -175,8 +178,15 @@ def pad_tokens(tensor: torch.Tensor, padded_len: int, seq_dim: int = 1, pad_valu
     return torch.cat((tensor, _pad_block(tensor, seq_dim, missing, pad_value, continue_count)), seq_dim)
 
 
-def shard_tokens(tensor: torch.Tensor, cp_mesh: Any, layout: TokenLayout, seq_dim: int = 1, pad_value: Any = 0, *,
-                 continue_count: bool = False) -> torch.Tensor:
+def shard_tokens(
+    tensor: torch.Tensor,
+    cp_mesh: Any,
+    layout: TokenLayout,
+    seq_dim: int = 1,
+    pad_value: Any = 0,
+    *,
+    continue_count: bool = False,
+) -> torch.Tensor:
     """This rank's tokens of the global ``tensor`` (new, differentiable), in local order.
 
     The sequence (``tensor.shape[seq_dim] = S``) is padded to ``layout``'s
@@ -222,14 +232,16 @@ def shard_batch_tokens(
             continue
         if key in plan and value is not None:
             spec = plan[key]
-            local[key] = shard_tokens(replace.get(key, value), cp_mesh, layout, 1, spec.pad_value,
-                                      continue_count=spec.continue_count)
+            local[key] = shard_tokens(
+                replace.get(key, value), cp_mesh, layout, 1, spec.pad_value, continue_count=spec.continue_count
+            )
         else:
             local[key] = value
     for key, value in replace.items():  # extra token tensors that are not batch keys (loss_mask)
         if key not in batch and key in plan:
-            local[key] = shard_tokens(value, cp_mesh, layout, 1, plan[key].pad_value,
-                                      continue_count=plan[key].continue_count)
+            local[key] = shard_tokens(
+                value, cp_mesh, layout, 1, plan[key].pad_value, continue_count=plan[key].continue_count
+            )
     shard_layout = ShardLayout(original_seq_len=seq_len, padded_seq_len=layout.padded_len(seq_len, size))
     return contextlib.nullcontext, local, shard_layout
 
@@ -267,8 +279,13 @@ class ContextParallelSharder:
         extra_seq_buffers: dict[str, int] | None = None,
     ) -> None:
         if shard_batch is not None:
-            if (model is not None or batch is not None or num_chunks != 1 or not invoke_pre_embed
-                    or extra_seq_buffers is not None):
+            if (
+                model is not None
+                or batch is not None
+                or num_chunks != 1
+                or not invoke_pre_embed
+                or extra_seq_buffers is not None
+            ):
                 raise TypeError("shard_batch is mutually exclusive with model, batch, and strategy-resolution options")
             self.shard_batch = shard_batch
             self.local_token_global_indices = local_token_global_indices
@@ -325,13 +342,18 @@ class ContextParallelSharder:
     @staticmethod
     def _seq_dim(tensor: Any, seq_dim: Any, what: str) -> int:
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"ContextParallelSharder.{what}: tensor: expected a torch.Tensor, got {type(tensor).__name__}")
+            raise TypeError(
+                f"ContextParallelSharder.{what}: tensor: expected a torch.Tensor, got {type(tensor).__name__}"
+            )
         if not isinstance(seq_dim, int) or isinstance(seq_dim, bool) or not -tensor.dim() <= seq_dim < tensor.dim():
-            raise ValueError(f"ContextParallelSharder.{what}: seq_dim={seq_dim!r} is not a dimension of a "
-                             f"{tensor.dim()}-D tensor")
+            raise ValueError(
+                f"ContextParallelSharder.{what}: seq_dim={seq_dim!r} is not a dimension of a {tensor.dim()}-D tensor"
+            )
         return seq_dim % tensor.dim()
 
-    def shard_token_tensor(self, tensor: torch.Tensor, seq_dim: int = 1, fill: float | int | None = None) -> torch.Tensor:
+    def shard_token_tensor(
+        self, tensor: torch.Tensor, seq_dim: int = 1, fill: float | int | None = None
+    ) -> torch.Tensor:
         """This rank's tokens of a full-length token-aligned tensor, exactly like the model inputs.
 
         After :meth:`shard`, a tensor of ``original_seq_len`` tokens is
@@ -344,7 +366,8 @@ class ContextParallelSharder:
         dim = self._seq_dim(tensor, seq_dim, "shard_token_tensor")
         layout = self.shard_layout or _NO_SHARD_LAYOUT
         if layout.input_token_stream_positions is not None and tuple(tensor.shape) == tuple(
-                layout.input_token_stream_positions.shape):
+            layout.input_token_stream_positions.shape
+        ):
             if fill is None:
                 raise ValueError("sharding an input-coordinate tensor on a repositioned layout requires `fill`")
             positions = layout.input_token_stream_positions.to(tensor.device)
@@ -353,9 +376,10 @@ class ContextParallelSharder:
             moved = torch.full((tensor.shape[0], layout.padded_seq_len), fill, dtype=tensor.dtype, device=tensor.device)
             moved[valid.nonzero(as_tuple=True)[0], positions[valid]] = tensor[valid]
             tensor, dim = moved, 1
-        elif layout.input_row_shape is not None and tuple(tensor.shape[:len(layout.input_row_shape)]) == tuple(
-                layout.input_row_shape):
-            tensor, dim = tensor.reshape(-1, *tensor.shape[len(layout.input_row_shape):]), 0
+        elif layout.input_row_shape is not None and tuple(tensor.shape[: len(layout.input_row_shape)]) == tuple(
+            layout.input_row_shape
+        ):
+            tensor, dim = tensor.reshape(-1, *tensor.shape[len(layout.input_row_shape) :]), 0
         length = tensor.shape[dim]
         if layout.padded_seq_len is not None and length != layout.padded_seq_len:
             if fill is not None and layout.original_seq_len is not None and length == layout.original_seq_len:
@@ -368,8 +392,9 @@ class ContextParallelSharder:
                 )
         return tensor.index_select(dim, self._indices(tensor.shape[dim], tensor.device))
 
-    def gather_token_tensor(self, tensor: torch.Tensor, seq_dim: int = 1, trim: bool = False,
-                            fill: float | int | None = None) -> torch.Tensor:
+    def gather_token_tensor(
+        self, tensor: torch.Tensor, seq_dim: int = 1, trim: bool = False, fill: float | int | None = None
+    ) -> torch.Tensor:
         """Differentiably gather every rank's local ``[.., L, ..]`` shard to global token order ``[.., N*L, ..]``.
 
         One all-gather of the payload (its gradient: one reduce-scatter) and one
@@ -384,7 +409,9 @@ class ContextParallelSharder:
             is_tensor = isinstance(tensor, torch.Tensor)
             needs_grad = torch.is_grad_enabled() and is_tensor and tensor.requires_grad
             same_dim = seq_dim % tensor.dim() if is_tensor and isinstance(seq_dim, int) and tensor.dim() else seq_dim
-            _transport.agree(cp, api, {"tensor": tensor}, flags={"requires_grad": needs_grad}, extra=("seq_dim", same_dim))
+            _transport.agree(
+                cp, api, {"tensor": tensor}, flags={"requires_grad": needs_grad}, extra=("seq_dim", same_dim)
+            )
         dim = self._seq_dim(tensor, seq_dim, "gather_token_tensor")
         layout = self.shard_layout or _NO_SHARD_LAYOUT
         if trim and layout is _NO_SHARD_LAYOUT:
@@ -399,8 +426,10 @@ class ContextParallelSharder:
         if not trim:
             return full
         if layout.padded_seq_len is not None and full.shape[dim] != layout.padded_seq_len:
-            raise ValueError(f"{api}: gathered length {full.shape[dim]} on dim {seq_dim} != reported padded_seq_len "
-                             f"{layout.padded_seq_len}; the local shard does not match the batch this sharder last sharded")
+            raise ValueError(
+                f"{api}: gathered length {full.shape[dim]} on dim {seq_dim} != reported padded_seq_len "
+                f"{layout.padded_seq_len}; the local shard does not match the batch this sharder last sharded"
+            )
         if layout.input_token_stream_positions is not None:
             if fill is None:
                 raise ValueError("trimming to input coordinates on a repositioned layout requires `fill`")
@@ -408,7 +437,7 @@ class ContextParallelSharder:
             out = full.gather(1, positions.clamp(min=0).to(torch.long))
             return out.masked_fill(positions < 0, fill)
         if layout.input_row_shape is not None:
-            return full.reshape(*layout.input_row_shape, *full.shape[dim + 1:])
+            return full.reshape(*layout.input_row_shape, *full.shape[dim + 1 :])
         if layout.original_seq_len is not None:
             return full.narrow(dim, 0, layout.original_seq_len)
         raise NotImplementedError(f"{api}: this sharder has no shard layout to trim to; gather with trim=False")
@@ -417,4 +446,3 @@ class ContextParallelSharder:
 def unresolved(shard_batch: Callable[..., Any], layout: TokenLayout) -> ContextParallelSharder:
     """What a hook returns: ``ContextParallelSharder(shard_batch=..., local_token_global_indices=...)``."""
     return ContextParallelSharder(shard_batch=shard_batch, local_token_global_indices=layout.local_token_global_indices)
-

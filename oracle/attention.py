@@ -37,10 +37,7 @@ def rotary_embedding(x: Tensor, positions: Tensor, base: float = 10000.0) -> Ten
         (``inv_freq`` and the angles too).
     """
     if x.dim() != 4:
-        raise ValueError(
-            f"rotary_embedding: x must be [batch, sequence, heads, head_dim], got shape "
-            f"{tuple(x.shape)}"
-        )
+        raise ValueError(f"rotary_embedding: x must be [batch, sequence, heads, head_dim], got shape {tuple(x.shape)}")
     batch, sequence, _, head_dim = x.shape
     if head_dim % 2 != 0:
         raise ValueError(f"rotary_embedding: head_dim must be even, got {head_dim}")
@@ -122,14 +119,11 @@ def attention(
         )
     kv_heads = k.shape[2]
     if kv_heads < 1 or q_heads % kv_heads != 0:
-        raise ValueError(
-            f"attention: q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})"
-        )
+        raise ValueError(f"attention: q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
     for name, tensor in (("keep", keep), ("document_ids", document_ids)):
         if tuple(tensor.shape) != (batch, sequence):
             raise ValueError(
-                f"attention: {name} must be [batch, sequence] = [{batch}, {sequence}], got "
-                f"shape {tuple(tensor.shape)}"
+                f"attention: {name} must be [batch, sequence] = [{batch}, {sequence}], got shape {tuple(tensor.shape)}"
             )
     if keep.dtype != torch.bool:
         raise ValueError(f"attention: keep must be bool, got {keep.dtype}")

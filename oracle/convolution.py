@@ -31,16 +31,10 @@ def causal_depthwise_conv(x: Tensor, weight: Tensor, keep: Tensor, document_ids:
         ``k = 0, 1, ...``. No gradient reaches ``x`` at padding slots (exactly zero).
     """
     if x.dim() != 3:
-        raise ValueError(
-            f"causal_depthwise_conv: x must be [batch, sequence, channels], got shape "
-            f"{tuple(x.shape)}"
-        )
+        raise ValueError(f"causal_depthwise_conv: x must be [batch, sequence, channels], got shape {tuple(x.shape)}")
     batch, sequence, channels = x.shape
     if weight.dim() != 2:
-        raise ValueError(
-            f"causal_depthwise_conv: weight must be [width, channels], got shape "
-            f"{tuple(weight.shape)}"
-        )
+        raise ValueError(f"causal_depthwise_conv: weight must be [width, channels], got shape {tuple(weight.shape)}")
     width = weight.shape[0]
     if width < 1:
         raise ValueError(f"causal_depthwise_conv: width (weight.shape[0]) must be >= 1, got {width}")
@@ -63,11 +57,7 @@ def causal_depthwise_conv(x: Tensor, weight: Tensor, keep: Tensor, document_ids:
     for k in range(min(width, sequence)):
         # Target slots t = k..S-1 read source slots t - k = 0..S-1-k.
         source = x[:, : sequence - k]
-        valid = (
-            keep[:, k:]
-            & keep[:, : sequence - k]
-            & (document_ids[:, : sequence - k] == document_ids[:, k:])
-        )
+        valid = keep[:, k:] & keep[:, : sequence - k] & (document_ids[:, : sequence - k] == document_ids[:, k:])
         tap = torch.where(valid[..., None], source, zero) * weight[k]
         shifted = torch.cat([torch.zeros(batch, k, channels, dtype=tap.dtype, device=x.device), tap], dim=1)
         y = y + shifted

@@ -70,8 +70,7 @@ def _as_int_matrix(value: Any, field: str) -> Tensor:
         )
     if tensor.dim() != 2:
         raise ValueError(
-            f"{field} must be 2-D [batch, documents], got shape {tuple(tensor.shape)}; "
-            f"wrap a single row as [[...]]"
+            f"{field} must be 2-D [batch, documents], got shape {tuple(tensor.shape)}; wrap a single row as [[...]]"
         )
     return tensor.to(torch.int64)
 
@@ -160,8 +159,7 @@ def layout_from_lengths(seq_lens: Any, seq_lens_padded: Any, sequence_length: in
         valid_length = False
     if not valid_length:
         raise ValueError(
-            f"sequence_length must be a non-negative int, got {sequence_length!r}; "
-            f"pass input_ids.shape[1]"
+            f"sequence_length must be a non-negative int, got {sequence_length!r}; pass input_ids.shape[1]"
         )
     sequence_length = operator.index(sequence_length)
     _validate_lengths(lens, lens_padded, sequence_length)
@@ -205,13 +203,10 @@ def layout_from_attention_mask(attention_mask: Any) -> Layout:
     """
     mask = torch.as_tensor(attention_mask)
     if mask.dim() != 2:
-        raise ValueError(
-            f"attention_mask must be 2-D [batch, sequence], got shape {tuple(mask.shape)}"
-        )
+        raise ValueError(f"attention_mask must be 2-D [batch, sequence], got shape {tuple(mask.shape)}")
     if mask.is_floating_point() or mask.is_complex():
         raise ValueError(
-            f"attention_mask must be int or bool, got dtype {mask.dtype}; use 1 for real "
-            f"tokens and 0 for padding"
+            f"attention_mask must be int or bool, got dtype {mask.dtype}; use 1 for real tokens and 0 for padding"
         )
     if mask.dtype != torch.bool:
         bad = ~((mask == 0) | (mask == 1))
@@ -252,15 +247,9 @@ def _batch_shape(batch: Mapping) -> tuple[int, int, torch.device]:
         value = batch.get(key)
         if value is not None:
             if value.dim() < 2:
-                raise ValueError(
-                    f"{key} must be at least 2-D [batch, sequence, ...], got shape "
-                    f"{tuple(value.shape)}"
-                )
+                raise ValueError(f"{key} must be at least 2-D [batch, sequence, ...], got shape {tuple(value.shape)}")
             return int(value.shape[0]), int(value.shape[1]), value.device
-    raise ValueError(
-        "batch has neither input_ids nor inputs_embeds; one of them is needed to know "
-        "the sequence length"
-    )
+    raise ValueError("batch has neither input_ids nor inputs_embeds; one of them is needed to know the sequence length")
 
 
 def layout_from_batch(batch: Mapping) -> Layout:

@@ -41,8 +41,7 @@ def _check_shapes(logits: Tensor, labels: Tensor, keep: Tensor, document_ids: Te
     for name, tensor in named:
         if tuple(tensor.shape) != (batch, sequence):
             raise ValueError(
-                f"{name} must be [batch, sequence] = [{batch}, {sequence}] like logits, got shape "
-                f"{tuple(tensor.shape)}"
+                f"{name} must be [batch, sequence] = [{batch}, {sequence}] like logits, got shape {tuple(tensor.shape)}"
             )
     if labels.is_floating_point() or labels.dtype == torch.bool:
         raise ValueError(f"labels must be an integer tensor, got dtype {labels.dtype}")

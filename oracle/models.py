@@ -121,8 +121,7 @@ _ParamSpec = tuple[str, tuple[int, ...], str]  # (name, shape, kind)
 def _check_attention_config(config: Inkling2Config | MistralLarge4Config) -> None:
     if config.num_kv_heads < 1 or config.num_heads % config.num_kv_heads != 0:
         raise ValueError(
-            f"num_heads ({config.num_heads}) must be a positive multiple of num_kv_heads "
-            f"({config.num_kv_heads})"
+            f"num_heads ({config.num_heads}) must be a positive multiple of num_kv_heads ({config.num_kv_heads})"
         )
     if config.head_dim % 2 != 0:
         raise ValueError(f"head_dim must be even for the rotary embedding, got {config.head_dim}")
@@ -199,9 +198,7 @@ def _draw_params(specs: list[_ParamSpec], seed: int, dtype: torch.dtype) -> dict
     return params
 
 
-def init_inkling2_params(
-    config: Inkling2Config, seed: int, dtype: torch.dtype = torch.float64
-) -> dict[str, Tensor]:
+def init_inkling2_params(config: Inkling2Config, seed: int, dtype: torch.dtype = torch.float64) -> dict[str, Tensor]:
     """Inkling2-mini parameters: leaf tensors (``requires_grad=True``) keyed by name.
 
     Drawn in the documented order from ``torch.Generator().manual_seed(seed)``
@@ -244,10 +241,7 @@ def patchify(image: Tensor, patch_size: int) -> Tensor:
     channels, height, width = image.shape
     p = patch_size
     if p < 1 or height % p != 0 or width % p != 0:
-        raise ValueError(
-            f"patchify: image height {height} and width {width} must be multiples of the "
-            f"patch size {p}"
-        )
+        raise ValueError(f"patchify: image height {height} and width {width} must be multiples of the patch size {p}")
     rows, cols = height // p, width // p
     patches = image.reshape(channels, rows, p, cols, p)  # [c, row, dy, col, dx]
     patches = patches.permute(1, 3, 0, 2, 4)  # [row, col, c, dy, dx]
@@ -323,13 +317,10 @@ def splice_image_features(embeds: Tensor, features: Tensor, image_mask: Tensor) 
         raise ValueError(f"embeds must be [batch, sequence, hidden], got shape {tuple(embeds.shape)}")
     if tuple(image_mask.shape) != tuple(embeds.shape[:2]):
         raise ValueError(
-            f"image_mask must be [batch, sequence] = {list(embeds.shape[:2])}, got shape "
-            f"{tuple(image_mask.shape)}"
+            f"image_mask must be [batch, sequence] = {list(embeds.shape[:2])}, got shape {tuple(image_mask.shape)}"
         )
     if features.dim() != 2 or features.shape[1] != embeds.shape[2]:
-        raise ValueError(
-            f"image features must be [n, hidden={embeds.shape[2]}], got shape {tuple(features.shape)}"
-        )
+        raise ValueError(f"image features must be [n, hidden={embeds.shape[2]}], got shape {tuple(features.shape)}")
     mask = image_mask.to(torch.bool)
     slots = int(mask.sum())
     if slots != features.shape[0]:
@@ -446,9 +437,7 @@ def inkling2_forward(params: Mapping[str, Tensor], config: Inkling2Config, batch
     return ModelOutput(inputs_embeds=inputs_embeds, logits=logits, loss=loss, loss_sum=loss_sum, count=count)
 
 
-def mistral_large4_forward(
-    params: Mapping[str, Tensor], config: MistralLarge4Config, batch: Mapping
-) -> ModelOutput:
+def mistral_large4_forward(params: Mapping[str, Tensor], config: MistralLarge4Config, batch: Mapping) -> ModelOutput:
     """MistralLarge4-mini forward (``docs/miniature_models.md``).
 
     Block 0 attends the whole document, block 1 uses ``config.sliding_window``.
@@ -467,8 +456,14 @@ def mistral_large4_forward(
         a = rms_norm(x, params[block + "norm"])
         window = None if i == 0 else config.sliding_window
         x = x + _attention_block(
-            a, params[block + "wq"], params[block + "wk"], params[block + "wv"], params[block + "wo"],
-            config, layout, window,
+            a,
+            params[block + "wq"],
+            params[block + "wk"],
+            params[block + "wv"],
+            params[block + "wo"],
+            config,
+            layout,
+            window,
         )
     cap = config.logit_softcap
     logits = cap * torch.tanh((rms_norm(x, params["final_norm"]) @ params["lm_head"]) / cap) * keep

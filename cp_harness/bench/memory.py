@@ -27,10 +27,13 @@ def measure(runner, options: BenchOptions) -> dict:
         started = time.perf_counter()
         report = judge_case(runner.pool, case, timeout=max(runner.config.case_timeout, _MIN_TIMEOUT_S))
         per_rank = report.info["per_rank"]
-        rows[str(n)] = {"per_rank": per_rank, "seconds": time.perf_counter() - started,
-                        "peak_bytes_max": max(r["peak_bytes"] for r in per_rank),
-                        "forward_peak_bytes_max": max(r["forward_peak_bytes"] for r in per_rank),
-                        "saved_bytes_max": max(r["saved_bytes"] for r in per_rank)}
+        rows[str(n)] = {
+            "per_rank": per_rank,
+            "seconds": time.perf_counter() - started,
+            "peak_bytes_max": max(r["peak_bytes"] for r in per_rank),
+            "forward_peak_bytes_max": max(r["forward_peak_bytes"] for r in per_rank),
+            "saved_bytes_max": max(r["saved_bytes"] for r in per_rank),
+        }
         if "cuda_peak_bytes" in per_rank[0]:
             rows[str(n)]["cuda_peak_bytes_max"] = max(r["cuda_peak_bytes"] for r in per_rank)
     base = rows.get("1")
@@ -39,6 +42,12 @@ def measure(runner, options: BenchOptions) -> dict:
             row["peak_vs_n1"] = row["peak_bytes_max"] / base["peak_bytes_max"]
             row["saved_vs_n1"] = row["saved_bytes_max"] / base["saved_bytes_max"]
     peaks = [rows[k]["peak_bytes_max"] for k in sorted(rows, key=int)]
-    return {"seq_len": options.memory_seq_len, "batch": 1, "dtype": options.memory_dtype, "model": "inkling2",
-            "case": memory_case(1, options.memory_seq_len, options.memory_dtype), "sizes": rows,
-            "falls_with_cp": all(a > b for a, b in zip(peaks, peaks[1:]))}
+    return {
+        "seq_len": options.memory_seq_len,
+        "batch": 1,
+        "dtype": options.memory_dtype,
+        "model": "inkling2",
+        "case": memory_case(1, options.memory_seq_len, options.memory_dtype),
+        "sizes": rows,
+        "falls_with_cp": all(a > b for a, b in zip(peaks, peaks[1:])),
+    }

@@ -14,9 +14,14 @@ import dataclasses
 DEFAULT_JSON = "reports/bench.json"
 
 # Defaults of the counts that --quick shrinks: (full run, --quick).
-_COUNT_DEFAULTS = {"warm_cases": (60, 6), "warmup_cases": (3, 1), "fresh_cases": (3, 1),
-                   "throughput_sizes": ((1, 2, 4, 8), (2,)), "memory_sizes": ((1, 2, 4), (1, 2)),
-                   "memory_seq_len": (4096, 256)}
+_COUNT_DEFAULTS = {
+    "warm_cases": (60, 6),
+    "warmup_cases": (3, 1),
+    "fresh_cases": (3, 1),
+    "throughput_sizes": ((1, 2, 4, 8), (2,)),
+    "memory_sizes": ((1, 2, 4), (1, 2)),
+    "memory_seq_len": (4096, 256),
+}
 # Counts that must be at least 1: a rate over no cases, or a repeat check over no repeats, means nothing.
 _AT_LEAST_ONE = ("warm_cases", "fresh_cases", "comm_repeats")
 
@@ -70,12 +75,21 @@ def _description() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cp_harness bench", description=_description(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", dest="json_path", default=DEFAULT_JSON, metavar="PATH",
-                   help=f"where to write the JSON report (default {DEFAULT_JSON})")
-    p.add_argument("--quick", action="store_true",
-                   help="small counts and a small grid (the smoke test); numbers are then only indicative")
+    p = argparse.ArgumentParser(
+        prog="cp_harness bench", description=_description(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--json",
+        dest="json_path",
+        default=DEFAULT_JSON,
+        metavar="PATH",
+        help=f"where to write the JSON report (default {DEFAULT_JSON})",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small counts and a small grid (the smoke test); numbers are then only indicative",
+    )
     from cp_harness import options
 
     options.add_cli_options(p, "bench")
@@ -85,19 +99,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-comm", action="store_true", help="leave out the communication section")
     p.add_argument("--skip-memory", action="store_true", help="leave out the memory section")
     p.add_argument("--skip-suite", action="store_true", help="leave out the full CPU test command")
-    p.add_argument("--warm-cases", type=int, default=None,
-                   help="timed warm cases per CP size (default 60; quick 6); at N=2 with the fresh baseline, at least "
-                        "as many as fit in the time the fresh torchruns took")
-    p.add_argument("--warmup-cases", type=int, default=None, help="untimed warm-up cases per CP size (default 3; quick 1)")
+    p.add_argument(
+        "--warm-cases",
+        type=int,
+        default=None,
+        help="timed warm cases per CP size (default 60; quick 6); at N=2 with the fresh baseline, at least "
+        "as many as fit in the time the fresh torchruns took",
+    )
+    p.add_argument(
+        "--warmup-cases", type=int, default=None, help="untimed warm-up cases per CP size (default 3; quick 1)"
+    )
     p.add_argument("--fresh-cases", type=int, default=None, help="fresh-torchrun cases (default 3; quick 1)")
-    p.add_argument("--throughput-sizes", type=_sizes, default=None,
-                   help="CP sizes of the warm throughput (default 1,2,4,8; 1 is the no-collective reference; quick 2)")
+    p.add_argument(
+        "--throughput-sizes",
+        type=_sizes,
+        default=None,
+        help="CP sizes of the warm throughput (default 1,2,4,8; 1 is the no-collective reference; quick 2)",
+    )
     p.add_argument("--comm-repeats", type=int, default=1, help="runs of the communication grid (counts must not vary)")
-    p.add_argument("--memory-sizes", type=_sizes, default=None, help="CP sizes of the memory section (default 1,2,4; quick 1,2)")
-    p.add_argument("--memory-seq-len", type=int, default=None, help="tokens of the memory case (default 4096; quick 256)")
+    p.add_argument(
+        "--memory-sizes", type=_sizes, default=None, help="CP sizes of the memory section (default 1,2,4; quick 1,2)"
+    )
+    p.add_argument(
+        "--memory-seq-len", type=int, default=None, help="tokens of the memory case (default 4096; quick 256)"
+    )
     p.add_argument("--memory-dtype", default="float32", choices=("float32", "float64"))
-    p.add_argument("--suite-cmd", default="./scripts/test",
-                   help="the full CPU test command, run from the repository root (default ./scripts/test)")
+    p.add_argument(
+        "--suite-cmd",
+        default="./scripts/test",
+        help="the full CPU test command, run from the repository root (default ./scripts/test)",
+    )
     p.add_argument("--fail-on-miss", action="store_true", help="exit 1 when a target is missed")
     return p
 

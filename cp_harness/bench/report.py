@@ -46,49 +46,128 @@ def throughput_tables(result: dict) -> str:
     rows = []
     sizes = list(result["warm"])
     for n in sizes:
-        for label, s in (("sequential: run, then judge", result.get("sequential", {}).get(n)),
-                         ("pipelined: judged while the next run", result["warm"][n])):
+        for label, s in (
+            ("sequential: run, then judge", result.get("sequential", {}).get(n)),
+            ("pipelined: judged while the next run", result["warm"][n]),
+        ):
             if s is None:
                 continue
             b = s["breakdown_ms"]
-            rows.append([f"warm pool, N={n}, {label}" + (" (no collectives)" if n == "1" else ""), s["cases"],
-                         s["cases_per_second"], s["mean_ms"], s["median_ms"], s["collective_calls_per_rank"],
-                         b["ranks"], b["transport"], b["oracle"], b["compare"], s["overlap_gained_ms"]])
+            rows.append(
+                [
+                    f"warm pool, N={n}, {label}" + (" (no collectives)" if n == "1" else ""),
+                    s["cases"],
+                    s["cases_per_second"],
+                    s["mean_ms"],
+                    s["median_ms"],
+                    s["collective_calls_per_rank"],
+                    b["ranks"],
+                    b["transport"],
+                    b["oracle"],
+                    b["compare"],
+                    s["overlap_gained_ms"],
+                ]
+            )
     for n, s in result.get("floor", {}).items():
         b = s["breakdown_ms"]
-        rows.append([f"  pool floor, N={n} (one all_reduce)", s["cases"], s["cases_per_second"], s["mean_ms"],
-                     s["median_ms"], s["collective_calls_per_rank"], b["ranks"], b["transport"], None, b["compare"],
-                     None])
+        rows.append(
+            [
+                f"  pool floor, N={n} (one all_reduce)",
+                s["cases"],
+                s["cases_per_second"],
+                s["mean_ms"],
+                s["median_ms"],
+                s["collective_calls_per_rank"],
+                b["ranks"],
+                b["transport"],
+                None,
+                b["compare"],
+                None,
+            ]
+        )
     fresh = result.get("fresh")
     if fresh:
         m = fresh["mean_s"]
-        rows.append(["fresh torchrun per case, N=2", fresh["cases"], fresh["cases_per_second"], 1000 * m["wall"], None,
-                     None, 1000 * m["run"], f"start {1000 * m['start']:,.0f} + close {1000 * m['close']:,.0f}",
-                     1000 * m["evaluate"], None, None])
-    text = format_table(["standard case (Inkling2-mini fwd+bwd, B=2, S=64, float64)", "cases", "cases/s", "mean ms",
-                         "median ms", "collectives", "ranks ms", "transport ms", "oracle ms", "compare ms",
-                         "overlap gained ms"], rows,
-                        title="Harness throughput (per case; overlap gained = ranks + transport + oracle + compare "
-                              "- wall per case)")
+        rows.append(
+            [
+                "fresh torchrun per case, N=2",
+                fresh["cases"],
+                fresh["cases_per_second"],
+                1000 * m["wall"],
+                None,
+                None,
+                1000 * m["run"],
+                f"start {1000 * m['start']:,.0f} + close {1000 * m['close']:,.0f}",
+                1000 * m["evaluate"],
+                None,
+                None,
+            ]
+        )
+    text = format_table(
+        [
+            "standard case (Inkling2-mini fwd+bwd, B=2, S=64, float64)",
+            "cases",
+            "cases/s",
+            "mean ms",
+            "median ms",
+            "collectives",
+            "ranks ms",
+            "transport ms",
+            "oracle ms",
+            "compare ms",
+            "overlap gained ms",
+        ],
+        rows,
+        title="Harness throughput (per case; overlap gained = ranks + transport + oracle + compare - wall per case)",
+    )
     probe = result.get("oracle_threads")
     if probe and len(probe["results"]) > 1:
         text += "\noracle of the standard case by intra-op threads (mean / median / max ms): " + "; ".join(
-            f"{k}: {v['mean_ms']:.1f} / {v['median_ms']:.1f} / {v['max_ms']:.1f}" for k, v in probe["results"].items())
+            f"{k}: {v['mean_ms']:.1f} / {v['median_ms']:.1f} / {v['max_ms']:.1f}" for k, v in probe["results"].items()
+        )
     if "warm_over_fresh_2" in result:
-        text += (f"\nwarm pool / fresh torchrun at N=2: {result['warm_over_fresh_2']:,.1f}x with the pipelined warm "
-                 f"rate (the one the target uses); {result['sequential_over_fresh_2']:,.1f}x with the sequential one")
+        text += (
+            f"\nwarm pool / fresh torchrun at N=2: {result['warm_over_fresh_2']:,.1f}x with the pipelined warm "
+            f"rate (the one the target uses); {result['sequential_over_fresh_2']:,.1f}x with the sequential one"
+        )
     return text
 
 
 def comm_tables(result: dict) -> str:
     rows = []
     for name, f in result["functions"].items():
-        rows.append([name, f["cases"], f["sent"], f["min_sent"], f["ratio_sent"], f["recv"], f["min_recv"],
-                     f["ratio_recv"], max(f["worst_rank_ratio_sent"], f["worst_rank_ratio_recv"]),
-                     f["control_sent"], f["control_bytes_per_peer"]])
-    text = format_table(["function", "cases", "sent B", "min sent B", "sent/min", "recv B", "min recv B", "recv/min",
-                         "worst rank", "control B", "ctl B/peer/call"], rows,
-                        title="Communication: payload bytes against the analytic minimum (control apart)")
+        rows.append(
+            [
+                name,
+                f["cases"],
+                f["sent"],
+                f["min_sent"],
+                f["ratio_sent"],
+                f["recv"],
+                f["min_recv"],
+                f["ratio_recv"],
+                max(f["worst_rank_ratio_sent"], f["worst_rank_ratio_recv"]),
+                f["control_sent"],
+                f["control_bytes_per_peer"],
+            ]
+        )
+    text = format_table(
+        [
+            "function",
+            "cases",
+            "sent B",
+            "min sent B",
+            "sent/min",
+            "recv B",
+            "min recv B",
+            "recv/min",
+            "worst rank",
+            "control B",
+            "ctl B/peer/call",
+        ],
+        rows,
+        title="Communication: payload bytes against the analytic minimum (control apart)",
+    )
     halo_rows = []
     for key, h in result["halo"].items():
         row = [key]
@@ -96,31 +175,68 @@ def comm_tables(result: dict) -> str:
             cell = h.get(L)
             row += [None, None] if cell is None else [cell["ratio_sent"], cell["worst_rank_ratio"]]
         halo_rows.append(row)
-    text += "\n\n" + format_table([HALO_FUNCTION.rpartition(".")[2], "L=4 ratio", "L=4 worst rank", "L=16 ratio",
-                                   "L=16 worst rank"], halo_rows, title="Halo ratio per (N, W)")
+    text += "\n\n" + format_table(
+        [HALO_FUNCTION.rpartition(".")[2], "L=4 ratio", "L=4 worst rank", "L=16 ratio", "L=16 worst rank"],
+        halo_rows,
+        title="Halo ratio per (N, W)",
+    )
     worst = sorted(result["cases"], key=lambda e: -max(e["worst_rank_ratio_sent"], e["worst_rank_ratio_recv"]))[:3]
     text += "\nlargest per-rank ratios: " + "; ".join(
-        f"{e['function']} {e['detail']}: {max(e['worst_rank_ratio_sent'], e['worst_rank_ratio_recv']):.2f}" for e in worst)
+        f"{e['function']} {e['detail']}: {max(e['worst_rank_ratio_sent'], e['worst_rank_ratio_recv']):.2f}"
+        for e in worst
+    )
     return text
 
 
 def memory_tables(result: dict) -> str:
     rows = []
     for n, r in sorted(result["sizes"].items(), key=lambda kv: int(kv[0])):
-        rows.append([f"N={n}", mib(r["forward_peak_bytes_max"]), mib(r["peak_bytes_max"]), r.get("peak_vs_n1"),
-                     1 / int(n), mib(r["saved_bytes_max"]), r.get("saved_vs_n1"),
-                     mib(r["cuda_peak_bytes_max"]) if "cuda_peak_bytes_max" in r else None])
-    return format_table(["CP size", "fwd peak MiB", "fwd+bwd peak MiB", "peak / N=1", "1/N", "saved for bwd MiB",
-                         "saved / N=1", "CUDA peak MiB"], rows,
-                        title=f"Memory per rank: Inkling2-mini fwd+bwd, batch 1, {result['seq_len']} tokens, "
-                              f"{result['dtype']} (largest rank)")
+        rows.append(
+            [
+                f"N={n}",
+                mib(r["forward_peak_bytes_max"]),
+                mib(r["peak_bytes_max"]),
+                r.get("peak_vs_n1"),
+                1 / int(n),
+                mib(r["saved_bytes_max"]),
+                r.get("saved_vs_n1"),
+                mib(r["cuda_peak_bytes_max"]) if "cuda_peak_bytes_max" in r else None,
+            ]
+        )
+    return format_table(
+        [
+            "CP size",
+            "fwd peak MiB",
+            "fwd+bwd peak MiB",
+            "peak / N=1",
+            "1/N",
+            "saved for bwd MiB",
+            "saved / N=1",
+            "CUDA peak MiB",
+        ],
+        rows,
+        title=f"Memory per rank: Inkling2-mini fwd+bwd, batch 1, {result['seq_len']} tokens, "
+        f"{result['dtype']} (largest rank)",
+    )
 
 
 def suite_table(result: dict) -> str:
-    return format_table(["command", "exit", "passed", "failed", "CP examples", "per CP size", "wall s", "pytest s"],
-                        [[result["command"], result["returncode"], result["passed"], result["failed"],
-                          result["cp_examples"], result["cp_examples_per_size"], result["seconds"],
-                          result["pytest_seconds"]]], title="Full CPU test suite")
+    return format_table(
+        ["command", "exit", "passed", "failed", "CP examples", "per CP size", "wall s", "pytest s"],
+        [
+            [
+                result["command"],
+                result["returncode"],
+                result["passed"],
+                result["failed"],
+                result["cp_examples"],
+                result["cp_examples_per_size"],
+                result["seconds"],
+                result["pytest_seconds"],
+            ]
+        ],
+        title="Full CPU test suite",
+    )
 
 
 def targets_table(rows: list[dict]) -> str:

@@ -34,10 +34,16 @@ from cp_harness.bench.timed_runs import BenchCaseFailed
 def _environment(impl: str, backend: str) -> dict:
     import torch
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-            "cpus": os.cpu_count(), "impl": impl, "backend": backend,
-            "load_average_start": list(os.getloadavg()),
-            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "impl": impl,
+        "backend": backend,
+        "load_average_start": list(os.getloadavg()),
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def _pool_sizes(options: BenchOptions) -> set[int]:
@@ -63,8 +69,12 @@ def run_bench(options: BenchOptions, stream=sys.stdout, runner=None) -> tuple[in
 
     impl = selected_impl_name(options.impl)
     started = time.perf_counter()
-    report: dict[str, Any] = {"version": 1, "quick": bool(options.quick),
-                              "environment": _environment(impl, options.backend), "targets_spec": targets_spec()}
+    report: dict[str, Any] = {
+        "version": 1,
+        "quick": bool(options.quick),
+        "environment": _environment(impl, options.backend),
+        "targets_spec": targets_spec(),
+    }
     sizes = _pool_sizes(options)
     code = 0
     if sizes:
@@ -78,8 +88,11 @@ def run_bench(options: BenchOptions, stream=sys.stdout, runner=None) -> tuple[in
     report["seconds"] = time.perf_counter() - started
     report["environment"]["load_average_end"] = list(os.getloadavg())
     print(targets_table(report["targets"]), file=stream)
-    print(f"\nbench took {report['seconds']:.1f} s; load average {report['environment']['load_average_start'][0]:.1f} "
-          f"at start, {report['environment']['load_average_end'][0]:.1f} at end, {os.cpu_count()} CPUs", file=stream)
+    print(
+        f"\nbench took {report['seconds']:.1f} s; load average {report['environment']['load_average_start'][0]:.1f} "
+        f"at start, {report['environment']['load_average_end'][0]:.1f} at end, {os.cpu_count()} CPUs",
+        file=stream,
+    )
     if options.json_path:
         write_json(report, options.json_path, stream)
     if code == 0 and options.fail_on_miss and not all(t["ok"] for t in report["targets"]):
@@ -92,24 +105,43 @@ def _run_pool_sections(options: BenchOptions, impl: str, sizes: set[int], runner
     from cp_harness.ranks.pool import PoolConfig, RankFailure
     from cp_harness.runner import CaseRunner
 
-    shared = runner is not None and runner.config.world_size >= max(sizes) and runner.config.impl == impl \
+    shared = (
+        runner is not None
+        and runner.config.world_size >= max(sizes)
+        and runner.config.impl == impl
         and runner.config.backend == options.backend
+    )
     if not shared:
         runner = CaseRunner(PoolConfig(world_size=max(sizes), backend=options.backend, impl=impl))
     t = time.perf_counter()
-    log(f"using the caller's warm pool of {runner.config.world_size} ranks" if shared
-        else f"starting a warm pool of {max(sizes)} ranks")
+    log(
+        f"using the caller's warm pool of {runner.config.world_size} ranks"
+        if shared
+        else f"starting a warm pool of {max(sizes)} ranks"
+    )
     try:
         runner.pool.start()
-        report["pool"] = {"world_size": runner.config.world_size, "start_seconds": time.perf_counter() - t,
-                          "shared": shared}
-        print(f"warm pool of {runner.config.world_size} ranks " + ("(already running)" if shared else
-              f"started in {report['pool']['start_seconds']:.1f} s") + " (not counted in the warm rates)\n",
-              file=stream)
-        sections = [("throughput", options.skip_throughput,
-                     lambda: throughput.measure(runner, options, impl, options.backend), throughput_tables),
-                    ("communication", options.skip_comm, lambda: communication.measure(runner, options), comm_tables),
-                    ("memory", options.skip_memory, lambda: memory.measure(runner, options), memory_tables)]
+        report["pool"] = {
+            "world_size": runner.config.world_size,
+            "start_seconds": time.perf_counter() - t,
+            "shared": shared,
+        }
+        print(
+            f"warm pool of {runner.config.world_size} ranks "
+            + ("(already running)" if shared else f"started in {report['pool']['start_seconds']:.1f} s")
+            + " (not counted in the warm rates)\n",
+            file=stream,
+        )
+        sections = [
+            (
+                "throughput",
+                options.skip_throughput,
+                lambda: throughput.measure(runner, options, impl, options.backend),
+                throughput_tables,
+            ),
+            ("communication", options.skip_comm, lambda: communication.measure(runner, options), comm_tables),
+            ("memory", options.skip_memory, lambda: memory.measure(runner, options), memory_tables),
+        ]
         for name, skip, run, show in sections:
             if skip:
                 report[name] = None

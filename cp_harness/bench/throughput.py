@@ -33,9 +33,14 @@ def measure(runner, options: BenchOptions, impl: str, backend: str) -> dict:
     The warm rate of the ratio is the pipelined one (``CaseRunner.run_many``, as the test runs and golden
     files use it).
     """
-    result: dict[str, Any] = {"case": standard_case(0, 2), "warm": {}, "sequential": {}, "floor": {}, "fresh": None,
-                              "warm_mode": "pipelined (CaseRunner.run_many: oracle while the ranks run, next cases "
-                                           "queued on the ranks)"}
+    result: dict[str, Any] = {
+        "case": standard_case(0, 2),
+        "warm": {},
+        "sequential": {},
+        "floor": {},
+        "fresh": None,
+        "warm_mode": "pipelined (CaseRunner.run_many: oracle while the ranks run, next cases queued on the ranks)",
+    }
     fresh_records: list[dict] = []
     for n in options.throughput_sizes:
         seeds = iter(range(1000 * n, 1000 * n + 100000))
@@ -44,9 +49,14 @@ def measure(runner, options: BenchOptions, impl: str, backend: str) -> dict:
         run_pipelined(runner, [standard_case(next(seeds), n) for _ in range(options.warmup_cases)])
         cases = [standard_case(next(seeds), n) for _ in range(options.warm_cases)]
         interleave = n == 2 and not options.skip_fresh
-        log(f"throughput: {len(cases)} warm cases at N={n}, sequential and pipelined each" + (
-            f", {options.fresh_cases} fresh torchruns interleaved, each followed by as long of warm cases in each mode"
-            if interleave else ""))
+        log(
+            f"throughput: {len(cases)} warm cases at N={n}, sequential and pipelined each"
+            + (
+                f", {options.fresh_cases} fresh torchruns interleaved, each followed by as long of warm cases in each mode"
+                if interleave
+                else ""
+            )
+        )
         load_before = os.getloadavg()
         sequential: list[dict] = []
         pipelined: list[tuple[list[dict], float]] = []
@@ -74,11 +84,16 @@ def measure(runner, options: BenchOptions, impl: str, backend: str) -> dict:
         result["floor"][str(n)] = summarise(run_sequential(runner.pool, floor_cases))
     if fresh_records:
         total = sum(r["wall"] for r in fresh_records)
-        result["fresh"] = {"world_size": 2, "cases": len(fresh_records), "seconds": total,
-                           "cases_per_second": len(fresh_records) / total,
-                           "mean_s": {k: statistics.mean(r[k] for r in fresh_records)
-                                      for k in ("wall", "start", "run", "evaluate", "close")},
-                           "records": fresh_records}
+        result["fresh"] = {
+            "world_size": 2,
+            "cases": len(fresh_records),
+            "seconds": total,
+            "cases_per_second": len(fresh_records) / total,
+            "mean_s": {
+                k: statistics.mean(r[k] for r in fresh_records) for k in ("wall", "start", "run", "evaluate", "close")
+            },
+            "records": fresh_records,
+        }
     result["oracle_threads"] = _oracle_thread_probe(max(options.warm_cases // 2, 4))
     warm2, seq2 = result["warm"].get("2"), result["sequential"].get("2")
     if warm2 and result["fresh"]:
@@ -130,6 +145,9 @@ def _oracle_thread_probe(repeats: int) -> dict:
     out = {}
     for threads, values in times.items():
         values.sort()
-        out[f"threads={threads}"] = {"mean_ms": 1000 * statistics.mean(values),
-                                     "median_ms": 1000 * statistics.median(values), "max_ms": 1000 * values[-1]}
+        out[f"threads={threads}"] = {
+            "mean_ms": 1000 * statistics.mean(values),
+            "median_ms": 1000 * statistics.median(values),
+            "max_ms": 1000 * values[-1],
+        }
     return {"default_threads": default, "repeats": repeats, "results": out}

@@ -51,10 +51,17 @@ def run_sequential(pool, cases: list[dict]) -> list[dict]:
         judged = time.perf_counter()
         if not report.ok:
             raise BenchCaseFailed(failure_message(case, report, pool.config.impl, backend=pool.config.backend))
-        records.append({"wall": judged - started, "run": ran - started, "ranks": ticket.timing["ranks"],
-                        "collective_calls": max(len(o.comm) for o in outputs),
-                        "transport": ticket.timing["transport"], "oracle": expected_at - ran,
-                        "compare": judged - expected_at})
+        records.append(
+            {
+                "wall": judged - started,
+                "run": ran - started,
+                "ranks": ticket.timing["ranks"],
+                "collective_calls": max(len(o.comm) for o in outputs),
+                "transport": ticket.timing["transport"],
+                "oracle": expected_at - ran,
+                "compare": judged - expected_at,
+            }
+        )
     return records
 
 
@@ -70,11 +77,19 @@ def run_pipelined(runner, cases: Iterable[dict]) -> tuple[list[dict], float]:
     started = time.perf_counter()
     for report in runner.run_many(cases, excess=False, count=False):
         if not report.ok:
-            raise BenchCaseFailed(failure_message(report.case, report, runner.config.impl,
-                                                  backend=runner.config.backend))
+            raise BenchCaseFailed(
+                failure_message(report.case, report, runner.config.impl, backend=runner.config.backend)
+            )
         t = report.timing
-        records.append({"ranks": t["ranks"], "transport": t["transport"], "oracle": t["oracle"],
-                        "compare": t["compare"], "collective_calls": max(len(c["calls"]) for c in report.comm)})
+        records.append(
+            {
+                "ranks": t["ranks"],
+                "transport": t["transport"],
+                "oracle": t["oracle"],
+                "compare": t["compare"],
+                "collective_calls": max(len(c["calls"]) for c in report.comm),
+            }
+        )
     return records, time.perf_counter() - started
 
 
@@ -99,8 +114,13 @@ def run_fresh(case: dict, impl: str, backend: str) -> dict:
     closed = time.perf_counter()
     if not report.ok:
         raise BenchCaseFailed(failure_message(case, report, impl, backend=backend))
-    return {"wall": closed - started, "start": up - started, "run": ran - up, "evaluate": judged - ran,
-            "close": closed - judged}
+    return {
+        "wall": closed - started,
+        "start": up - started,
+        "run": ran - up,
+        "evaluate": judged - ran,
+        "close": closed - judged,
+    }
 
 
 def summarise(records: list[dict], total: float | None = None, *, mode: str = "sequential") -> dict:
@@ -113,12 +133,18 @@ def summarise(records: list[dict], total: float | None = None, *, mode: str = "s
     parts = {k: sum(r[k] for r in records) for k in PARTS}
     n = len(records)
     walls = [r["wall"] for r in records if "wall" in r]
-    return {"mode": mode, "cases": n, "seconds": total, "cases_per_second": n / total if total else None,
-            "mean_ms": 1000 * total / n, "median_ms": 1000 * statistics.median(walls) if walls else None,
-            "breakdown_ms": {k: 1000 * v / n for k, v in parts.items()},
-            "overlap_gained_ms": 1000 * (sum(parts.values()) - total) / n,
-            "collective_calls_per_rank": max(r.get("collective_calls", 0) for r in records),
-            "breakdown_share": {k: v / total if total else None for k, v in parts.items()}}
+    return {
+        "mode": mode,
+        "cases": n,
+        "seconds": total,
+        "cases_per_second": n / total if total else None,
+        "mean_ms": 1000 * total / n,
+        "median_ms": 1000 * statistics.median(walls) if walls else None,
+        "breakdown_ms": {k: 1000 * v / n for k, v in parts.items()},
+        "overlap_gained_ms": 1000 * (sum(parts.values()) - total) / n,
+        "collective_calls_per_rank": max(r.get("collective_calls", 0) for r in records),
+        "breakdown_share": {k: v / total if total else None for k, v in parts.items()},
+    }
 
 
 def merge_batches(batches: list[tuple[list[dict], float]]) -> tuple[list[dict], float]:

@@ -50,7 +50,7 @@ PATCH_SIZE = 2
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOW_PRECISION = ("bfloat16", "float16")
 # Machine epsilon (one unit in the last place at 1.0) of every floating dtype a case may use; numpy has no bfloat16.
-EPS = {"float64": 2.0 ** -52, "float32": 2.0 ** -23, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}
+EPS = {"float64": 2.0**-52, "float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
 
 
 def canonical(case: dict) -> str:
@@ -151,14 +151,14 @@ def spec_layout(spec: dict) -> tuple[torch.Tensor, torch.Tensor]:
         for b, row in enumerate(rows):
             start = 0
             for d, (real, padded) in enumerate(row):
-                keep[b, start:start + real] = True
-                docs[b, start:start + padded] = d
+                keep[b, start : start + real] = True
+                docs[b, start : start + padded] = d
                 start += padded
         return keep, docs
     rows = spec["rows"]
     keep = torch.zeros(len(rows), S, dtype=torch.bool)
     for b, (left, real) in enumerate(rows):
-        keep[b, left:left + real] = True
+        keep[b, left : left + real] = True
     docs = torch.where(keep, 0, -1)
     return keep, docs
 
@@ -222,13 +222,14 @@ def build_batch(case: dict) -> dict[str, Any]:
             pixel_values = []
             for row, start, h, w in images:
                 n = (h // PATCH_SIZE) * (w // PATCH_SIZE)
-                image_mask[row, start:start + n] = True
+                image_mask[row, start : start + n] = True
                 pixel_values.append(torch.randn(IMAGE_CHANNELS, h, w, generator=gi, dtype=torch.float64).to(dtype))
         else:
             for row, start, length in images["spans"]:
-                image_mask[row, start:start + length] = True
-            pixel_values = torch.randn(IMAGE_CHANNELS, images["height"], images["width"], generator=gi,
-                                       dtype=torch.float64).to(dtype)
+                image_mask[row, start : start + length] = True
+            pixel_values = torch.randn(
+                IMAGE_CHANNELS, images["height"], images["width"], generator=gi, dtype=torch.float64
+            ).to(dtype)
         batch["image_mask"] = image_mask
         batch["pixel_values"] = pixel_values
     return batch
@@ -242,11 +243,11 @@ def _given_positions(spec: dict, keep: torch.Tensor) -> torch.Tensor:
         for b, row in enumerate(spec["docs"]):
             start = 0
             for real, padded in row:
-                positions[b, start:start + real] = torch.arange(real)
+                positions[b, start : start + real] = torch.arange(real)
                 start += padded
     else:
         for b, (left, real) in enumerate(spec["rows"]):
-            positions[b, left:left + real] = torch.arange(real)
+            positions[b, left : left + real] = torch.arange(real)
     noise = torch.randint(0, 50, (B, S), generator=torch.Generator().manual_seed(int(spec.get("padding_seed") or 0)))
     return torch.where(keep, positions, noise)
 
@@ -271,8 +272,12 @@ def batches_equal(a: dict[str, Any], b: dict[str, Any]) -> str | None:
     for key in a:
         x, y = a[key], b[key]
         if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or x.dtype != y.dtype \
-                    or x.shape != y.shape or not torch.equal(x, y):
+            if (
+                not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor))
+                or x.dtype != y.dtype
+                or x.shape != y.shape
+                or not torch.equal(x, y)
+            ):
                 return f"{key!r} changed"
         elif isinstance(x, list):
             if len(x) != len(y) or any(not torch.equal(u, v) for u, v in zip(x, y)):
@@ -282,8 +287,9 @@ def batches_equal(a: dict[str, Any], b: dict[str, Any]) -> str | None:
     return None
 
 
-def random_tensor(case: dict, stream: str, shape: tuple[int, ...], *, dtype: torch.dtype | None = None,
-                  integer_valued: bool = False) -> torch.Tensor:
+def random_tensor(
+    case: dict, stream: str, shape: tuple[int, ...], *, dtype: torch.dtype | None = None, integer_valued: bool = False
+) -> torch.Tensor:
     """A seeded tensor for data-movement checks; integer-valued floats keep gradient sums exact."""
     g = generator(case, stream)
     dtype = dtype or dtype_of(case)
@@ -292,7 +298,9 @@ def random_tensor(case: dict, stream: str, shape: tuple[int, ...], *, dtype: tor
     return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
 
-def upstream_values(case: dict, stream: str, shape: tuple[int, ...], *, dtype: torch.dtype | None = None) -> torch.Tensor:
+def upstream_values(
+    case: dict, stream: str, shape: tuple[int, ...], *, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Upstream gradients for data-movement checks, chosen so that the exact check sees how sums are formed.
 
     float32/float64: integers in ``[-8, 8]`` (every sum is exact in any order). bfloat16/float16: dyadic

@@ -19,8 +19,13 @@ import types
 DEFAULT_IMPL = "cp_impl"
 
 REQUIRED = {
-    "inkling2": ("convolution_history", "gather_sequence", "prepare_cp_inputs", "unpack_row_layout",
-                 "validate_document_positions"),
+    "inkling2": (
+        "convolution_history",
+        "gather_sequence",
+        "prepare_cp_inputs",
+        "unpack_row_layout",
+        "validate_document_positions",
+    ),
     "mistral_large4": ("gather_tokens", "prepare_cp_inputs", "prepare_packed_cp_inputs", "shifted_cp_loss"),
 }
 
@@ -63,8 +68,10 @@ def load_impl(name: str | None = None) -> types.SimpleNamespace:
             try:
                 sub = importlib.import_module(f"{name}.{part}")
             except ImportError as exc:
-                raise ImportError(f"implementation {name!r} has no {part!r} (attribute or submodule {name}.{part}); "
-                                  f"expose the documented module there") from exc
+                raise ImportError(
+                    f"implementation {name!r} has no {part!r} (attribute or submodule {name}.{part}); "
+                    f"expose the documented module there"
+                ) from exc
         missing = [f for f in functions if not callable(getattr(sub, f, None))]
         if missing:
             raise ImportError(f"implementation {name!r}: {part} lacks {', '.join(missing)} (see the seed API pages)")

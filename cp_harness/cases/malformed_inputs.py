@@ -45,14 +45,24 @@ import torch
 from cp_harness.cases.descriptions import IGNORE_INDEX, batches_equal, build_batch, clone_batch
 
 TIME_LIMIT_S = 10.0
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64, "int32": torch.int32,
-           "bool": torch.bool, "uint8": torch.uint8}
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+}
 
 # ------------------------------------------------------------------------------------------- bases
 INKLING2_THD = {"format": "thd", "seq_len": 12, "docs": [[[3, 4], [2, 2], [1, 3]], [[5, 6]]]}
 INKLING2_BSHD = {"format": "bshd", "seq_len": 9, "rows": [[2, 5], [0, 9], [3, 6]], "images": [[1, 2, 2, 4]]}
-MISTRAL_BSHD = {"format": "bshd", "seq_len": 9, "rows": [[2, 5], [0, 9], [3, 6]],
-                "images": {"height": 2, "width": 4, "spans": [[1, 0, 2]]}}
+MISTRAL_BSHD = {
+    "format": "bshd",
+    "seq_len": 9,
+    "rows": [[2, 5], [0, 9], [3, 6]],
+    "images": {"height": 2, "width": 4, "spans": [[1, 0, 2]]},
+}
 MISTRAL_THD = {"format": "thd", "seq_len": 10, "docs": [[[3, 4], [4, 4]], [[6, 8]]]}
 
 
@@ -68,8 +78,8 @@ def _thd_positions(spec: dict) -> tuple[torch.Tensor, torch.Tensor]:
     for b, row in enumerate(spec["docs"]):
         start = 0
         for real, padded in row:
-            keep[b, start:start + real] = True
-            pos[b, start:start + padded] = torch.arange(padded)
+            keep[b, start : start + real] = True
+            pos[b, start : start + padded] = torch.arange(padded)
             start += padded
     return keep, pos
 
@@ -94,17 +104,28 @@ BASES: dict[str, Callable[[int, int, Any], dict]] = {
     "inkling2_thd": lambda s, r, m: {"batch": _batch("inkling2", INKLING2_THD, s), "num_chunks": 1},
     "inkling2_bshd": lambda s, r, m: {"batch": _batch("inkling2", INKLING2_BSHD, s), "num_chunks": 1},
     "inkling2_bshd_mesh": lambda s, r, m: {"batch": _batch("inkling2", INKLING2_BSHD, s), "mesh": m},
-    "mistral_bshd": lambda s, r, m: {"batch": _batch("mistral_large4", MISTRAL_BSHD, s), "num_chunks": 1,
-                                     "shard_primary": True},
-    "mistral_thd": lambda s, r, m: {"batch": _batch("mistral_large4", MISTRAL_THD, s), "num_chunks": 2,
-                                    "shard_primary": True},
+    "mistral_bshd": lambda s, r, m: {
+        "batch": _batch("mistral_large4", MISTRAL_BSHD, s),
+        "num_chunks": 1,
+        "shard_primary": True,
+    },
+    "mistral_thd": lambda s, r, m: {
+        "batch": _batch("mistral_large4", MISTRAL_THD, s),
+        "num_chunks": 2,
+        "shard_primary": True,
+    },
     "positions": lambda s, r, m: dict(zip(("keep", "positions"), _thd_positions(INKLING2_THD))),
-    "sequence_shard": lambda s, r, m: {"value": _local(s, r, (2, 3, 4)).requires_grad_(True), "mesh": m,
-                                       "differentiable": True},
-    "token_shard": lambda s, r, m: {"value": _local(s, r, (3, 4)).requires_grad_(True), "mesh": m,
-                                    "differentiable": True},
-    "history_shard": lambda s, r, m: {"masked": _local(s, r, (2, 3, 4)).requires_grad_(True), "mesh": m,
-                                      "width": 3},
+    "sequence_shard": lambda s, r, m: {
+        "value": _local(s, r, (2, 3, 4)).requires_grad_(True),
+        "mesh": m,
+        "differentiable": True,
+    },
+    "token_shard": lambda s, r, m: {
+        "value": _local(s, r, (3, 4)).requires_grad_(True),
+        "mesh": m,
+        "differentiable": True,
+    },
+    "history_shard": lambda s, r, m: {"masked": _local(s, r, (2, 3, 4)).requires_grad_(True), "mesh": m, "width": 3},
     "loss_shard": lambda s, r, m: {**_loss_inputs(s, r), "mesh": m},
 }
 
@@ -128,22 +149,40 @@ def _prepare_sharder(impl, a):
 # name -> (setup run before the snapshot or None, the call)
 FUNCTIONS: dict[str, tuple[Callable | None, Callable[[Any, dict], Any]]] = {
     "inkling2.unpack_row_layout": (None, lambda impl, a: impl.inkling2.unpack_row_layout(a["batch"])),
-    "inkling2.prepare_cp_inputs": (None, lambda impl, a: impl.inkling2.prepare_cp_inputs(
-        a["batch"], num_chunks=a["num_chunks"])),
-    "inkling2.validate_document_positions": (None, lambda impl, a: impl.inkling2.validate_document_positions(
-        a["keep"], a["positions"])),
-    "inkling2.gather_sequence": (None, lambda impl, a: impl.inkling2.gather_sequence(
-        a["value"], a["mesh"], a["differentiable"])),
-    "inkling2.convolution_history": (None, lambda impl, a: impl.inkling2.convolution_history(
-        a["masked"], a["mesh"], a["width"])),
-    "mistral_large4.prepare_cp_inputs": (None, lambda impl, a: impl.mistral_large4.prepare_cp_inputs(
-        a["batch"], num_chunks=a["num_chunks"], shard_primary=a["shard_primary"])),
-    "mistral_large4.prepare_packed_cp_inputs": (None, lambda impl, a: impl.mistral_large4.prepare_packed_cp_inputs(
-        a["batch"], a["num_chunks"], a["shard_primary"])),
-    "mistral_large4.gather_tokens": (None, lambda impl, a: impl.mistral_large4.gather_tokens(
-        a["value"], a["mesh"], a["differentiable"])),
-    "mistral_large4.shifted_cp_loss": (None, lambda impl, a: impl.mistral_large4.shifted_cp_loss(
-        a["logits"], a["labels"], a["valid"], a["mesh"])),
+    "inkling2.prepare_cp_inputs": (
+        None,
+        lambda impl, a: impl.inkling2.prepare_cp_inputs(a["batch"], num_chunks=a["num_chunks"]),
+    ),
+    "inkling2.validate_document_positions": (
+        None,
+        lambda impl, a: impl.inkling2.validate_document_positions(a["keep"], a["positions"]),
+    ),
+    "inkling2.gather_sequence": (
+        None,
+        lambda impl, a: impl.inkling2.gather_sequence(a["value"], a["mesh"], a["differentiable"]),
+    ),
+    "inkling2.convolution_history": (
+        None,
+        lambda impl, a: impl.inkling2.convolution_history(a["masked"], a["mesh"], a["width"]),
+    ),
+    "mistral_large4.prepare_cp_inputs": (
+        None,
+        lambda impl, a: impl.mistral_large4.prepare_cp_inputs(
+            a["batch"], num_chunks=a["num_chunks"], shard_primary=a["shard_primary"]
+        ),
+    ),
+    "mistral_large4.prepare_packed_cp_inputs": (
+        None,
+        lambda impl, a: impl.mistral_large4.prepare_packed_cp_inputs(a["batch"], a["num_chunks"], a["shard_primary"]),
+    ),
+    "mistral_large4.gather_tokens": (
+        None,
+        lambda impl, a: impl.mistral_large4.gather_tokens(a["value"], a["mesh"], a["differentiable"]),
+    ),
+    "mistral_large4.shifted_cp_loss": (
+        None,
+        lambda impl, a: impl.mistral_large4.shifted_cp_loss(a["logits"], a["labels"], a["valid"], a["mesh"]),
+    ),
     "sharder.shard_batch": (_prepare_sharder, _shard_with_mesh),
 }
 
@@ -152,7 +191,7 @@ FUNCTIONS: dict[str, tuple[Callable | None, Callable[[Any, dict], Any]]] = {
 
 def _get(inputs: dict, key: str):
     if key.startswith("batch."):
-        return inputs["batch"], key[len("batch."):]
+        return inputs["batch"], key[len("batch.") :]
     return inputs, key
 
 
@@ -173,7 +212,9 @@ def _like(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
 
 def _device_of(inputs: dict) -> torch.device:
     """Where the inputs live (new tensors made by a mutation go there too)."""
-    for value in list(inputs.values()) + list(inputs.get("batch", {}).values() if isinstance(inputs.get("batch"), dict) else []):
+    for value in list(inputs.values()) + list(
+        inputs.get("batch", {}).values() if isinstance(inputs.get("batch"), dict) else []
+    ):
         if isinstance(value, torch.Tensor):
             return value.device
     return torch.device("cpu")
@@ -238,8 +279,15 @@ def _to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
-def build_inputs(case: dict, *, rank: int, cp_size: int, mesh: Any,
-                 mesh_factory: Callable[[str], Any] | None = None, device: torch.device | str | None = None) -> dict:
+def build_inputs(
+    case: dict,
+    *,
+    rank: int,
+    cp_size: int,
+    mesh: Any,
+    mesh_factory: Callable[[str], Any] | None = None,
+    device: torch.device | str | None = None,
+) -> dict:
     """The inputs of ``case`` on CP rank ``rank`` (on ``device``): the base, then (unless ``case["control"]``)
     the mutations."""
     inputs = BASES[case["base"]](int(case.get("seed", 0)), rank, mesh)
@@ -286,8 +334,9 @@ def input_changes(inputs: dict, snap: dict) -> list[str]:
         for key in saved:
             if obj[key] is not shallow[key]:
                 out.append(f"{name}[{key!r}] was replaced by another object")
-            elif isinstance(saved[key], torch.Tensor) or (isinstance(saved[key], list) and all(
-                    isinstance(v, torch.Tensor) for v in saved[key])):
+            elif isinstance(saved[key], torch.Tensor) or (
+                isinstance(saved[key], list) and all(isinstance(v, torch.Tensor) for v in saved[key])
+            ):
                 diff = batches_equal({key: obj[key]}, {key: saved[key]})
                 if diff:
                     out.append(f"{name}: {diff}")
@@ -337,20 +386,27 @@ def judge(case: dict, accounts: list[dict]) -> list[str]:
             problems.append(f"{where} took {acc['seconds']:.1f} s (limit {TIME_LIMIT_S:.0f} s)")
         if control:
             if acc["raised"]:
-                problems.append(f"{where}: the unmodified base input must be accepted, got "
-                                f"{acc['error_type']}: {acc['message']}")
+                problems.append(
+                    f"{where}: the unmodified base input must be accepted, got {acc['error_type']}: {acc['message']}"
+                )
             continue
         if not acc["raised"]:
-            problems.append(f"{where} accepted the malformed input ({case['why']}); expected "
-                            f"{' or '.join(case['errors'])} naming {' or '.join(case['fields'])}")
+            problems.append(
+                f"{where} accepted the malformed input ({case['why']}); expected "
+                f"{' or '.join(case['errors'])} naming {' or '.join(case['fields'])}"
+            )
             continue
         if not set(acc["error_types"]) & set(case["errors"]):
-            problems.append(f"{where} raised {acc['error_type']}, expected {' or '.join(case['errors'])}: "
-                            f"{acc['message']}")
+            problems.append(
+                f"{where} raised {acc['error_type']}, expected {' or '.join(case['errors'])}: {acc['message']}"
+            )
         elif not any(field in (acc["message"] or "") for field in case["fields"]):
-            problems.append(f"{where}: the {acc['error_type']} does not name the field "
-                            f"({' or '.join(case['fields'])}): {acc['message']!r}")
+            problems.append(
+                f"{where}: the {acc['error_type']} does not name the field "
+                f"({' or '.join(case['fields'])}): {acc['message']!r}"
+            )
         if not acc["unchanged"]:
-            problems.append(f"{where}: the caller's input changed although the call failed: "
-                            + "; ".join(acc["changes"]))
+            problems.append(
+                f"{where}: the caller's input changed although the call failed: " + "; ".join(acc["changes"])
+            )
     return problems

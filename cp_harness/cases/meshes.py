@@ -68,36 +68,53 @@ class MeshLayout:
             raise MeshLayoutError(f"{KEY}: unknown key(s) {unknown}; give dims, shape and optionally ranks, run")
         dims, shape = spec.get("dims"), spec.get("shape")
         if not isinstance(dims, list) or not dims or len(dims) > MAX_DIMS:
-            raise MeshLayoutError(f"{KEY}.dims: give a list of 1 to {MAX_DIMS} dimension names, e.g. "
-                                  f'["dp", "cp"], got {dims!r}')
+            raise MeshLayoutError(
+                f'{KEY}.dims: give a list of 1 to {MAX_DIMS} dimension names, e.g. ["dp", "cp"], got {dims!r}'
+            )
         bad = [d for d in dims if d not in DIM_NAMES]
         if bad or len(set(dims)) != len(dims):
             raise MeshLayoutError(f"{KEY}.dims: {dims!r}: names must be distinct, from {list(DIM_NAMES)}")
         if dims.count("cp") != 1:
             raise MeshLayoutError(f'{KEY}.dims: {dims!r} has no "cp" dimension; the case runs on mesh["cp"]')
-        if (not isinstance(shape, list) or len(shape) != len(dims)
-                or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in shape)):
+        if (
+            not isinstance(shape, list)
+            or len(shape) != len(dims)
+            or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in shape)
+        ):
             raise MeshLayoutError(f"{KEY}.shape: give one positive integer per dimension of {dims}, got {shape!r}")
         cp = dims.index("cp")
         if cp_size is not None and shape[cp] != cp_size:
-            raise MeshLayoutError(f'{KEY}.shape[{cp}] (the "cp" dimension) is {shape[cp]}, but world_size is '
-                                  f"{cp_size}: the cp dimension is the CP size")
+            raise MeshLayoutError(
+                f'{KEY}.shape[{cp}] (the "cp" dimension) is {shape[cp]}, but world_size is '
+                f"{cp_size}: the cp dimension is the CP size"
+            )
         size = math.prod(shape)
         ranks = spec.get("ranks", list(range(size)))
-        if (not isinstance(ranks, list) or len(ranks) != size
-                or any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in ranks)):
+        if (
+            not isinstance(ranks, list)
+            or len(ranks) != size
+            or any(not isinstance(r, int) or isinstance(r, bool) or r < 0 for r in ranks)
+        ):
             raise MeshLayoutError(f"{KEY}.ranks: give {size} pool ranks (prod(shape)), got {ranks!r}")
         if any(b <= a for a, b in zip(ranks, ranks[1:])):
-            raise MeshLayoutError(f"{KEY}.ranks: {ranks} must increase: torch orders a group's ranks ascending, so a "
-                                  f"mesh over ranks in another order would disagree with its own groups")
+            raise MeshLayoutError(
+                f"{KEY}.ranks: {ranks} must increase: torch orders a group's ranks ascending, so a "
+                f"mesh over ranks in another order would disagree with its own groups"
+            )
         if pool_size is not None and ranks[-1] >= pool_size:
-            raise MeshLayoutError(f"{KEY}.ranks: rank {ranks[-1]} is not in a pool of {pool_size} ranks; start a "
-                                  f"pool of at least {ranks[-1] + 1}")
+            raise MeshLayoutError(
+                f"{KEY}.ranks: rank {ranks[-1]} is not in a pool of {pool_size} ranks; start a "
+                f"pool of at least {ranks[-1] + 1}"
+            )
         groups = size // shape[cp]
         run = spec.get("run")
         if run is not None:
-            if (not isinstance(run, list) or not run or len(set(run)) != len(run)
-                    or any(not isinstance(g, int) or isinstance(g, bool) or not 0 <= g < groups for g in run)):
+            if (
+                not isinstance(run, list)
+                or not run
+                or len(set(run)) != len(run)
+                or any(not isinstance(g, int) or isinstance(g, bool) or not 0 <= g < groups for g in run)
+            ):
                 raise MeshLayoutError(f"{KEY}.run: give distinct CP group indices in 0..{groups - 1}, got {run!r}")
             run = tuple(sorted(run))
         return cls(tuple(dims), tuple(shape), tuple(ranks), run)
@@ -114,21 +131,24 @@ class MeshLayout:
     @property
     def key(self) -> str:
         """Which mesh this is (``run`` apart: cases on other groups of the same mesh share it)."""
-        return json.dumps({"dims": list(self.dims), "shape": list(self.shape), "ranks": list(self.ranks)},
-                          separators=(",", ":"))
+        return json.dumps(
+            {"dims": list(self.dims), "shape": list(self.shape), "ranks": list(self.ranks)}, separators=(",", ":")
+        )
 
     def nested(self) -> list:
         """The world mesh as nested lists of global ranks, ``shape`` deep (what ``DeviceMesh`` is given)."""
+
         def build(flat: list[int], shape: tuple[int, ...]) -> list:
             if len(shape) == 1:
                 return list(flat)
             step = len(flat) // shape[0]
-            return [build(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+            return [build(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
+
         return build(list(self.ranks), self.shape)
 
     def groups(self) -> list[tuple[int, ...]]:
         """Every CP group's global ranks in CP rank order, groups in row-major order of the other dimensions."""
-        strides = [math.prod(self.shape[d + 1:]) for d in range(len(self.shape))]
+        strides = [math.prod(self.shape[d + 1 :]) for d in range(len(self.shape))]
         others = [d for d in range(len(self.shape)) if d != self.cp_dim]
         out = []
         for index in range(math.prod(self.shape[d] for d in others)):

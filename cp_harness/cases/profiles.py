@@ -35,8 +35,13 @@ from typing import Any
 
 from hypothesis import HealthCheck, Phase, settings
 
-_SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
-             HealthCheck.function_scoped_fixture, HealthCheck.large_base_example]
+_SUPPRESS = [
+    HealthCheck.too_slow,
+    HealthCheck.data_too_large,
+    HealthCheck.filter_too_much,
+    HealthCheck.function_scoped_fixture,
+    HealthCheck.large_base_example,
+]
 
 DEFAULT_WORLD_SIZES = (1, 2, 3, 4, 8)
 
@@ -52,6 +57,7 @@ def in_dtype_order(names) -> list[str]:
     """``names`` (payload dtype names) in ``DTYPE_ORDER``, unknown names last, alphabetically."""
     order = {name: i for i, name in enumerate(DTYPE_ORDER)}
     return sorted(names, key=lambda d: (order.get(d, len(order)), d))
+
 
 # The ci profile draws CP sizes above this half as often as the others: on 2 cores a case of 8 ranks costs
 # 5-7 times one of 2 (every collective waits for 8 processes to be scheduled), and the 1,2,3,4 cases exercise
@@ -109,12 +115,22 @@ def register(load_default: bool = False) -> None:
     # ci: the same examples on every run, nothing written to an example database.
     settings.register_profile("ci", max_examples=100, derandomize=True, database=None, **common)
     settings.register_profile("nightly", max_examples=1000, derandomize=False, **common)
-    settings.register_profile("dev", max_examples=20, derandomize=False,
-                              phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink], **common)
+    settings.register_profile(
+        "dev",
+        max_examples=20,
+        derandomize=False,
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+        **common,
+    )
     # The commands: seeded by @seed (the same cases for the same seed), no database, nothing reported but the
     # shrunk failure; verify shrinks (its own time budget stops it), calibrate only generates.
-    command: dict[str, Any] = dict(deadline=None, database=None, derandomize=False,
-                                   suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+    command: dict[str, Any] = dict(
+        deadline=None,
+        database=None,
+        derandomize=False,
+        suppress_health_check=list(HealthCheck),
+        report_multiple_bugs=False,
+    )
     settings.register_profile("verify", phases=[Phase.explicit, Phase.generate, Phase.shrink], **command)
     settings.register_profile("calibrate", phases=[Phase.generate], **command)
     _registered = True

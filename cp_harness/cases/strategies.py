@@ -45,14 +45,17 @@ def _resolved(space: CaseSpace | None) -> CaseSpace:
 
 def float_dtypes(allowed=FLOAT_DTYPES, space: CaseSpace | None = None) -> st.SearchStrategy[str]:
     """A floating dtype among ``allowed`` and the space's (all four by default, equally likely)."""
+
     def pick():
         chosen = tuple(d for d in allowed if d in _resolved(space).dtypes)
         return st.sampled_from(chosen) if chosen else st.nothing()
+
     return st.deferred(pick)
 
 
 def payload_dtypes(space: CaseSpace | None = None) -> st.SearchStrategy[str]:
     """A data-movement payload: a float dtype two times in three, else an integer or bool payload."""
+
     def pick():
         dtypes = _resolved(space).dtypes
         floats = tuple(d for d in FLOAT_DTYPES if d in dtypes)
@@ -60,6 +63,7 @@ def payload_dtypes(space: CaseSpace | None = None) -> st.SearchStrategy[str]:
         if floats and others:
             return st.one_of(st.sampled_from(floats), st.sampled_from(floats), st.sampled_from(others))
         return st.sampled_from(floats or others)
+
     return st.deferred(pick)
 
 
@@ -254,8 +258,14 @@ def mistral_image(draw, spec: dict, cp_size: int | None = None) -> dict:
 
 # World meshes of training: CP inner and outer, data-parallel replicas beside it, a tensor-parallel dimension
 # of size 1 (a CP module must not care), pipeline stages.
-MESH_DIMS = (("dp", "cp"), ("cp", "dp"), ("dp_shard", "cp", "tp"), ("dp_replicate", "dp_shard", "cp"),
-             ("pp", "cp", "dp"), ("cp", "tp"))
+MESH_DIMS = (
+    ("dp", "cp"),
+    ("cp", "dp"),
+    ("dp_shard", "cp", "tp"),
+    ("dp_replicate", "dp_shard", "cp"),
+    ("pp", "cp", "dp"),
+    ("cp", "tp"),
+)
 
 
 @st.composite

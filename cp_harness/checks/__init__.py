@@ -35,6 +35,8 @@ module, loaded with ``pkgutil``):
   harness itself (faults, the communication meter, per-rank memory).
 * ``_token_layout`` -- shared by the checks: rank outputs in global order, the
   reported layout judged against the contract.
+* ``_verb_contract`` -- the contract of the sharder's verbs as ``sharder_verbs``' oracle applies it (the layout
+  fields a rank reported, a caller's tensor into the padded stream and back).
 
 Flow: ``run_on_rank(case, ctx)`` on every rank; ``expect(case)`` (the oracle,
 from the case alone, while the ranks run) and ``evaluate(case, outputs,
@@ -81,7 +83,9 @@ class RankContext:
         """The mesh argument the case wants the implementation to receive."""
         if case.get("mesh", "mesh") == "none":
             if self.cp_size != 1:
-                raise ValueError(f"case asks for mesh='none' with world_size={self.cp_size}; only world_size=1 can run without a mesh")
+                raise ValueError(
+                    f"case asks for mesh='none' with world_size={self.cp_size}; only world_size=1 can run without a mesh"
+                )
             return None
         return self.mesh
 
@@ -199,6 +203,7 @@ class Check:
                 if where is None or where(case):
                     test = example(case=case)(test)
             return test
+
         return decorate
 
     def least_communication(self, case: dict) -> list[tuple[int, int]] | None:
@@ -230,7 +235,9 @@ def register(name: str, **owned) -> Check:
     if missing:
         raise ValueError(f"check {name!r} declares several rows: give each an id (rows without: {missing})")
     taken = {r.id for check in CHECKS.values() for r in check.rows}
-    clash = [r.id for r in rows if r.id in taken] or ([r.id for r in rows] if len({r.id for r in rows}) < len(rows) else [])
+    clash = [r.id for r in rows if r.id in taken] or (
+        [r.id for r in rows] if len({r.id for r in rows}) < len(rows) else []
+    )
     if clash:
         raise ValueError(f"check {name!r}: row id(s) {clash} are taken; give each row its own id")
     CHECKS[name] = Check(name, **{**owned, "rows": rows})
@@ -329,8 +336,11 @@ def evaluate(case: dict, outputs: list, expected: Any = NOT_GIVEN, *, policy: Ju
     if raised:
         report = CaseReport(case=case)
         for o in raised:
-            report.problem(f"rank {o.rank} raised {o.error_type}: {o.message}\n{o.traceback}", rank=o.rank,
-                           kind=ProblemKind.RANK_RAISED)
+            report.problem(
+                f"rank {o.rank} raised {o.error_type}: {o.message}\n{o.traceback}",
+                rank=o.rank,
+                kind=ProblemKind.RANK_RAISED,
+            )
     else:
         check = check_of(case)
         args = [case, outputs]

@@ -58,7 +58,8 @@ class ReportedLayout:
                 raise NotShardedLikeTokens(
                     f"rank {o.rank}: local {name} holds {held} positions along its sequence axis, but the rank's index "
                     f"map lists {len(indices)} tokens: {name} is not sharded like the tokens "
-                    f"(global length {self.seq_len}, padded {self.padded_len})")
+                    f"(global length {self.seq_len}, padded {self.padded_len})"
+                )
             where: list[slice | np.ndarray] = [slice(None)] * len(shape)
             where[axis] = indices
             out[tuple(where)] = local
@@ -85,8 +86,9 @@ def judge_token_layout(report: CaseReport, outputs: list, seq_len: int, *, local
     for o, indices in zip(outputs, maps):
         local_len = np.asarray(o.tensors[local_name]).shape[1]
         if len(indices) != local_len:
-            report.problem(f"rank {o.rank}: the index map lists {len(indices)} tokens but its local "
-                                   f"{local_name} holds {local_len}")
+            report.problem(
+                f"rank {o.rank}: the index map lists {len(indices)} tokens but its local {local_name} holds {local_len}"
+            )
             usable = False
     lengths = {len(m) for m in maps}
     if len(lengths) > 1:
@@ -100,8 +102,10 @@ def judge_token_layout(report: CaseReport, outputs: list, seq_len: int, *, local
         if outside.size or (counts != 1).any():
             twice = np.flatnonzero(counts > 1)[:5].tolist()
             nobody = np.flatnonzero(counts == 0)[:5].tolist()
-            report.problem(f"the index maps do not own every global position of [0, {padded}) exactly once: "
-                                   f"owned twice {twice}, by nobody {nobody}, outside {outside[:5].tolist()}")
+            report.problem(
+                f"the index maps do not own every global position of [0, {padded}) exactly once: "
+                f"owned twice {twice}, by nobody {nobody}, outside {outside[:5].tolist()}"
+            )
             usable = False
     if padded < seq_len:
         report.problem(f"the ranks hold {padded} tokens in all, fewer than the sequence's {seq_len}")
@@ -117,10 +121,15 @@ def judge_token_layout(report: CaseReport, outputs: list, seq_len: int, *, local
     layout = reported_layout(outputs, seq_len)
     for o, indices in zip(outputs, maps):
         marker, expected = np.asarray(o.tensors["token_marker"]), np.where(indices < seq_len, indices, -1)
-        comp = report.add(compare_exact(f"shard_token_tensor(arange(S)) agrees with the index map@rank{o.rank}",
-                                  marker, expected, rank=o.rank))
+        comp = report.add(
+            compare_exact(
+                f"shard_token_tensor(arange(S)) agrees with the index map@rank{o.rank}", marker, expected, rank=o.rank
+            )
+        )
         if not comp.ok and marker.shape == expected.shape and np.array_equal(np.sort(marker), np.sort(expected)):
-            report.problem(f"rank {o.rank}: the local tensors hold the tokens of its index map in another "
-                                   f"order (shard_token_tensor gives {marker.tolist()[:12]}, the index map reports "
-                                   f"{expected.tolist()[:12]}): the sharder reports one layout and cuts another")
+            report.problem(
+                f"rank {o.rank}: the local tensors hold the tokens of its index map in another "
+                f"order (shard_token_tensor gives {marker.tolist()[:12]}, the index map reports "
+                f"{expected.tolist()[:12]}): the sharder reports one layout and cuts another"
+            )
     return layout

@@ -120,9 +120,15 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         forward_peak = meter.peak
         out.loss.backward()
         meter.sweep()
-    info = {"peak_bytes": int(meter.peak), "forward_peak_bytes": int(forward_peak),
-            "retained_bytes": int(meter.current), "saved_bytes": int(saved.bytes),
-            "local_len": int(out.local_len), "cp_size": int(out.cp_size), "dtype": case.get("dtype", "float64")}
+    info = {
+        "peak_bytes": int(meter.peak),
+        "forward_peak_bytes": int(forward_peak),
+        "retained_bytes": int(meter.current),
+        "saved_bytes": int(saved.bytes),
+        "local_len": int(out.local_len),
+        "cp_size": int(out.cp_size),
+        "dtype": case.get("dtype", "float64"),
+    }
     if cuda:
         torch.cuda.synchronize(ctx.device)
         info["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(ctx.device) - cuda_base)
@@ -138,11 +144,18 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     losses = [float(o.tensors["loss"]) for o in outputs]
     report.require(all(np.isfinite(losses)), f"losses must be finite, got {losses}")
     for o in outputs:
-        report.require(o.info["peak_bytes"] > 0 and o.info["saved_bytes"] > 0,
-                       f"rank {o.rank}: the memory meters saw nothing ({o.info})")
-    report.info["per_rank"] = [{k: o.info[k] for k in ("peak_bytes", "forward_peak_bytes", "retained_bytes",
-                                                        "saved_bytes", "cuda_peak_bytes") if k in o.info}
-                               for o in outputs]
+        report.require(
+            o.info["peak_bytes"] > 0 and o.info["saved_bytes"] > 0,
+            f"rank {o.rank}: the memory meters saw nothing ({o.info})",
+        )
+    report.info["per_rank"] = [
+        {
+            k: o.info[k]
+            for k in ("peak_bytes", "forward_peak_bytes", "retained_bytes", "saved_bytes", "cuda_peak_bytes")
+            if k in o.info
+        }
+        for o in outputs
+    ]
     return report
 
 

@@ -61,7 +61,7 @@ from oracle.layout import layout_from_batch
 
 def pad_sequence(value: torch.Tensor, length: int, fill) -> torch.Tensor:
     out = torch.full((value.shape[0], length) + tuple(value.shape[2:]), fill, dtype=value.dtype)
-    out[:, :value.shape[1]] = value
+    out[:, : value.shape[1]] = value
     return out
 
 
@@ -85,7 +85,10 @@ def _unpack_directly(case: dict, ctx) -> tuple[dict, dict]:
     snapshot = clone_batch(batch)
     ctx.impl.inkling2.unpack_row_layout(batch)
     info = {"unpack_keys": sorted(batch), "unpack_changed": _content_changes(batch, snapshot)}
-    return info, {"unpacked.padding_mask": batch.get("padding_mask"), "unpacked.position_ids": batch.get("position_ids")}
+    return info, {
+        "unpacked.padding_mask": batch.get("padding_mask"),
+        "unpacked.position_ids": batch.get("position_ids"),
+    }
 
 
 def _local_copies(local: dict, keys) -> dict:
@@ -104,19 +107,26 @@ def _inkling2_rank(case: dict, ctx) -> tuple[dict, dict]:
     hooked = _content_changes(batch, snapshot)
     with sharded(sharder, batch, caller=original) as shard:
         local = shard.local
-        info, layout_tensors = layout_report(sharder, mesh, local["labels"].shape[1], snapshot["input_ids"].shape[1],
-                                             ctx.device)
-        info.update({
-            "keys_after_prepare": after_prepare,
-            "local_keys": sorted(local),
-            "input_ids_global_and_unchanged": local.get("input_ids") is not None
-            and tuple(local["input_ids"].shape) == tuple(snapshot["input_ids"].shape)
-            and bool(torch.equal(local["input_ids"], snapshot["input_ids"])),
-            "image_mask_global": "image_mask" not in original or (
-                local.get("image_mask") is not None and bool(torch.equal(local["image_mask"], snapshot["image_mask"]))),
-            "pixel_values_global": "pixel_values" not in original or local.get("pixel_values") is original["pixel_values"],
-            "caller_content_changed": hooked,
-        })
+        info, layout_tensors = layout_report(
+            sharder, mesh, local["labels"].shape[1], snapshot["input_ids"].shape[1], ctx.device
+        )
+        info.update(
+            {
+                "keys_after_prepare": after_prepare,
+                "local_keys": sorted(local),
+                "input_ids_global_and_unchanged": local.get("input_ids") is not None
+                and tuple(local["input_ids"].shape) == tuple(snapshot["input_ids"].shape)
+                and bool(torch.equal(local["input_ids"], snapshot["input_ids"])),
+                "image_mask_global": "image_mask" not in original
+                or (
+                    local.get("image_mask") is not None
+                    and bool(torch.equal(local["image_mask"], snapshot["image_mask"]))
+                ),
+                "pixel_values_global": "pixel_values" not in original
+                or local.get("pixel_values") is original["pixel_values"],
+                "caller_content_changed": hooked,
+            }
+        )
         tensors = _local_copies(local, ("labels", "position_ids", "padding_mask"))
     info["caller_changed_by_shard"] = shard.caller_changes
     info.update(unpacked_info)
@@ -150,14 +160,38 @@ def _common(report: CaseReport, outputs: list, layout, labels_expected: torch.Te
     got_labels = reported.scatter(outputs, "labels")
     got_positions = reported.scatter(outputs, "position_ids")
     if bool(keep.any()):  # rows of padding alone have no real token to compare
-        report.add(compare_exact("position_ids (real tokens)", got_positions, positions.numpy(), mask=keep.numpy(), grid=grid))
-        report.add(compare_exact("labels (real tokens)", got_labels, pad_sequence(labels_expected, S_pad, IGNORE_INDEX).numpy(), mask=keep.numpy(), grid=grid))
+        report.add(
+            compare_exact("position_ids (real tokens)", got_positions, positions.numpy(), mask=keep.numpy(), grid=grid)
+        )
+        report.add(
+            compare_exact(
+                "labels (real tokens)",
+                got_labels,
+                pad_sequence(labels_expected, S_pad, IGNORE_INDEX).numpy(),
+                mask=keep.numpy(),
+                grid=grid,
+            )
+        )
     if S_pad > S and S > 0:
         # Divisibility padding: positions keep counting from the row's last slot (SPEC).
-        counting = got_positions[:, S - 1:S] + np.arange(1, S_pad - S + 1)[None, :]
-        report.add(compare_exact("position_ids (divisibility padding keeps counting)", got_positions[:, S:], counting, grid=grid.sliced(S)))
+        counting = got_positions[:, S - 1 : S] + np.arange(1, S_pad - S + 1)[None, :]
+        report.add(
+            compare_exact(
+                "position_ids (divisibility padding keeps counting)",
+                got_positions[:, S:],
+                counting,
+                grid=grid.sliced(S),
+            )
+        )
     if S_pad > S:
-        report.add(compare_exact("labels (divisibility padding)", got_labels[:, S:], np.full((keep.shape[0], S_pad - S), IGNORE_INDEX), grid=grid.sliced(S)))
+        report.add(
+            compare_exact(
+                "labels (divisibility padding)",
+                got_labels[:, S:],
+                np.full((keep.shape[0], S_pad - S), IGNORE_INDEX),
+                grid=grid.sliced(S),
+            )
+        )
     return reported
 
 
@@ -165,16 +199,23 @@ def _inkling2_evaluate(case: dict, outputs: list, expected) -> CaseReport:
     report = CaseReport(case=case)
     batch, layout = expected  # expected_layout(case), computed while the ranks ran
     for o in outputs:
-        report.require(o.info["input_ids_global_and_unchanged"], f"rank {o.rank}: input_ids must stay global and unchanged")
+        report.require(
+            o.info["input_ids_global_and_unchanged"], f"rank {o.rank}: input_ids must stay global and unchanged"
+        )
         report.require(o.info["image_mask_global"], f"rank {o.rank}: image_mask must stay global and unchanged")
         report.require(o.info["pixel_values_global"], f"rank {o.rank}: pixel_values must stay global (the same object)")
-        report.require(not o.info.get("caller_content_changed"),
-                       f"rank {o.rank}: the caller's batch changed (hooks may only add layout keys): {o.info.get('caller_content_changed')}")
+        report.require(
+            not o.info.get("caller_content_changed"),
+            f"rank {o.rank}: the caller's batch changed (hooks may only add layout keys): {o.info.get('caller_content_changed')}",
+        )
         for change in o.info.get("caller_changed_by_shard", []):
             report.problem(f"rank {o.rank}: {change}")
         if "seq_lens" in batch:
             for gone in ("seq_lens", "seq_lens_padded", "qkv_format"):
-                report.require(gone not in o.info["keys_after_prepare"], f"rank {o.rank}: {gone} must be removed by unpack_row_layout")
+                report.require(
+                    gone not in o.info["keys_after_prepare"],
+                    f"rank {o.rank}: {gone} must be removed by unpack_row_layout",
+                )
     if "seq_lens" in batch:
         _judge_unpacked(report, outputs, layout)
     _common(report, outputs, layout, batch["labels"])
@@ -187,17 +228,32 @@ def _judge_unpacked(report: CaseReport, outputs: list, layout) -> None:
     keep = layout.keep.numpy()
     for o in outputs:
         missing = [k for k in ("unpacked.padding_mask", "unpacked.position_ids") if k not in o.tensors]
-        report.require(not missing, f"rank {o.rank}: unpack_row_layout wrote no {', '.join(k.split('.')[1] for k in missing)}")
+        report.require(
+            not missing, f"rank {o.rank}: unpack_row_layout wrote no {', '.join(k.split('.')[1] for k in missing)}"
+        )
         if missing:
             continue
-        report.add(compare_exact(f"unpack_row_layout padding_mask@rank{o.rank}", o.tensors["unpacked.padding_mask"], ~keep, rank=o.rank))
+        report.add(
+            compare_exact(
+                f"unpack_row_layout padding_mask@rank{o.rank}", o.tensors["unpacked.padding_mask"], ~keep, rank=o.rank
+            )
+        )
         if keep.any():
-            report.add(compare_exact(f"unpack_row_layout position_ids (real tokens)@rank{o.rank}", o.tensors["unpacked.position_ids"],
-                               layout.positions.numpy(), mask=keep, rank=o.rank))
+            report.add(
+                compare_exact(
+                    f"unpack_row_layout position_ids (real tokens)@rank{o.rank}",
+                    o.tensors["unpacked.position_ids"],
+                    layout.positions.numpy(),
+                    mask=keep,
+                    rank=o.rank,
+                )
+            )
         left = [k for k in ("seq_lens", "seq_lens_padded", "qkv_format") if k in o.info.get("unpack_keys", [])]
         report.require(not left, f"rank {o.rank}: unpack_row_layout left {left} in the batch")
-        report.require(not o.info.get("unpack_changed"),
-                       f"rank {o.rank}: unpack_row_layout changed the caller's {o.info.get('unpack_changed')}")
+        report.require(
+            not o.info.get("unpack_changed"),
+            f"rank {o.rank}: unpack_row_layout changed the caller's {o.info.get('unpack_changed')}",
+        )
 
 
 def _mistral_rank(case: dict, ctx) -> tuple[dict, dict]:
@@ -216,10 +272,13 @@ def _mistral_rank(case: dict, ctx) -> tuple[dict, dict]:
     hooked = _content_changes(batch, snapshot)
     with sharded(sharder, batch, caller=original) as shard:
         local = shard.local
-        info, layout_tensors = layout_report(sharder, mesh, local["labels"].shape[1], snapshot["input_ids"].shape[1],
-                                             ctx.device)
-        tensors = {**_local_copies(local, ("labels", "position_ids", "padding_mask", "input_ids", "document_ids")),
-                   **layout_tensors}
+        info, layout_tensors = layout_report(
+            sharder, mesh, local["labels"].shape[1], snapshot["input_ids"].shape[1], ctx.device
+        )
+        tensors = {
+            **_local_copies(local, ("labels", "position_ids", "padding_mask", "input_ids", "document_ids")),
+            **layout_tensors,
+        }
         info.update({"caller_content_changed": hooked, "local_keys": sorted(local)})
     info["caller_changed_by_shard"] = shard.caller_changes
     return info, tensors
@@ -236,8 +295,10 @@ def _mistral_evaluate(case: dict, outputs: list, expected) -> CaseReport:
         for o in outputs:
             report.require("document_ids" in o.tensors, f"rank {o.rank}: a packed batch must yield local document_ids")
     for o in outputs:
-        report.require(not o.info.get("caller_content_changed"),
-                       f"rank {o.rank}: the caller's batch changed (hooks may only add layout keys): {o.info.get('caller_content_changed')}")
+        report.require(
+            not o.info.get("caller_content_changed"),
+            f"rank {o.rank}: the caller's batch changed (hooks may only add layout keys): {o.info.get('caller_content_changed')}",
+        )
         for change in o.info.get("caller_changed_by_shard", []):
             report.problem(f"rank {o.rank}: {change}")
     reported = _common(report, outputs, layout, labels)
@@ -248,26 +309,41 @@ def _mistral_evaluate(case: dict, outputs: list, expected) -> CaseReport:
         docs = pad_sequence(layout.document_ids, S_pad, -1)
         report.add(compare_exact("document_ids", reported.scatter(outputs, "document_ids"), docs.numpy(), grid=grid))
     if bool(case.get("shard_primary", True)):
-        report.add(compare_exact("input_ids (sharded)", reported.scatter(outputs, "input_ids")[:, :S], batch["input_ids"].numpy(), grid=grid))
+        report.add(
+            compare_exact(
+                "input_ids (sharded)",
+                reported.scatter(outputs, "input_ids")[:, :S],
+                batch["input_ids"].numpy(),
+                grid=grid,
+            )
+        )
     else:
         for o in outputs:
-            report.add(compare_exact(f"input_ids (global)@rank{o.rank}", o.tensors["input_ids"], batch["input_ids"].numpy(), rank=o.rank))
+            report.add(
+                compare_exact(
+                    f"input_ids (global)@rank{o.rank}", o.tensors["input_ids"], batch["input_ids"].numpy(), rank=o.rank
+                )
+            )
     return report
 
 
 # ------------------------------------------------------------------------------------ standalone repros
-_LAYOUT_WHAT = ("a hook returns an unresolved sharder; once resolved, the local batch holds each key at the global "
-                "positions its index map reports (labels and positions as computed on the global sequence, padding "
-                "from the layout metadata, never from token values), label -100, padding_mask True and positions "
-                "counting on at divisibility padding, and the caller's tensors are left as they were.")
+_LAYOUT_WHAT = (
+    "a hook returns an unresolved sharder; once resolved, the local batch holds each key at the global "
+    "positions its index map reports (labels and positions as computed on the global sequence, padding "
+    "from the layout metadata, never from token values), label -100, padding_mask True and positions "
+    "counting on at divisibility padding, and the caller's tensors are left as they were."
+)
 
 
 def failing_keys(report, keys) -> list[str]:
     """The keys of ``keys`` a report's failing comparisons or problems name (all of them without a report)."""
     if report is None or any(p.kind is ProblemKind.RANK_RAISED for p in report.problems):
         return list(keys)
-    text = " ".join([c.name for c in report.failures() if not c.name.startswith("unpack_row_layout")]
-                    + [p.message for p in report.problems if "unpack_row_layout" not in p.message])
+    text = " ".join(
+        [c.name for c in report.failures() if not c.name.startswith("unpack_row_layout")]
+        + [p.message for p in report.problems if "unpack_row_layout" not in p.message]
+    )
     return [k for k in keys if k in text]
 
 
@@ -275,14 +351,22 @@ def _layout_repro(request):
     case = request.case
     batch, layout = expected_layout(case)
     mistral, packed = case["check"] == MISTRAL_LARGE4_LAYOUT.name, "seq_lens" in batch
-    labels = torch.where(first_document_tokens(layout), IGNORE_INDEX, batch["labels"]) if mistral and packed \
+    labels = (
+        torch.where(first_document_tokens(layout), IGNORE_INDEX, batch["labels"])
+        if mistral and packed
         else batch["labels"]
+    )
     primary = bool(case.get("shard_primary", True))
-    keys = {"labels": (sharding.Key("labels", IGNORE_INDEX), labels, layout.keep),
-            "position_ids": (sharding.Key("position_ids", "count"), layout.positions, layout.keep),
-            "padding_mask": (sharding.Key("padding_mask", True), ~layout.keep, torch.ones_like(layout.keep)),
-            "input_ids": (sharding.Key("input_ids", "free" if mistral and primary else "global"), batch["input_ids"],
-                          torch.ones_like(layout.keep))}
+    keys = {
+        "labels": (sharding.Key("labels", IGNORE_INDEX), labels, layout.keep),
+        "position_ids": (sharding.Key("position_ids", "count"), layout.positions, layout.keep),
+        "padding_mask": (sharding.Key("padding_mask", True), ~layout.keep, torch.ones_like(layout.keep)),
+        "input_ids": (
+            sharding.Key("input_ids", "free" if mistral and primary else "global"),
+            batch["input_ids"],
+            torch.ones_like(layout.keep),
+        ),
+    }
     if mistral and packed:
         keys["document_ids"] = (sharding.Key("document_ids", -1), layout.document_ids, torch.ones_like(layout.keep))
     chosen = failing_keys(request.report, keys)
@@ -291,13 +375,27 @@ def _layout_repro(request):
         hook["shard_primary"] = primary
     name = "prepare_packed_cp_inputs" if case.get("direct_packed") else "prepare_cp_inputs"
     unpack = None
-    if not mistral and packed and request.report is not None and any("unpack_row_layout" in c.name
-                                                                      for c in request.report.failures()):
+    if (
+        not mistral
+        and packed
+        and request.report is not None
+        and any("unpack_row_layout" in c.name for c in request.report.failures())
+    ):
         unpack = (~layout.keep, layout.positions, layout.keep)
-    return sharding.export(request, sharding.ShardCase(
-        int(case["world_size"]), (case["model"], name, hook), build_batch(case), [keys[k][0] for k in chosen],
-        {k: keys[k][1] for k in chosen}, {k: keys[k][2] for k in chosen}, _LAYOUT_WHAT,
-        mesh=case.get("mesh") != "none", unpack=unpack))
+    return sharding.export(
+        request,
+        sharding.ShardCase(
+            int(case["world_size"]),
+            (case["model"], name, hook),
+            build_batch(case),
+            [keys[k][0] for k in chosen],
+            {k: keys[k][1] for k in chosen},
+            {k: keys[k][2] for k in chosen},
+            _LAYOUT_WHAT,
+            mesh=case.get("mesh") != "none",
+            unpack=unpack,
+        ),
+    )
 
 
 # ------------------------------------------------------------------------------------ strategies
@@ -317,8 +415,14 @@ def layout_cases(draw, space=None) -> dict:
         chunks = fixed_num_chunks(model, spec) or chunks
     spec = draw(with_extras(st.just(spec)))
     spec = draw(inkling2_images(spec, n)) if model == "inkling2" else draw(mistral_image(spec, n))
-    case = {"check": f"{model}_layout", "world_size": n, "seed": draw(seeds), "model": model, "batch": spec,
-            "num_chunks": chunks}
+    case = {
+        "check": f"{model}_layout",
+        "world_size": n,
+        "seed": draw(seeds),
+        "model": model,
+        "batch": spec,
+        "num_chunks": chunks,
+    }
     if model == "mistral_large4":
         case["shard_primary"] = draw(st.booleans())
         if spec["format"] == "thd" and draw(st.booleans()):
@@ -329,6 +433,7 @@ def layout_cases(draw, space=None) -> dict:
 def _of_model(model: str):
     def cases(space):
         return layout_cases(space).filter(lambda c: c["model"] == model)
+
     return cases
 
 
@@ -339,8 +444,12 @@ def _golden_arrays(case: dict, expected) -> dict[str, torch.Tensor]:
     S_pad = padded_length(layout.keep.shape[1], int(case["world_size"]))
     keep = pad_sequence(layout.keep, S_pad, False)
     labels = batch["labels"].clone()
-    out = {"keep": keep, "padding_mask": ~keep, "position_ids": pad_sequence(layout.positions, S_pad, 0),
-           "input_ids": batch["input_ids"]}
+    out = {
+        "keep": keep,
+        "padding_mask": ~keep,
+        "position_ids": pad_sequence(layout.positions, S_pad, 0),
+        "input_ids": batch["input_ids"],
+    }
     if case["check"] == "mistral_large4_layout" and "seq_lens" in batch:
         labels = torch.where(first_document_tokens(layout), IGNORE_INDEX, labels)
         out["document_ids"] = pad_sequence(layout.document_ids, S_pad, -1)
@@ -368,8 +477,13 @@ def _specified(case: dict, name: str, arr: np.ndarray, oracle: dict[str, np.ndar
 
 
 def _golden(cases: dict, token_arrays: set[str]) -> GoldenContents:
-    return GoldenContents(cases=cases, oracle_arrays=_golden_arrays, token_arrays=frozenset(token_arrays),
-                          rank_axis=_rank_axis, impl_mask=_specified)
+    return GoldenContents(
+        cases=cases,
+        oracle_arrays=_golden_arrays,
+        token_arrays=frozenset(token_arrays),
+        rank_axis=_rank_axis,
+        impl_mask=_specified,
+    )
 
 
 _SHARDER = ("sharder.shard", "sharder.shard_token_tensor", "sharder.local_token_global_indices")

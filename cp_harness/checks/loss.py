@@ -66,7 +66,9 @@ def loss_inputs(case: dict):
     return logits, labels, keep, S
 
 
-def per_position_ce(logits: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor, *, shifted: bool) -> torch.Tensor:
+def per_position_ce(
+    logits: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor, *, shifted: bool
+) -> torch.Tensor:
     """Cross-entropy of every counted position in float64, zero elsewhere: ``[B, S]``.
 
     ``shifted``: position ``t`` predicts ``labels[t+1]`` (Hugging Face); else ``labels[t]``.
@@ -106,8 +108,16 @@ def cross_entropy_scale(logits: torch.Tensor, counted: torch.Tensor, *, shifted:
     return float(terms.mean())
 
 
-def compare_rank_losses(report: CaseReport, outputs: list, per_position: torch.Tensor, count: int, budget,
-                        ulp_dtype: str, scale: float | None = None, index_maps: list | None = None) -> None:
+def compare_rank_losses(
+    report: CaseReport,
+    outputs: list,
+    per_position: torch.Tensor,
+    count: int,
+    budget,
+    ulp_dtype: str,
+    scale: float | None = None,
+    index_maps: list | None = None,
+) -> None:
     """Each rank's loss must be its own sum x N / global count (SPEC), not only their mean: a rank
     returning the global mean everywhere has the right mean and the wrong per-rank gradient scale.
 
@@ -120,12 +130,25 @@ def compare_rank_losses(report: CaseReport, outputs: list, per_position: torch.T
     global_loss = abs(float(per_position.sum())) / count if count > 0 else 0.0
     scale = max(global_loss, scale or 0.0)
     for o in outputs:
-        owned = (torch.as_tensor(index_maps[o.rank]) if index_maps is not None
-                 else torch.arange(o.rank * L, (o.rank + 1) * L))
+        owned = (
+            torch.as_tensor(index_maps[o.rank])
+            if index_maps is not None
+            else torch.arange(o.rank * L, (o.rank + 1) * L)
+        )
         local_sum = per_position.index_select(1, owned).sum()
         expected = local_sum * n / count if count > 0 else torch.zeros((), dtype=torch.float64)
-        report.add(compare_ulp(f"loss@rank{o.rank} (local sum x N / global count)", o.tensors["loss"], expected.numpy(), budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction, ulp_dtype=ulp_dtype,
-                           reference_scale=scale, rank=o.rank))
+        report.add(
+            compare_ulp(
+                f"loss@rank{o.rank} (local sum x N / global count)",
+                o.tensors["loss"],
+                expected.numpy(),
+                budget_ulp=budget.ulp,
+                floor_fraction=budget.floor_fraction,
+                ulp_dtype=ulp_dtype,
+                reference_scale=scale,
+                rank=o.rank,
+            )
+        )
 
 
 def _rank(case: dict, ctx) -> tuple[dict, dict]:
@@ -152,10 +175,17 @@ def _expect(case: dict) -> dict:
     ref.backward()
     counted = torch.zeros_like(keep)
     counted[:, :-1] = keep[:, :-1] & keep[:, 1:] & (labels[:, 1:] != IGNORE_INDEX)
-    return {"logits": logits, "labels": labels, "keep": keep, "count": count, "ref": ref.detach(),
-            "ref_grad": ref_logits.grad, "counted": counted,
-            "loss_scale": cross_entropy_scale(logits, counted, shifted=True),
-            "per_position": per_position_ce(logits, labels, counted, shifted=True)}
+    return {
+        "logits": logits,
+        "labels": labels,
+        "keep": keep,
+        "count": count,
+        "ref": ref.detach(),
+        "ref_grad": ref_logits.grad,
+        "counted": counted,
+        "loss_scale": cross_entropy_scale(logits, counted, shifted=True),
+        "per_position": per_position_ce(logits, labels, counted, shifted=True),
+    }
 
 
 def _evaluate(case: dict, outputs: list, expected: dict, policy) -> CaseReport:
@@ -173,29 +203,60 @@ def _evaluate(case: dict, outputs: list, expected: dict, policy) -> CaseReport:
     report.require(bool(np.all(np.isfinite(losses))), f"losses must be finite, got {losses.tolist()}")
     for o in outputs:
         report.require(o.info["loss_requires_grad"], f"rank {o.rank}: the loss must take part in autograd")
-        report.require(o.info["loss_dtype"] == f"torch.{loss_dtype}",
-                       f"rank {o.rank}: loss dtype {o.info['loss_dtype']} for {dtype} logits; the contract upcasts "
-                       f"logits to at least float32 and returns the loss in torch.{loss_dtype}")
+        report.require(
+            o.info["loss_dtype"] == f"torch.{loss_dtype}",
+            f"rank {o.rank}: loss dtype {o.info['loss_dtype']} for {dtype} logits; the contract upcasts "
+            f"logits to at least float32 and returns the loss in torch.{loss_dtype}",
+        )
     mean = np.array(losses.sum() / n)
     # Rounding scales (see cross_entropy_scale): the loss at its rows' log-sum-exp, the gradient
     # (softmax - one-hot) / count at 1 / count, whatever cancellation leaves of them.
     loss_scale = expected["loss_scale"]
     grad_scale = 1.0 / int(count) if int(count) > 0 else None
-    report.add(compare_ulp("loss (mean over ranks)", mean, ref.detach().numpy(), budget_ulp=loss_budget.ulp,
-                       floor_fraction=loss_budget.floor_fraction, ulp_dtype=loss_dtype, reference_scale=loss_scale))
+    report.add(
+        compare_ulp(
+            "loss (mean over ranks)",
+            mean,
+            ref.detach().numpy(),
+            budget_ulp=loss_budget.ulp,
+            floor_fraction=loss_budget.floor_fraction,
+            ulp_dtype=loss_dtype,
+            reference_scale=loss_scale,
+        )
+    )
     grad = stack_ranks(outputs, "grad") / n
-    report.add(compare_ulp("d loss / d logits", grad, expected["ref_grad"].numpy(), budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
-                       grid=TokenGrid(L, n), ulp_dtype=dtype, reference_scale=grad_scale, gradient=True))
+    report.add(
+        compare_ulp(
+            "d loss / d logits",
+            grad,
+            expected["ref_grad"].numpy(),
+            budget_ulp=budget.ulp,
+            floor_fraction=budget.floor_fraction,
+            grid=TokenGrid(L, n),
+            ulp_dtype=dtype,
+            reference_scale=grad_scale,
+            gradient=True,
+        )
+    )
     if int(count) == 0:
         report.add(compare_exact("loss when nothing counts", losses, np.zeros(n)))
-    compare_rank_losses(report, outputs, expected["per_position"], int(count), loss_budget,
-                        loss_dtype, scale=loss_scale)
+    compare_rank_losses(
+        report, outputs, expected["per_position"], int(count), loss_budget, loss_dtype, scale=loss_scale
+    )
     # Positions that predict nothing must get exactly zero gradient.
     predicts = torch.zeros_like(keep)
     predicts[:, :-1] = keep[:, :-1] & keep[:, 1:] & (labels[:, 1:] != IGNORE_INDEX)
     if bool((~predicts).any()):
-        report.add(compare_exact("d loss / d logits where nothing is predicted", grad, np.zeros_like(grad),
-                           mask=(~predicts).numpy(), grid=TokenGrid(L, n), gradient=True))
+        report.add(
+            compare_exact(
+                "d loss / d logits where nothing is predicted",
+                grad,
+                np.zeros_like(grad),
+                mask=(~predicts).numpy(),
+                grid=TokenGrid(L, n),
+                gradient=True,
+            )
+        )
     report.info["count"] = int(count)
     report.info["ulp"] = report.max_ulp
     return report
@@ -217,13 +278,24 @@ def _repro_plan(request):
     ranks = [slice(r * L, (r + 1) * L) for r in range(n)]
     zero = torch.zeros((), dtype=torch.float64)
     call = calls.CallCase(
-        "mistral_large4.shifted_cp_loss", ['inputs["logits"]', 'inputs["labels"]', 'inputs["valid"]', "mesh"],
+        "mistral_large4.shifted_cp_loss",
+        ['inputs["logits"]', 'inputs["labels"]', 'inputs["valid"]', "mesh"],
         [{"logits": logits[:, sl], "labels": labels[:, sl], "valid": keep[:, sl].reshape(-1)} for sl in ranks],
-        [calls.Expectation("output", (lb.ulp, lb.floor_fraction, loss_dtype, loss_scale), dtype=f"torch.{loss_dtype}"),
-         calls.Expectation("grad logits", (gb.ulp, gb.floor_fraction, dtype, grad_scale), axis=1)],
-        [{"output": per_position[:, sl].sum() * n / count if count else zero, "grad logits": ref_grad[:, sl] * n}
-         for sl in ranks], calls.WHAT["mistral_large4.shifted_cp_loss"], "drawn from the case's seed", ("logits",),
-        positions=[{"grad logits": torch.arange(sl.start, sl.stop)} for sl in ranks])
+        [
+            calls.Expectation(
+                "output", (lb.ulp, lb.floor_fraction, loss_dtype, loss_scale), dtype=f"torch.{loss_dtype}"
+            ),
+            calls.Expectation("grad logits", (gb.ulp, gb.floor_fraction, dtype, grad_scale), axis=1),
+        ],
+        [
+            {"output": per_position[:, sl].sum() * n / count if count else zero, "grad logits": ref_grad[:, sl] * n}
+            for sl in ranks
+        ],
+        calls.WHAT["mistral_large4.shifted_cp_loss"],
+        "drawn from the case's seed",
+        ("logits",),
+        positions=[{"grad logits": torch.arange(sl.start, sl.stop)} for sl in ranks],
+    )
     return calls.plan(call, request.subject(call.function), request.name, request.case_text)
 
 
@@ -231,9 +303,15 @@ def _repro_plan(request):
 def loss_cases(draw, space=None) -> dict:
     space = as_space(space)
     n = draw(world_sizes(space))
-    return {"check": "shifted_cp_loss", "world_size": n, "seed": draw(seeds), "model": "mistral_large4",
-            "dtype": draw(float_dtypes(space=space)), "vocab": draw(st.integers(min_value=2, max_value=13)),
-            "batch": draw(with_extras(layouts(min_len=2, max_len=24)))}
+    return {
+        "check": "shifted_cp_loss",
+        "world_size": n,
+        "seed": draw(seeds),
+        "model": "mistral_large4",
+        "dtype": draw(float_dtypes(space=space)),
+        "vocab": draw(st.integers(min_value=2, max_value=13)),
+        "batch": draw(with_extras(layouts(min_len=2, max_len=24))),
+    }
 
 
 def _one_rank_changes(case: dict) -> dict:
@@ -242,8 +320,11 @@ def _one_rank_changes(case: dict) -> dict:
 
 
 def _golden_arrays(case: dict, expected: dict) -> dict:
-    return {"loss": expected["ref"], "grad": expected["ref_grad"],
-            "count": np.asarray(int(expected["count"]), dtype=np.int64)}
+    return {
+        "loss": expected["ref"],
+        "grad": expected["ref_grad"],
+        "count": np.asarray(int(expected["count"]), dtype=np.int64),
+    }
 
 
 # Measured and explained in cp_harness/judging/budgets.py (figures: ``docs/budgets.md``).
@@ -258,31 +339,85 @@ BUDGETS = {
 # The gate suite's named explicit examples of this check (regressions that must stay).
 SHIFTED_CP_LOSS_EXAMPLES = {
     # nothing counts
-    "n2-bshd-float64-seed5": {"check": "shifted_cp_loss", "world_size": 2, "seed": 5, "model": "mistral_large4",
-        "dtype": "float64", "vocab": 7, "batch": {"format": "bshd", "seq_len": 6, "rows": [[0, 0], [0, 0]]}},
+    "n2-bshd-float64-seed5": {
+        "check": "shifted_cp_loss",
+        "world_size": 2,
+        "seed": 5,
+        "model": "mistral_large4",
+        "dtype": "float64",
+        "vocab": 7,
+        "batch": {"format": "bshd", "seq_len": 6, "rows": [[0, 0], [0, 0]]},
+    },
     # targets across boundaries
-    "n4-thd-float64-seed6": {"check": "shifted_cp_loss", "world_size": 4, "seed": 6, "model": "mistral_large4",
-        "dtype": "float64", "vocab": 5, "batch": {"format": "thd", "seq_len": 8, "docs": [[[3, 4], [4, 4]]]}},
-    "n3-bshd-bfloat16-seed7": {"check": "shifted_cp_loss", "world_size": 3, "seed": 7, "model": "mistral_large4",
-        "dtype": "bfloat16", "vocab": 11, "batch": {"format": "bshd", "seq_len": 20, "rows": [[0, 20], [3, 17]]}},
-    "n8-thd-float16-seed8": {"check": "shifted_cp_loss", "world_size": 8, "seed": 8, "model": "mistral_large4",
-        "dtype": "float16", "vocab": 13, "batch": {"format": "thd", "seq_len": 17, "docs": [[[9, 9], [7, 8]]]}},
+    "n4-thd-float64-seed6": {
+        "check": "shifted_cp_loss",
+        "world_size": 4,
+        "seed": 6,
+        "model": "mistral_large4",
+        "dtype": "float64",
+        "vocab": 5,
+        "batch": {"format": "thd", "seq_len": 8, "docs": [[[3, 4], [4, 4]]]},
+    },
+    "n3-bshd-bfloat16-seed7": {
+        "check": "shifted_cp_loss",
+        "world_size": 3,
+        "seed": 7,
+        "model": "mistral_large4",
+        "dtype": "bfloat16",
+        "vocab": 11,
+        "batch": {"format": "bshd", "seq_len": 20, "rows": [[0, 20], [3, 17]]},
+    },
+    "n8-thd-float16-seed8": {
+        "check": "shifted_cp_loss",
+        "world_size": 8,
+        "seed": 8,
+        "model": "mistral_large4",
+        "dtype": "float16",
+        "vocab": 13,
+        "batch": {"format": "thd", "seq_len": 17, "docs": [[[9, 9], [7, 8]]]},
+    },
 }
 
 SHIFTED_CP_LOSS = register(
-    "shifted_cp_loss", rank=_rank, evaluate=_evaluate, expect=_expect, functions=("mistral_large4.shifted_cp_loss",),
-    arithmetic=True, budgets=BUDGETS, one_rank_changes=_one_rank_changes, comm_minimum=comm_minimum.boundary_labels,
+    "shifted_cp_loss",
+    rank=_rank,
+    evaluate=_evaluate,
+    expect=_expect,
+    functions=("mistral_large4.shifted_cp_loss",),
+    arithmetic=True,
+    budgets=BUDGETS,
+    one_rank_changes=_one_rank_changes,
+    comm_minimum=comm_minimum.boundary_labels,
     golden=GoldenContents(
         cases={
             "shifted_cp_loss-n4-thd": {
-                "check": "shifted_cp_loss", "world_size": 4, "seed": 111, "model": "mistral_large4", "dtype": "float64",
-                "vocab": 5, "batch": {"format": "thd", "seq_len": 8, "docs": [[[3, 4], [4, 4]]]}},
+                "check": "shifted_cp_loss",
+                "world_size": 4,
+                "seed": 111,
+                "model": "mistral_large4",
+                "dtype": "float64",
+                "vocab": 5,
+                "batch": {"format": "thd", "seq_len": 8, "docs": [[[3, 4], [4, 4]]]},
+            },
             "shifted_cp_loss-n3-bshd-eos-float32": {
-                "check": "shifted_cp_loss", "world_size": 3, "seed": 112, "model": "mistral_large4", "dtype": "float32",
-                "vocab": 7, "batch": {"format": "bshd", "seq_len": 7, "rows": [[1, 5], [0, 7]], "eos_is_pad": True}},
+                "check": "shifted_cp_loss",
+                "world_size": 3,
+                "seed": 112,
+                "model": "mistral_large4",
+                "dtype": "float32",
+                "vocab": 7,
+                "batch": {"format": "bshd", "seq_len": 7, "rows": [[1, 5], [0, 7]], "eos_is_pad": True},
+            },
         },
-        oracle_arrays=_golden_arrays, token_arrays=frozenset({"grad"}),
-        rank_axis=lambda case, tensor: 1 if tensor == "grad" else None),
-    rows=(VerifyRow("mistral_large4.shifted_cp_loss", loss_cases, ("mistral_large4.shifted_cp_loss",), FLOAT_DTYPES,
-                    position=6),),
-    examples=SHIFTED_CP_LOSS_EXAMPLES, repro=Repro(plan=_repro_plan))
+        oracle_arrays=_golden_arrays,
+        token_arrays=frozenset({"grad"}),
+        rank_axis=lambda case, tensor: 1 if tensor == "grad" else None,
+    ),
+    rows=(
+        VerifyRow(
+            "mistral_large4.shifted_cp_loss", loss_cases, ("mistral_large4.shifted_cp_loss",), FLOAT_DTYPES, position=6
+        ),
+    ),
+    examples=SHIFTED_CP_LOSS_EXAMPLES,
+    repro=Repro(plan=_repro_plan),
+)

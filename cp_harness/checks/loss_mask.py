@@ -51,8 +51,9 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
     module = getattr(ctx.impl, case["model"])
     mesh = ctx.mesh_for(case)
     caller = {**batch, "loss_mask": mask}
-    sharder = hook_sharder(module.prepare_cp_inputs(batch, num_chunks=int(case.get("num_chunks", 1))), mesh,
-                           loss_mask=mask)
+    sharder = hook_sharder(
+        module.prepare_cp_inputs(batch, num_chunks=int(case.get("num_chunks", 1))), mesh, loss_mask=mask
+    )
     with sharded(sharder, batch, caller=caller) as shard:
         local = shard.local
         info, tensors = layout_report(sharder, mesh, local["labels"].shape[1], S, ctx.device)
@@ -78,24 +79,36 @@ def _evaluate(case: dict, outputs: list, expected) -> CaseReport:
             report.problem(f"rank {o.rank}: {change}")
     if mask is None:
         for o in outputs:
-            report.require(not o.info["has_loss_mask"], f"rank {o.rank}: no loss_mask was given to the sharder, "
-                                                        "but its local batch holds one")
+            report.require(
+                not o.info["has_loss_mask"],
+                f"rank {o.rank}: no loss_mask was given to the sharder, but its local batch holds one",
+            )
         judge_token_layout(report, outputs, S, local_name="labels")
         return report
     missing = [o.rank for o in outputs if not o.info["has_loss_mask"]]
     if missing:
-        report.problem(f"ranks {missing}: the sharder was given loss_mask [batch, sequence] but its local "
-                               "batch holds no 'loss_mask' (the framework's train step masks the loss with it)")
+        report.problem(
+            f"ranks {missing}: the sharder was given loss_mask [batch, sequence] but its local "
+            "batch holds no 'loss_mask' (the framework's train step masks the loss with it)"
+        )
         return report
     for o in outputs:
-        report.require(o.info["loss_mask_dtype"] == str(mask.dtype),
-                       f"rank {o.rank}: local loss_mask is {o.info['loss_mask_dtype']}, the caller's {mask.dtype}")
+        report.require(
+            o.info["loss_mask_dtype"] == str(mask.dtype),
+            f"rank {o.rank}: local loss_mask is {o.info['loss_mask_dtype']}, the caller's {mask.dtype}",
+        )
     reported = judge_token_layout(report, outputs, S, local_name="loss_mask")
     if reported is None:
         return report
     padded = pad_sequence(mask, reported.padded_len, False if mask.dtype == torch.bool else 0)
-    report.add(compare_exact("loss_mask (at the reported index map; padding False / 0)",
-                       reported.scatter(outputs, "loss_mask"), padded.numpy(), grid=reported.grid))
+    report.add(
+        compare_exact(
+            "loss_mask (at the reported index map; padding False / 0)",
+            reported.scatter(outputs, "loss_mask"),
+            padded.numpy(),
+            grid=reported.grid,
+        )
+    )
     return report
 
 
@@ -105,15 +118,27 @@ def _repro_plan(request):
     case = request.case
     batch = build_batch(case)
     S, mask = _expect(case)
-    keys = [] if mask is None else [sharding.Key("loss_mask", False if mask.dtype == torch.bool else 0.0, str(mask.dtype))]
+    keys = (
+        [] if mask is None else [sharding.Key("loss_mask", False if mask.dtype == torch.bool else 0.0, str(mask.dtype))]
+    )
     compared = {"loss_mask": torch.ones(tuple(batch["input_ids"].shape), dtype=torch.bool)} if keys else {}
-    return sharding.export(request, sharding.ShardCase(
-        int(case["world_size"]), (case["model"], "prepare_cp_inputs", {"num_chunks": int(case.get("num_chunks", 1))}),
-        batch, keys, {"loss_mask": mask} if keys else {}, compared,
-        "the sharder is given the caller's loss mask [batch, sequence] (ContextParallelSharder(..., loss_mask=mask), "
-        "as the framework's train step gives it); shard() must return it as the local batch's loss_mask, at the "
-        "positions of the index map it reports, False / 0 at divisibility padding, in the mask's own dtype, and leave "
-        "the caller's tensors as they were.", mesh=case.get("mesh") != "none", loss_mask=mask))
+    return sharding.export(
+        request,
+        sharding.ShardCase(
+            int(case["world_size"]),
+            (case["model"], "prepare_cp_inputs", {"num_chunks": int(case.get("num_chunks", 1))}),
+            batch,
+            keys,
+            {"loss_mask": mask} if keys else {},
+            compared,
+            "the sharder is given the caller's loss mask [batch, sequence] (ContextParallelSharder(..., loss_mask=mask), "
+            "as the framework's train step gives it); shard() must return it as the local batch's loss_mask, at the "
+            "positions of the index map it reports, False / 0 at divisibility padding, in the mask's own dtype, and leave "
+            "the caller's tensors as they were.",
+            mesh=case.get("mesh") != "none",
+            loss_mask=mask,
+        ),
+    )
 
 
 @st.composite
@@ -123,9 +148,15 @@ def loss_mask_cases(draw, space=None) -> dict:
     n = draw(world_sizes(space))
     model = draw(st.sampled_from(("inkling2", "mistral_large4")))
     spec = draw(with_extras(layouts(max_len=30, max_rows=3)))
-    case = {"check": "loss_mask_layout", "world_size": n, "seed": draw(seeds), "model": model, "batch": spec,
-            "num_chunks": fixed_num_chunks(model, spec) or 1,
-            "loss_mask": draw(st.sampled_from(KINDS))}
+    case = {
+        "check": "loss_mask_layout",
+        "world_size": n,
+        "seed": draw(seeds),
+        "model": model,
+        "batch": spec,
+        "num_chunks": fixed_num_chunks(model, spec) or 1,
+        "loss_mask": draw(st.sampled_from(KINDS)),
+    }
     if n == 1 and draw(st.booleans()):
         case["mesh"] = "none"
     return draw(with_impl(case, space))
@@ -133,20 +164,49 @@ def loss_mask_cases(draw, space=None) -> dict:
 
 EXAMPLES = {
     # A bool mask over a packed row whose length is not a multiple of N: divisibility padding must be False.
-    "packed-bool-n3": {"check": "loss_mask_layout", "world_size": 3, "seed": 4, "model": "inkling2",
-                       "num_chunks": 1, "loss_mask": "bool",
-                       "batch": {"format": "thd", "seq_len": 7, "docs": [[[3, 3], [4, 4]]]}},
-    "padded-float-n2": {"check": "loss_mask_layout", "world_size": 2, "seed": 5, "model": "mistral_large4",
-                        "num_chunks": 1, "loss_mask": "float",
-                        "batch": {"format": "bshd", "seq_len": 5, "rows": [[0, 5], [1, 3]]}},
+    "packed-bool-n3": {
+        "check": "loss_mask_layout",
+        "world_size": 3,
+        "seed": 4,
+        "model": "inkling2",
+        "num_chunks": 1,
+        "loss_mask": "bool",
+        "batch": {"format": "thd", "seq_len": 7, "docs": [[[3, 3], [4, 4]]]},
+    },
+    "padded-float-n2": {
+        "check": "loss_mask_layout",
+        "world_size": 2,
+        "seed": 5,
+        "model": "mistral_large4",
+        "num_chunks": 1,
+        "loss_mask": "float",
+        "batch": {"format": "bshd", "seq_len": 5, "rows": [[0, 5], [1, 3]]},
+    },
 }
 
 LOSS_MASK_LAYOUT = register(
-    "loss_mask_layout", rank=_rank, evaluate=_evaluate, expect=_expect,
-    functions=("inkling2.prepare_cp_inputs", "mistral_large4.prepare_cp_inputs", "sharder.shard",
-               "sharder.local_token_global_indices", "sharder.shard_token_tensor"),
+    "loss_mask_layout",
+    rank=_rank,
+    evaluate=_evaluate,
+    expect=_expect,
+    functions=(
+        "inkling2.prepare_cp_inputs",
+        "mistral_large4.prepare_cp_inputs",
+        "sharder.shard",
+        "sharder.local_token_global_indices",
+        "sharder.shard_token_tensor",
+    ),
     comm_minimum=comm_minimum.nothing,
-    rows=(VerifyRow("sharder.shard(loss_mask=...)", loss_mask_cases,
-                    ("sharder.shard", "sharder.local_token_global_indices", "sharder.shard_token_tensor"),
-                    explicit=tuple(EXAMPLES.values()), position=7.5),),
-    examples=EXAMPLES, gate_share=1.0, repro=Repro(plan=_repro_plan))
+    rows=(
+        VerifyRow(
+            "sharder.shard(loss_mask=...)",
+            loss_mask_cases,
+            ("sharder.shard", "sharder.local_token_global_indices", "sharder.shard_token_tensor"),
+            explicit=tuple(EXAMPLES.values()),
+            position=7.5,
+        ),
+    ),
+    examples=EXAMPLES,
+    gate_share=1.0,
+    repro=Repro(plan=_repro_plan),
+)

@@ -34,6 +34,7 @@ def _mesh_factory(ctx):
         if key not in _MESHES:
             _MESHES[key] = _two_dimensional_mesh(kind, ctx)
         return _MESHES[key]
+
     return build
 
 
@@ -55,13 +56,20 @@ def _two_dimensional_mesh(kind: str, ctx):
     ranks = [dist.get_global_rank(cp_group, i) for i in range(ctx.cp_size)]
     # A gloo group whatever the pool's backend: NCCL would split the default communicator, which needs every rank.
     alone = dist.new_group([ranks[ctx.rank]], backend="gloo", use_local_synchronization=True)
-    return DeviceMesh.from_group([alone, cp_group], ctx.device.type, mesh=torch.tensor([ranks]),
-                                 mesh_dim_names=("dp", "cp"))
+    return DeviceMesh.from_group(
+        [alone, cp_group], ctx.device.type, mesh=torch.tensor([ranks]), mesh_dim_names=("dp", "cp")
+    )
 
 
 def _rank(case: dict, ctx) -> tuple[dict, dict]:
-    inputs = malformed.build_inputs(case, rank=ctx.rank, cp_size=ctx.cp_size, mesh=ctx.mesh_for(case),
-                                    mesh_factory=_mesh_factory(ctx), device=ctx.device)
+    inputs = malformed.build_inputs(
+        case,
+        rank=ctx.rank,
+        cp_size=ctx.cp_size,
+        mesh=ctx.mesh_for(case),
+        mesh_factory=_mesh_factory(ctx),
+        device=ctx.device,
+    )
     account = malformed.attempt(case["function"], ctx.impl, inputs)
     account["rank"] = ctx.rank
     return account, {}

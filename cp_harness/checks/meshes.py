@@ -38,9 +38,16 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         return {"cp_rank": ctx.rank, "size": 1}, {"gathered": torch.tensor([ctx.global_rank])}
     group = mesh.get_group()
     root = mesh._get_root_mesh()  # the world mesh this CP mesh was sliced from (itself for a 1-D one)
-    info = {"cp_rank": int(mesh.get_local_rank()), "size": int(mesh.size()), "group_rank": dist.get_rank(group),
-            "members": list(dist.get_process_group_ranks(group)), "dims": list(root.mesh_dim_names or ()),
-            "shape": list(root.mesh.shape), "context_rank": ctx.rank, "global_rank": dist.get_rank()}
+    info = {
+        "cp_rank": int(mesh.get_local_rank()),
+        "size": int(mesh.size()),
+        "group_rank": dist.get_rank(group),
+        "members": list(dist.get_process_group_ranks(group)),
+        "dims": list(root.mesh_dim_names or ()),
+        "shape": list(root.mesh.shape),
+        "context_rank": ctx.rank,
+        "global_rank": dist.get_rank(),
+    }
     mine = torch.tensor([dist.get_rank()], dtype=torch.int64, device=ctx.device)
     out = torch.empty(int(mesh.size()), dtype=torch.int64, device=ctx.device)
     if int(mesh.size()) > 1:
@@ -56,19 +63,35 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     n = int(case["world_size"])
     for o in outputs:
         info = o.info
-        expected = list(range(n)) if layout is None else list(
-            next(g for g in layout.groups() if info.get("global_rank") in g))
-        report.add(compare_exact(f"global ranks gathered over the CP group@rank{o.rank}", o.tensors["gathered"],
-                                 np.array(expected, dtype=np.int64), rank=o.rank))
+        expected = (
+            list(range(n)) if layout is None else list(next(g for g in layout.groups() if info.get("global_rank") in g))
+        )
+        report.add(
+            compare_exact(
+                f"global ranks gathered over the CP group@rank{o.rank}",
+                o.tensors["gathered"],
+                np.array(expected, dtype=np.int64),
+                rank=o.rank,
+            )
+        )
         if info.get("size", 1) == 1 and "members" not in info:
             continue
-        wanted = {"cp_rank": o.rank, "size": n, "group_rank": o.rank, "members": expected, "context_rank": o.rank,
-                  "global_rank": expected[o.rank]}
+        wanted = {
+            "cp_rank": o.rank,
+            "size": n,
+            "group_rank": o.rank,
+            "members": expected,
+            "context_rank": o.rank,
+            "global_rank": expected[o.rank],
+        }
         if layout is not None:
             wanted.update(dims=list(layout.dims), shape=list(layout.shape))
         for key, value in wanted.items():
-            report.require(info.get(key) == value, f"CP rank {o.rank}: its mesh says {key} = {info.get(key)!r}, "
-                                                   f"the layout {value!r}", rank=o.rank)
+            report.require(
+                info.get(key) == value,
+                f"CP rank {o.rank}: its mesh says {key} = {info.get(key)!r}, the layout {value!r}",
+                rank=o.rank,
+            )
     return report
 
 
@@ -109,42 +132,93 @@ def _layout(dims, shape, ranks=None, run=None) -> dict:
 # Each fits four ranks; each claimed function is called by one of them whatever the drawn cases call.
 FUNCTION_EXAMPLES = {
     "gather_sequence-dp2xcp2": GATHER_SEQUENCE.case(
-        world_size=2, seed=201, dtype="float32", shape=[2, 3, 2], differentiable=True,
-        **{KEY: _layout(("dp", "cp"), (2, 2))}),
+        world_size=2,
+        seed=201,
+        dtype="float32",
+        shape=[2, 3, 2],
+        differentiable=True,
+        **{KEY: _layout(("dp", "cp"), (2, 2))},
+    ),
     "convolution_history-cp2xdp2": CONVOLUTION_HISTORY.case(  # CP as the outer dimension: groups {0, 2}, {1, 3}
-        world_size=2, seed=202, dtype="float64", shape=[2, 3, 2], width=3, **{KEY: _layout(("cp", "dp"), (2, 2))}),
+        world_size=2, seed=202, dtype="float64", shape=[2, 3, 2], width=3, **{KEY: _layout(("cp", "dp"), (2, 2))}
+    ),
     "gather_tokens-cp3-of-ranks-1-3": GATHER_TOKENS.case(
-        world_size=3, seed=203, dtype="bfloat16", shape=[2, 3], differentiable=True,
-        **{KEY: _layout(("dp_shard", "cp", "tp"), (1, 3, 1), ranks=(1, 2, 3))}),
+        world_size=3,
+        seed=203,
+        dtype="bfloat16",
+        shape=[2, 3],
+        differentiable=True,
+        **{KEY: _layout(("dp_shard", "cp", "tp"), (1, 3, 1), ranks=(1, 2, 3))},
+    ),
     "shifted_cp_loss-group1-of-dp2xcp2": SHIFTED_CP_LOSS.case(
-        world_size=2, seed=204, model="mistral_large4", dtype="float64", vocab=7,
+        world_size=2,
+        seed=204,
+        model="mistral_large4",
+        dtype="float64",
+        vocab=7,
         batch={"format": "thd", "seq_len": 10, "docs": [[[4, 5], [5, 5]]]},
-        **{KEY: _layout(("dp", "cp"), (2, 2), run=(1,))}),
+        **{KEY: _layout(("dp", "cp"), (2, 2), run=(1,))},
+    ),
 }
 MODEL_EXAMPLES = {
     "sharder_roundtrip-cp2xdp2": SHARDER_ROUNDTRIP.case(
-        world_size=2, seed=205, dtype="float64", shape=[2, 5, 3], **{KEY: _layout(("cp", "dp"), (2, 2))}),
+        world_size=2, seed=205, dtype="float64", shape=[2, 5, 3], **{KEY: _layout(("cp", "dp"), (2, 2))}
+    ),
     "model-inkling2-ranks-1-3": MODEL.case(
-        world_size=2, seed=206, model="inkling2", dtype="float64", num_chunks=1,
+        world_size=2,
+        seed=206,
+        model="inkling2",
+        dtype="float64",
+        num_chunks=1,
         batch={"format": "thd", "seq_len": 9, "docs": [[[3, 3], [6, 6]]]},
-        **{KEY: _layout(("dp", "cp", "tp"), (1, 2, 1), ranks=(1, 3))}),
+        **{KEY: _layout(("dp", "cp", "tp"), (1, 2, 1), ranks=(1, 3))},
+    ),
     "model-mistral_large4-dp2xcp2": MODEL.case(
-        world_size=2, seed=207, model="mistral_large4", dtype="float64", num_chunks=1, shard_primary=True,
-        batch={"format": "bshd", "seq_len": 8, "rows": [[1, 7], [0, 8]]}, **{KEY: _layout(("dp", "cp"), (2, 2))}),
+        world_size=2,
+        seed=207,
+        model="mistral_large4",
+        dtype="float64",
+        num_chunks=1,
+        shard_primary=True,
+        batch={"format": "bshd", "seq_len": 8, "rows": [[1, 7], [0, 8]]},
+        **{KEY: _layout(("dp", "cp"), (2, 2))},
+    ),
 }
 
 MESH_IDENTITY = register(
-    "mesh_identity", rank=_rank, evaluate=_evaluate,
-    rows=(VerifyRow('meshes: gathers, halo, loss on world_mesh["cp"] (2-D/3-D)',
-                    lambda space: _on_meshes(_FUNCTION_SOURCES, space),
-                    ("inkling2.gather_sequence", "mistral_large4.gather_tokens", "inkling2.convolution_history",
-                     "mistral_large4.shifted_cp_loss"),
-                    tuple(sorted({d for r in _FUNCTION_SOURCES for d in r.dtypes})),
-                    explicit=tuple(FUNCTION_EXAMPLES.values()), position=12, id="meshes.functions"),
-          VerifyRow("meshes: sharder and both models on a world mesh",
-                    lambda space: _on_meshes(_MODEL_SOURCES, space),
-                    ("sharder.shard", "sharder.shard_token_tensor", "sharder.gather_token_tensor",
-                     "inkling2.prepare_cp_inputs", "mistral_large4.prepare_cp_inputs"),
-                    tuple(sorted({d for r in _MODEL_SOURCES for d in r.dtypes})),
-                    explicit=tuple(MODEL_EXAMPLES.values()), position=13, id="meshes.models")),
-    examples={**FUNCTION_EXAMPLES, **MODEL_EXAMPLES})
+    "mesh_identity",
+    rank=_rank,
+    evaluate=_evaluate,
+    rows=(
+        VerifyRow(
+            'meshes: gathers, halo, loss on world_mesh["cp"] (2-D/3-D)',
+            lambda space: _on_meshes(_FUNCTION_SOURCES, space),
+            (
+                "inkling2.gather_sequence",
+                "mistral_large4.gather_tokens",
+                "inkling2.convolution_history",
+                "mistral_large4.shifted_cp_loss",
+            ),
+            tuple(sorted({d for r in _FUNCTION_SOURCES for d in r.dtypes})),
+            explicit=tuple(FUNCTION_EXAMPLES.values()),
+            position=12,
+            id="meshes.functions",
+        ),
+        VerifyRow(
+            "meshes: sharder and both models on a world mesh",
+            lambda space: _on_meshes(_MODEL_SOURCES, space),
+            (
+                "sharder.shard",
+                "sharder.shard_token_tensor",
+                "sharder.gather_token_tensor",
+                "inkling2.prepare_cp_inputs",
+                "mistral_large4.prepare_cp_inputs",
+            ),
+            tuple(sorted({d for r in _MODEL_SOURCES for d in r.dtypes})),
+            explicit=tuple(MODEL_EXAMPLES.values()),
+            position=13,
+            id="meshes.models",
+        ),
+    ),
+    examples={**FUNCTION_EXAMPLES, **MODEL_EXAMPLES},
+)

@@ -152,12 +152,18 @@ def all_to_all_single(g, r, n, dev):
 @style
 def all_to_all_single_uneven(g, r, n, dev):
     """Rank ``r`` sends ``j + 1`` rows of 2 int64 to rank ``j``."""
+
     def rows(src, dst):
         return torch.full((dst + 1, 2), 10 * (src + 1) + dst, dtype=torch.int64, device=dev)
 
     out = torch.empty((r + 1) * n, 2, dtype=torch.int64, device=dev)
-    dist.all_to_all_single(out, torch.cat([rows(r, j) for j in range(n)]), output_split_sizes=[r + 1] * n,
-                           input_split_sizes=[j + 1 for j in range(n)], group=g)
+    dist.all_to_all_single(
+        out,
+        torch.cat([rows(r, j) for j in range(n)]),
+        output_split_sizes=[r + 1] * n,
+        input_split_sizes=[j + 1 for j in range(n)],
+        group=g,
+    )
     return out, torch.cat([rows(i, r) for i in range(n)])
 
 
@@ -201,8 +207,7 @@ def isend_irecv(g, r, n, dev):
 def batch_isend_irecv(g, r, n, dev):
     """A ring: every rank sends 3 float64 to ``r + 1`` and receives from ``r - 1``."""
     buf = torch.empty(3, dtype=torch.float64, device=dev)
-    ops = [dist.P2POp(dist.isend, _base(r, 3, device=dev), (r + 1) % n, g),
-           dist.P2POp(dist.irecv, buf, (r - 1) % n, g)]
+    ops = [dist.P2POp(dist.isend, _base(r, 3, device=dev), (r + 1) % n, g), dist.P2POp(dist.irecv, buf, (r - 1) % n, g)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     return buf, _base((r - 1) % n, 3, device=dev)
@@ -218,8 +223,12 @@ def nn_all_gather(g, r, n, dev):
     sum((i + 1) * o.sum() for i, o in enumerate(outs)).backward()
     received = torch.cat([torch.cat(outs).detach(), x.grad])
     # Every rank weights our slot r by r + 1; the backward sums over the n ranks.
-    return received, torch.cat([torch.cat([_base(i, 4, device=dev) for i in range(n)]),
-                                torch.full((4,), float(n * (r + 1)), dtype=torch.float64, device=dev)])
+    return received, torch.cat(
+        [
+            torch.cat([_base(i, 4, device=dev) for i in range(n)]),
+            torch.full((4,), float(n * (r + 1)), dtype=torch.float64, device=dev),
+        ]
+    )
 
 
 @style
@@ -230,13 +239,20 @@ def nn_all_reduce(g, r, n, dev):
     x = _base(r, 3, device=dev).requires_grad_()
     y = dnnf.all_reduce(x, group=g)
     ((r + 1) * y).sum().backward()
-    return (torch.cat([y.detach(), x.grad]),
-            torch.cat([sum(_base(i, 3, device=dev) for i in range(n)),
-                       torch.full((3,), float(n * (n + 1) // 2), dtype=torch.float64, device=dev)]))
+    return (
+        torch.cat([y.detach(), x.grad]),
+        torch.cat(
+            [
+                sum(_base(i, 3, device=dev) for i in range(n)),
+                torch.full((3,), float(n * (n + 1) // 2), dtype=torch.float64, device=dev),
+            ]
+        ),
+    )
 
 
 def _funcol():
     import torch.distributed._functional_collectives as funcol
+
     return funcol
 
 
@@ -271,9 +287,15 @@ def fc_all_gather_tensor_autograd(g, r, n, dev):
     y = _funcol().all_gather_tensor_autograd(x, 0, g)
     weights = torch.cat([torch.full((4,), float(i + 1), dtype=torch.float64, device=dev) for i in range(n)])
     (y * weights).sum().backward()
-    return (torch.cat([(y * 1).detach(), x.grad]),
-            torch.cat([torch.cat([_base(i, 4, device=dev) for i in range(n)]),
-                       torch.full((4,), float(n * (r + 1)), dtype=torch.float64, device=dev)]))
+    return (
+        torch.cat([(y * 1).detach(), x.grad]),
+        torch.cat(
+            [
+                torch.cat([_base(i, 4, device=dev) for i in range(n)]),
+                torch.full((4,), float(n * (r + 1)), dtype=torch.float64, device=dev),
+            ]
+        ),
+    )
 
 
 @style

@@ -107,15 +107,22 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
         if not bad:
             report.require(raised is None, f"rank {o.rank}: valid positions were rejected: {raised}: {message}")
         elif raised != "ValueError":
-            report.require(False, f"rank {o.rank}: positions invalid at (row, column) {bad[:3]} but got "
-                                  f"{raised or 'no error'}{': ' + message if message else ''}")
+            report.require(
+                False,
+                f"rank {o.rank}: positions invalid at (row, column) {bad[:3]} but got "
+                f"{raised or 'no error'}{': ' + message if message else ''}",
+            )
         else:
             named = any(str(b) in message and str(t) in message and "row" in message.lower() for b, t in bad)
-            report.require(named, f"rank {o.rank}: the ValueError names no violating row and column "
-                                  f"(violations at {bad[:3]}): {message}")
+            report.require(
+                named,
+                f"rank {o.rank}: the ValueError names no violating row and column (violations at {bad[:3]}): {message}",
+            )
     # The verdict itself is compared, so that the report is never vacuous.
     verdicts = torch.tensor([o.info["raised"] is not None for o in outputs])
-    report.add(compare_exact("raised on every rank exactly when invalid", verdicts, torch.full_like(verdicts, bool(bad))))
+    report.add(
+        compare_exact("raised on every rank exactly when invalid", verdicts, torch.full_like(verdicts, bool(bad)))
+    )
     report.info["violations"] = len(bad)
     return report
 
@@ -125,29 +132,56 @@ def position_cases(draw, space=None) -> dict:
     """``validate_document_positions`` cases: a layout's positions, valid or corrupted in one place."""
     kind = draw(st.sampled_from(("none", "offset_start", "negative", "jump", "resume")))
     spec = draw(layouts(min_len=1, max_len=24, max_rows=3))
-    case = {"check": "validate_document_positions", "world_size": draw(world_sizes(as_space(space))),
-            "seed": draw(seeds), "model": "inkling2", "batch": spec}
+    case = {
+        "check": "validate_document_positions",
+        "world_size": draw(world_sizes(as_space(space))),
+        "seed": draw(seeds),
+        "model": "inkling2",
+        "batch": spec,
+    }
     if kind != "none":
-        case["corruption"] = {"kind": kind, "row": draw(st.integers(min_value=0, max_value=3)),
-                              "nth": draw(st.integers(min_value=0, max_value=7))}
+        case["corruption"] = {
+            "kind": kind,
+            "row": draw(st.integers(min_value=0, max_value=3)),
+            "nth": draw(st.integers(min_value=0, max_value=7)),
+        }
     return case
 
 
 # The gate suite's named explicit examples of this check (regressions that must stay).
 VALIDATE_DOCUMENT_POSITIONS_EXAMPLES = {
     # a gap must not resume a document
-    "n2-thd-resume-seed1": {"check": "validate_document_positions", "world_size": 2, "seed": 1, "model": "inkling2",
+    "n2-thd-resume-seed1": {
+        "check": "validate_document_positions",
+        "world_size": 2,
+        "seed": 1,
+        "model": "inkling2",
         "batch": {"format": "thd", "seq_len": 9, "docs": [[[3, 4], [4, 5]]]},
-        "corruption": {"kind": "resume", "row": 0, "nth": 0}},
+        "corruption": {"kind": "resume", "row": 0, "nth": 0},
+    },
     # a shard may begin mid-document
-    "n3-bshd-offset_start-seed2": {"check": "validate_document_positions", "world_size": 3, "seed": 2,
-        "model": "inkling2", "batch": {"format": "bshd", "seq_len": 7, "rows": [[3, 4]]},
-        "corruption": {"kind": "offset_start", "row": 0, "nth": 2}},
+    "n3-bshd-offset_start-seed2": {
+        "check": "validate_document_positions",
+        "world_size": 3,
+        "seed": 2,
+        "model": "inkling2",
+        "batch": {"format": "bshd", "seq_len": 7, "rows": [[3, 4]]},
+        "corruption": {"kind": "offset_start", "row": 0, "nth": 2},
+    },
 }
 
 VALIDATE_DOCUMENT_POSITIONS = register(
-    "validate_document_positions", rank=_rank, evaluate=_evaluate,
+    "validate_document_positions",
+    rank=_rank,
+    evaluate=_evaluate,
     functions=("inkling2.validate_document_positions",),
-    rows=(VerifyRow("inkling2.validate_document_positions", position_cases,
-                    ("inkling2.validate_document_positions",), position=3),),
-    examples=VALIDATE_DOCUMENT_POSITIONS_EXAMPLES)
+    rows=(
+        VerifyRow(
+            "inkling2.validate_document_positions",
+            position_cases,
+            ("inkling2.validate_document_positions",),
+            position=3,
+        ),
+    ),
+    examples=VALIDATE_DOCUMENT_POSITIONS_EXAMPLES,
+)

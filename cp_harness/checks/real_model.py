@@ -57,7 +57,7 @@ from cp_harness.usage import model_specs, spec_contract
 
 C = 4.0
 FLOOR = {"float32": 1024.0, "bfloat16": 8.0}  # ULPs of the dtype at the tensor's largest value (docs/real_models.md)
-GRADIENT_SCALE_FLOOR = 2.0 ** -10  # a gradient's scale is at least this share of the case's largest gradient
+GRADIENT_SCALE_FLOOR = 2.0**-10  # a gradient's scale is at least this share of the case's largest gradient
 
 
 def _prepare(case: dict, device: torch.device):
@@ -67,8 +67,10 @@ def _prepare(case: dict, device: torch.device):
     model = model_specs.cached_model(case["spec"], case["dtype"], int(case.get("seed", 0)), case.get("overrides"))
     if next(model.parameters()).device != device:
         model.to(device)
-    batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v)
-             for k, v in model_specs.make_batch(spec, case["batch"]).items()}
+    batch = {
+        k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+        for k, v in model_specs.make_batch(spec, case["batch"]).items()
+    }
     return spec, model, batch
 
 
@@ -86,8 +88,10 @@ def _agree_ready(ctx, error: BaseException | None) -> None:
     failed = {r: e for r, e in enumerate(errors) if e is not None}
     if failed:
         named = "; ".join(f"rank {r} raised {e}" for r, e in failed.items())
-        raise RuntimeError(f"building the model or batch failed on rank(s) {sorted(failed)} ({named}); "
-                           f"rank {ctx.rank} did not run the case") from error
+        raise RuntimeError(
+            f"building the model or batch failed on rank(s) {sorted(failed)} ({named}); "
+            f"rank {ctx.rank} did not run the case"
+        ) from error
 
 
 class Run(enum.Enum):
@@ -158,10 +162,13 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         cp = model_specs.step(spec, model, ctx.mesh, batch, backward=backward)
     if ctx.rank != 0:
         return {}, {}
-    runs = {Run.CP: _quantities(cp),
-            Run.REFERENCE: _quantities(model_specs.step(spec, model, None, batch, backward=backward)),
-            Run.REORDERED: _quantities(model_specs.step(spec, model, None, batch, split=max(2, ctx.cp_size),
-                                                        reverse=True, backward=backward))}
+    runs = {
+        Run.CP: _quantities(cp),
+        Run.REFERENCE: _quantities(model_specs.step(spec, model, None, batch, backward=backward)),
+        Run.REORDERED: _quantities(
+            model_specs.step(spec, model, None, batch, split=max(2, ctx.cp_size), reverse=True, backward=backward)
+        ),
+    }
     valid = spec.valid_positions(batch).to(torch.bool)
     info: dict[str, Any] = {"padded_len": None, "not_judged": {}, "standins": stood_in.used()}
     if forward_only is not None:
@@ -184,7 +191,7 @@ def _explaining_runs(spec, model, batch: dict, kind: str, cp_size: int, backward
     padded_batch = spec.pad_batch(batch, padded_len) if padded_len is not None else None
 
     def one_device(inputs: dict, kernels: bool) -> dict[Quantity, torch.Tensor]:
-        with (spec.cp_kernels(model) if kernels else contextlib.nullcontext()) as what:
+        with spec.cp_kernels(model) if kernels else contextlib.nullcontext() as what:
             result = model_specs.step(spec, model, None, inputs, backward=backward)
         if kernels:
             info["kernels"] = str(what) if what else f"{spec.__name__}.cp_kernels"
@@ -213,8 +220,12 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 def _padded_length(spec, model, batch: dict, cp_size: int, kind: str) -> int | None:
     """The CP padded length of an unpacked batch (``None``: not padded, a packed batch, or no padding support)."""
-    if cp_size <= 1 or kind == "packed" or batch.get("seq_lens") is not None or not all(
-            hasattr(spec, f) for f in ("pad_batch", "cp_padded_length")):
+    if (
+        cp_size <= 1
+        or kind == "packed"
+        or batch.get("seq_lens") is not None
+        or not all(hasattr(spec, f) for f in ("pad_batch", "cp_padded_length"))
+    ):
         return None
     length = int(spec.cp_padded_length(model, batch["input_ids"].shape[1], cp_size))
     return length if length > batch["input_ids"].shape[1] else None
@@ -229,8 +240,9 @@ def _scale_floors(ref: dict[Quantity, np.ndarray]):
     return lambda q: largest * GRADIENT_SCALE_FLOOR if q.kind == "grad" else 0.0
 
 
-def _judged(case: dict, valid: np.ndarray, runs: dict[Run, dict[Quantity, np.ndarray]],
-            against: Run = Run.REFERENCE) -> dict[Quantity, dict]:
+def _judged(
+    case: dict, valid: np.ndarray, runs: dict[Run, dict[Quantity, np.ndarray]], against: Run = Run.REFERENCE
+) -> dict[Quantity, dict]:
     """Every tensor of the CP run judged against the one-device run ``against`` (``REFERENCE``, or one of
     ``EXPLANATIONS``, whose spread is taken as the plain runs'). The reference spread of a tensor is the worst
     spread of its kind in the case (logits, loss, all parameter gradients): one small tensor's own spread can be
@@ -242,14 +254,27 @@ def _judged(case: dict, valid: np.ndarray, runs: dict[Run, dict[Quantity, np.nda
     def mask(q: Quantity):
         return valid if q.kind == "logits" else None
 
-    own = {q: model_specs.judge_tensor(other[q], ref[q], ref[q], dtype, C, FLOOR[dtype], mask(q), scale_floor=floor(q))
-           for q in runs[Run.CP]}
+    own = {
+        q: model_specs.judge_tensor(other[q], ref[q], ref[q], dtype, C, FLOOR[dtype], mask(q), scale_floor=floor(q))
+        for q in runs[Run.CP]
+    }
     spread: dict[str, float] = {}
     for q, verdict in own.items():
         spread[q.kind] = max(spread.get(q.kind, 0.0), verdict["error"])
-    return {q: model_specs.judge_tensor(runs[Run.CP][q], runs[against][q], other[q], dtype, C, FLOOR[dtype], mask(q),
-                                        spread[q.kind], scale_floor=floor(q))
-            for q in runs[Run.CP]}
+    return {
+        q: model_specs.judge_tensor(
+            runs[Run.CP][q],
+            runs[against][q],
+            other[q],
+            dtype,
+            C,
+            FLOOR[dtype],
+            mask(q),
+            spread[q.kind],
+            scale_floor=floor(q),
+        )
+        for q in runs[Run.CP]
+    }
 
 
 def _where(q: Quantity, index: tuple) -> str:
@@ -263,28 +288,52 @@ def _where(q: Quantity, index: tuple) -> str:
 def _comparison(q: Quantity, verdict: dict, shape: tuple, dtype: str, label: str) -> UlpComparison:
     gradient = q.kind == "grad"
     if "shape_problem" in verdict:
-        return UlpComparison(q.label, dtype, shape, max_ulp=float("nan"), max_abs=float("nan"), gradient=gradient,
-                             problem=verdict["shape_problem"])
+        return UlpComparison(
+            q.label,
+            dtype,
+            shape,
+            max_ulp=float("nan"),
+            max_abs=float("nan"),
+            gradient=gradient,
+            problem=verdict["shape_problem"],
+        )
     size = int(np.prod(shape)) if shape else 1
     comparison = UlpComparison(
-        f"{q.label} ({label})", dtype, shape, compared=size, max_ulp=verdict["error"], max_abs=verdict["max_abs"],
-        gradient=gradient, worst_index=verdict["worst_index"], worst_actual=verdict["worst_actual"],
-        worst_expected=verdict["worst_expected"], ulp_dtype=dtype, scale=verdict["scale"],
-        excess=ExcessVerdict(error=verdict["error"], baseline=verdict["spread"],
-                             excess=verdict["error"] / (verdict["spread"] + FLOOR[dtype] / C), limit=C,
-                             floor=FLOOR[dtype], mismatched=verdict["above"]))
+        f"{q.label} ({label})",
+        dtype,
+        shape,
+        compared=size,
+        max_ulp=verdict["error"],
+        max_abs=verdict["max_abs"],
+        gradient=gradient,
+        worst_index=verdict["worst_index"],
+        worst_actual=verdict["worst_actual"],
+        worst_expected=verdict["worst_expected"],
+        ulp_dtype=dtype,
+        scale=verdict["scale"],
+        excess=ExcessVerdict(
+            error=verdict["error"],
+            baseline=verdict["spread"],
+            excess=verdict["error"] / (verdict["spread"] + FLOOR[dtype] / C),
+            limit=C,
+            floor=FLOOR[dtype],
+            mismatched=verdict["above"],
+        ),
+    )
     if not verdict["ok"]:
         comparison.problem = (
             f"[{dtype}, shape {list(shape)}] CP error {verdict['error']:.3g} ULP > bound {verdict['bound']:.3g} ULP "
             f"(= {C:g} x reference spread {verdict['spread']:.3g} (worst of its kind in this case) + floor {FLOOR[dtype]:g}; ULPs of {dtype} at the "
             f"tensor's largest value {verdict['scale']:.3g}); {verdict['above']} elements above the bound; worst at "
             f"{_where(q, verdict['worst_index'])}: CP {verdict['worst_actual']!r}, one device "
-            f"{verdict['worst_expected']!r} ({verdict['max_abs']:.3g} absolute)")
+            f"{verdict['worst_expected']!r} ({verdict['max_abs']:.3g} absolute)"
+        )
     return comparison
 
 
-def _explained(case: dict, valid: np.ndarray, runs: dict[Run, dict[Quantity, np.ndarray]], judged: dict,
-               failing: list[Quantity]) -> tuple[dict[Quantity, Run], dict[Run, dict[Quantity, dict]]]:
+def _explained(
+    case: dict, valid: np.ndarray, runs: dict[Run, dict[Quantity, np.ndarray]], judged: dict, failing: list[Quantity]
+) -> tuple[dict[Quantity, Run], dict[Run, dict[Quantity, dict]]]:
     """``({failing tensor: the explanation run}, {explanation run: every CP tensor judged against it})``. A
     run explains a tensor when CP matches it within the bound and it differs from the plain one-device run by
     more than the bound (so a run that changes nothing explains nothing); the first of ``EXPLANATIONS`` that
@@ -295,9 +344,17 @@ def _explained(case: dict, valid: np.ndarray, runs: dict[Run, dict[Quantity, np.
     floor = _scale_floors(runs[Run.REFERENCE])
     for q in failing:
         for run, verdicts in against.items():  # the run against the plain one, judged as CP is
-            moved = model_specs.judge_tensor(runs[run][q], runs[Run.REFERENCE][q], runs[Run.REORDERED][q],
-                                             dtype, C, FLOOR[dtype], valid if q.kind == "logits" else None,
-                                             judged[q]["spread"], scale_floor=floor(q))
+            moved = model_specs.judge_tensor(
+                runs[run][q],
+                runs[Run.REFERENCE][q],
+                runs[Run.REORDERED][q],
+                dtype,
+                C,
+                FLOOR[dtype],
+                valid if q.kind == "logits" else None,
+                judged[q]["spread"],
+                scale_floor=floor(q),
+            )
             if verdicts[q]["ok"] and not moved["ok"]:
                 explained[q] = run
                 break
@@ -318,31 +375,41 @@ def _explanation(case: dict, run: Run, tensors: list[Quantity], judged: dict, in
     else:
         command = model_specs.kernel_repro_command(*given, padded_len if padded else None)
     if run is Run.PADDED:
-        return (f"PADDING SENSITIVITY, not a CP failure: padding changes this model's result on one rank. Appending "
-                f"masked pad tokens up to the CP padded length {padded_len} changes {names} on one device by as much "
-                f"as CP does ({where}), and CP matches that padded one-device run. One-process repro (no ranks): "
-                f"{command}", ProblemKind.PADDING_SENSITIVITY)
+        return (
+            f"PADDING SENSITIVITY, not a CP failure: padding changes this model's result on one rank. Appending "
+            f"masked pad tokens up to the CP padded length {padded_len} changes {names} on one device by as much "
+            f"as CP does ({where}), and CP matches that padded one-device run. One-process repro (no ranks): "
+            f"{command}",
+            ProblemKind.PADDING_SENSITIVITY,
+        )
     if run is Run.KERNELS:
-        return (f"KERNEL SENSITIVITY, not a CP failure: the CP path's kernels ({kernels}) round differently from "
-                f"the one-device path's by as much as CP differs. On one device, without CP, under the spec's "
-                f"cp_kernels, {names} move by as much as CP does ({where}), and CP matches that one-device run. "
-                f"One-process repro (no ranks): {command}", ProblemKind.KERNEL_SENSITIVITY)
-    return (f"PADDING AND KERNEL SENSITIVITY, not a CP failure: padding changes this model's result on one rank and "
-            f"the CP path's kernels ({kernels}) round differently from the one-device path's; neither alone, but "
-            f"the two together (one device, the batch padded to the CP padded length {padded_len}, under the spec's "
-            f"cp_kernels) change {names} by as much as CP does ({where}), and CP matches that run. One-process "
-            f"repro (no ranks): {command}", ProblemKind.PADDING_AND_KERNEL_SENSITIVITY)
+        return (
+            f"KERNEL SENSITIVITY, not a CP failure: the CP path's kernels ({kernels}) round differently from "
+            f"the one-device path's by as much as CP differs. On one device, without CP, under the spec's "
+            f"cp_kernels, {names} move by as much as CP does ({where}), and CP matches that one-device run. "
+            f"One-process repro (no ranks): {command}",
+            ProblemKind.KERNEL_SENSITIVITY,
+        )
+    return (
+        f"PADDING AND KERNEL SENSITIVITY, not a CP failure: padding changes this model's result on one rank and "
+        f"the CP path's kernels ({kernels}) round differently from the one-device path's; neither alone, but "
+        f"the two together (one device, the batch padded to the CP padded length {padded_len}, under the spec's "
+        f"cp_kernels) change {names} by as much as CP does ({where}), and CP matches that run. One-process "
+        f"repro (no ranks): {command}",
+        ProblemKind.PADDING_AND_KERNEL_SENSITIVITY,
+    )
 
 
-_AGAINST = {Run.PADDED: "CP vs one device padded to {padded_len}",
-            Run.KERNELS: "CP vs one device with the CP path's kernels",
-            Run.PADDED_KERNELS: "CP vs one device padded to {padded_len} with the CP path's kernels"}
+_AGAINST = {
+    Run.PADDED: "CP vs one device padded to {padded_len}",
+    Run.KERNELS: "CP vs one device with the CP path's kernels",
+    Run.PADDED_KERNELS: "CP vs one device padded to {padded_len} with the CP path's kernels",
+}
 
 
 def _evaluate(case: dict, outputs: list) -> CaseReport:
     info = outputs[0].info
-    report = CaseReport(case=case, not_judged=dict(info.get("not_judged", {})),
-                        standins=dict(info.get("standins", {})))
+    report = CaseReport(case=case, not_judged=dict(info.get("not_judged", {})), standins=dict(info.get("standins", {})))
     valid, runs = _from_wire(outputs[0].tensors)
     dtype = case["dtype"]
     judged = _judged(case, valid, runs)
@@ -350,17 +417,20 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     explained, against = _explained(case, valid, runs, judged, failing) if failing else ({}, {})
     # which explanation runs ran, and the tensors each explains (none: the failure stands as a CP failure)
     if against:
-        report.info["explanations"] = {run.value: sorted(q.label for q, r in explained.items() if r is run)
-                                       for run in against}
+        report.info["explanations"] = {
+            run.value: sorted(q.label for q, r in explained.items() if r is run) for run in against
+        }
     for run in EXPLANATIONS:
         tensors = [q for q in failing if explained.get(q) is run]
         if tensors:
             text, kind = _explanation(case, run, tensors, judged, info)
             report.problem(text, kind=kind)
     if failing and info.get("kernels_error"):
-        report.problem(f"the kernel-sensitivity run (one device under {case['spec']}.cp_kernels) raised "
-                       f"{info['kernels_error']}; the failure is not told apart from a CP failure",
-                       kind=ProblemKind.CONTRACT)
+        report.problem(
+            f"the kernel-sensitivity run (one device under {case['spec']}.cp_kernels) raised "
+            f"{info['kernels_error']}; the failure is not told apart from a CP failure",
+            kind=ProblemKind.CONTRACT,
+        )
     for q, verdict in judged.items():
         shape = tuple(runs[Run.CP][q].shape)
         explaining = explained.get(q)
@@ -434,6 +504,7 @@ def _skip_reason(dtype: str):
             return None  # the strategy says what is missing
         runnable, skipped = _runnable(models, dtype)
         return None if runnable else "; ".join(f"{name}: {why}" for name, why in skipped.items())
+
     return reason
 
 
@@ -452,6 +523,7 @@ def real_model_cases(dtype: str):
         allowed = [n for n in sizes if traits.world_sizes is None or n in traits.world_sizes]
         size = draw(st.sampled_from(allowed)) if allowed else draw(st.nothing())
         return {"check": "real_model", "spec": spec, "dtype": dtype, "seed": 0, "batch": batch, "world_size": size}
+
     return cases
 
 
@@ -470,14 +542,29 @@ def smoke_cases(spec: str) -> list[dict]:
     for i, batch in enumerate(batches):
         for n in (2, 3):
             dtype = "float32" if (i + n) % 2 else "bfloat16"
-            out.append({"check": "real_model", "spec": spec, "dtype": dtype, "seed": 0, "batch": batch,
-                        "world_size": n})
+            out.append(
+                {"check": "real_model", "spec": spec, "dtype": dtype, "seed": 0, "batch": batch, "world_size": n}
+            )
     return out
 
 
 REAL_MODEL = register(
-    "real_model", rank=_rank, evaluate=_evaluate,
-    rows=tuple(VerifyRow(f"real model ({dtype})", real_model_cases(dtype), (), dtypes=(dtype,), position=20 + i,
-                         needs_model=True, id=f"real_model.{dtype}", skip=_skip_reason(dtype))
-               for i, dtype in enumerate(("float32", "bfloat16"))),
-    gate_share=0.0, repro=Repro(plan=lambda request: repro_real_model.plan(request, C, FLOOR)))
+    "real_model",
+    rank=_rank,
+    evaluate=_evaluate,
+    rows=tuple(
+        VerifyRow(
+            f"real model ({dtype})",
+            real_model_cases(dtype),
+            (),
+            dtypes=(dtype,),
+            position=20 + i,
+            needs_model=True,
+            id=f"real_model.{dtype}",
+            skip=_skip_reason(dtype),
+        )
+        for i, dtype in enumerate(("float32", "bfloat16"))
+    ),
+    gate_share=0.0,
+    repro=Repro(plan=lambda request: repro_real_model.plan(request, C, FLOOR)),
+)

@@ -26,10 +26,17 @@ def sharder_cases(draw, space=None) -> dict:
     """``shard_token_tensor`` / ``gather_token_tensor`` round trips (sequence not a multiple of N included)."""
     space = as_space(space)
     n = draw(world_sizes(space))
-    case = {"check": "sharder_roundtrip", "world_size": n, "seed": draw(seeds),
-            **with_payload({}, draw(payload_dtypes(space))),
-            "shape": [draw(st.integers(min_value=1, max_value=3)), draw(st.integers(min_value=1, max_value=19)),
-                      draw(st.integers(min_value=1, max_value=3))]}
+    case = {
+        "check": "sharder_roundtrip",
+        "world_size": n,
+        "seed": draw(seeds),
+        **with_payload({}, draw(payload_dtypes(space))),
+        "shape": [
+            draw(st.integers(min_value=1, max_value=3)),
+            draw(st.integers(min_value=1, max_value=19)),
+            draw(st.integers(min_value=1, max_value=3)),
+        ],
+    }
     if n == 1 and draw(st.booleans()):
         case["mesh"] = "none"
     return draw(with_impl(case, space))
@@ -53,8 +60,12 @@ def _sharder_roundtrip(case: dict, ctx, sharder, mesh, B: int, S: int, C: int) -
     if not value.is_floating_point():  # integer and bool payloads: the round trip without autograd
         local = sharder.shard_token_tensor(value, fill=0)
         info, layout_tensors = layout_report(sharder, mesh, local.shape[1], S, ctx.device)
-        return info, {"local": local, "restored": sharder.gather_token_tensor(local, trim=True),
-                      "untrimmed": sharder.gather_token_tensor(local), **layout_tensors}
+        return info, {
+            "local": local,
+            "restored": sharder.gather_token_tensor(local, trim=True),
+            "untrimmed": sharder.gather_token_tensor(local),
+            **layout_tensors,
+        }
     value.requires_grad_(True)
     local = sharder.shard_token_tensor(value, fill=0)
     local.retain_grad()
@@ -62,8 +73,14 @@ def _sharder_roundtrip(case: dict, ctx, sharder, mesh, B: int, S: int, C: int) -
     restored.backward(upstream_gradient(case, ctx.rank, restored.shape).to(ctx.device))
     untrimmed = sharder.gather_token_tensor(local.detach())
     info, layout_tensors = layout_report(sharder, mesh, local.shape[1], S, ctx.device)
-    return info, {"local": local, "restored": restored, "untrimmed": untrimmed, "local_grad": local.grad,
-                  "global_grad": value.grad, **layout_tensors}
+    return info, {
+        "local": local,
+        "restored": restored,
+        "untrimmed": untrimmed,
+        "local_grad": local.grad,
+        "global_grad": value.grad,
+        **layout_tensors,
+    }
 
 
 def _sharder_evaluate(case: dict, outputs: list) -> CaseReport:
@@ -83,30 +100,66 @@ def _sharder_evaluate(case: dict, outputs: list) -> CaseReport:
     for o, index_map in zip(outputs, reported.index_maps):
         r = o.rank
         owned = torch.as_tensor(index_map)
-        report.add(compare_exact(f"shard_token_tensor@rank{r}", o.tensors["local"], padded.index_select(1, owned), rank=r))
-        report.add(compare_exact(f"gather_token_tensor(trim=True)@rank{r}", o.tensors["restored"], value,
-                           grid=grid, rank=r))
-        report.add(compare_exact(f"gather_token_tensor(trim=False)@rank{r}", o.tensors["untrimmed"], padded, grid=grid, rank=r))
+        report.add(
+            compare_exact(f"shard_token_tensor@rank{r}", o.tensors["local"], padded.index_select(1, owned), rank=r)
+        )
+        report.add(
+            compare_exact(f"gather_token_tensor(trim=True)@rank{r}", o.tensors["restored"], value, grid=grid, rank=r)
+        )
+        report.add(
+            compare_exact(f"gather_token_tensor(trim=False)@rank{r}", o.tensors["untrimmed"], padded, grid=grid, rank=r)
+        )
         if not value.is_floating_point():
             continue
-        report.add(compare_exact(f"grad of the local shard@rank{r}", o.tensors["local_grad"],
-                           total_padded.index_select(1, owned), rank=r, gradient=True))
+        report.add(
+            compare_exact(
+                f"grad of the local shard@rank{r}",
+                o.tensors["local_grad"],
+                total_padded.index_select(1, owned),
+                rank=r,
+                gradient=True,
+            )
+        )
         # Through shard_token_tensor each rank's global input receives its own tokens' gradient only.
         own = torch.zeros(B, S_pad, C, dtype=value.dtype)
         own[:, owned] = total_padded[:, owned]
-        report.add(compare_exact(f"grad of the global input@rank{r}", o.tensors["global_grad"], own[:, :S], grid=grid, rank=r, gradient=True))
+        report.add(
+            compare_exact(
+                f"grad of the global input@rank{r}",
+                o.tensors["global_grad"],
+                own[:, :S],
+                grid=grid,
+                rank=r,
+                gradient=True,
+            )
+        )
     return report
 
 
-_SHARDER_VERBS = ("sharder.shard", "sharder.shard_token_tensor", "sharder.local_token_global_indices",
-                  "sharder.gather_token_tensor")
+_SHARDER_VERBS = (
+    "sharder.shard",
+    "sharder.shard_token_tensor",
+    "sharder.local_token_global_indices",
+    "sharder.gather_token_tensor",
+)
 # The gate suite's named explicit examples of this check (regressions that must stay).
 SHARDER_ROUNDTRIP_EXAMPLES = {
-    "n8-float64-seed13": {"check": "sharder_roundtrip", "world_size": 8, "seed": 13, "dtype": "float64",
-        "shape": [2, 5, 3]},
-    "n3-bfloat16-seed14": {"check": "sharder_roundtrip", "world_size": 3, "seed": 14, "dtype": "bfloat16",
-        "shape": [1, 7, 2]},
+    "n8-float64-seed13": {
+        "check": "sharder_roundtrip",
+        "world_size": 8,
+        "seed": 13,
+        "dtype": "float64",
+        "shape": [2, 5, 3],
+    },
+    "n3-bfloat16-seed14": {
+        "check": "sharder_roundtrip",
+        "world_size": 3,
+        "seed": 14,
+        "dtype": "bfloat16",
+        "shape": [1, 7, 2],
+    },
 }
+
 
 def _sharder_repro(request) -> sharding.script.Plan:
     B, S, C = request.case["shape"]
@@ -114,8 +167,15 @@ def _sharder_repro(request) -> sharding.script.Plan:
 
 
 SHARDER_ROUNDTRIP = register(
-    "sharder_roundtrip", rank=_sharder_rank, evaluate=_sharder_evaluate,
+    "sharder_roundtrip",
+    rank=_sharder_rank,
+    evaluate=_sharder_evaluate,
     functions=("sharder.shard_token_tensor", "sharder.gather_token_tensor", "sharder.local_token_global_indices"),
-    rows=(VerifyRow("sharder.shard_token_tensor + gather_token_tensor", sharder_cases, _SHARDER_VERBS, PAYLOADS,
-                    position=7),),
-    examples=SHARDER_ROUNDTRIP_EXAMPLES, repro=Repro(plan=_sharder_repro))
+    rows=(
+        VerifyRow(
+            "sharder.shard_token_tensor + gather_token_tensor", sharder_cases, _SHARDER_VERBS, PAYLOADS, position=7
+        ),
+    ),
+    examples=SHARDER_ROUNDTRIP_EXAMPLES,
+    repro=Repro(plan=_sharder_repro),
+)

@@ -59,13 +59,23 @@ from cp_harness.cases.strategies import (
 )
 from cp_harness.checks import Repro, VerifyRow, register
 from cp_harness.checks._token_layout import judge_token_layout
+from cp_harness.checks._verb_contract import (
+    Fields,
+    form_fill,
+    form_shape,
+    form_value,
+    interpret,
+    stream_to_caller,
+    to_stream,
+    trimmed,
+    untrim_grad,
+    upstream,
+)
 from cp_harness.judging.compare import compare_exact
 from cp_harness.judging.verdicts import CaseReport
 from cp_harness.repro import sharding
 from cp_harness.usage.resolve_sharder import hook_sharder, local_token_indices, resolve_sharder, sharded
 
-_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "int64": torch.int64, "bool": torch.bool}
 PAYLOADS = FLOAT_DTYPES + VALUE_DTYPES
 
 
@@ -78,16 +88,6 @@ class _FieldLayout:
     padded_seq_len: int | None = None
     input_row_shape: tuple[int, ...] | None = None
     input_token_stream_positions: torch.Tensor | None = None
-
-
-@dataclasses.dataclass
-class Fields:
-    """The layout fields a rank reported (``positions``: ``[B, S_in]`` or ``None``)."""
-
-    original: int | None
-    padded: int | None
-    rows: tuple[int, ...] | None
-    positions: torch.Tensor | None
 
 
 def payload(case: dict) -> str:
@@ -106,7 +106,7 @@ def repositioned_map(case: dict) -> tuple[torch.Tensor, int]:
     for b, row in enumerate(docs):
         src = dst = 0
         for length in row:
-            positions[b, src:src + length] = torch.arange(dst, dst + length)
+            positions[b, src : src + length] = torch.arange(dst, dst + length)
             src, dst = src + length, dst + -(-length // align) * align
         widest = max(widest, dst)
     return positions, -(-widest // (2 * n)) * (2 * n)
@@ -145,115 +145,17 @@ def _harness_sharder(case: dict, ctx, hooked, mesh):
     return resolve_sharder(type(hooked)(shard_batch=shard_batch, local_token_global_indices=index_map), mesh)
 
 
-# ------------------------------------------------------------------ the contract, as the oracle applies it
-def interpret(shape, seq_dim: int, f: Fields) -> tuple[str, int]:
-    """Which rule a tensor of ``shape`` falls under, and its sequence dim once in stream coordinates."""
-    if f.positions is not None and tuple(shape) == tuple(f.positions.shape):
-        return "positions", 1
-    if f.rows is not None and tuple(shape[:len(f.rows)]) == tuple(f.rows):
-        return "rows", 0
-    return "plain", seq_dim
-
-
-def form_shape(case: dict, form: dict, f: Fields) -> tuple[list[int], int]:
-    """``(shape, seq_dim)`` of the caller's tensor of ``form`` under the reported fields."""
-    B, lead, trail = int(case["rows"]), list(form["lead"]), list(form["trail"])
-    if form["coords"] == "padded":
-        return [*lead, 1 if case["layout"] == "thd" else B, f.padded, *trail], 1 + len(lead)
-    if case["layout"] == "repositioned" or f.positions is not None:
-        assert f.positions is not None, "a repositioned layout reports its positions (_judge_fields checks)"
-        return list(f.positions.shape), 1
-    return [*lead, B, int(case["seq_len"]), *trail], 1 + len(lead)
-
-
-def form_fill(form: dict, dtype: str):
-    if form["coords"] == "nofill":
-        return None
-    return bool(form["fill"]) if dtype == "bool" else form["fill"]
-
-
-def form_value(case: dict, i: int, shape, dtype: str) -> torch.Tensor:
-    g = torch.Generator().manual_seed(int(case["seed"]) * 31 + i)
-    if dtype == "bool":
-        return torch.randint(0, 2, shape, generator=g).bool()
-    if dtype == "int64":
-        return torch.randint(-1000, 1000, shape, generator=g)
-    return (torch.randint(-64, 64, shape, generator=g).double() / 8).to(_DTYPES[dtype])  # exact in every float
-
-
-def upstream(case: dict, i: int, rank: int, shape, dtype: str) -> torch.Tensor:
-    g = torch.Generator().manual_seed(int(case["seed"]) * 31 + 1000 * (rank + 1) + i)
-    return torch.randint(-4, 5, shape, generator=g).to(_DTYPES[dtype])  # every sum of N <= 8 is exact
-
-
-def to_stream(x: torch.Tensor, seq_dim: int, fill, f: Fields) -> tuple[torch.Tensor, int]:
-    """The caller's tensor in padded-stream coordinates, and its sequence dim (``ValueError``: it must raise)."""
-    kind, dim = interpret(x.shape, seq_dim, f)
-    if kind == "positions":
-        assert f.positions is not None and f.padded is not None  # interpret's "positions"; forms need padded
-        if fill is None:
-            raise ValueError("fill is required on a repositioned layout")
-        out = torch.full((x.shape[0], f.padded), fill, dtype=x.dtype)
-        valid = f.positions >= 0
-        out[valid.nonzero(as_tuple=True)[0], f.positions[valid]] = x[valid]
-        return out, 1
-    if kind == "rows":
-        assert f.rows is not None  # interpret's "rows"
-        x = x.reshape(-1, *x.shape[len(f.rows):])
-    if f.padded is not None and x.shape[dim] != f.padded:
-        if fill is None or f.original is None or x.shape[dim] != f.original:
-            raise ValueError(f"length {x.shape[dim]} is neither padded_seq_len nor original_seq_len with a fill")
-        pad = list(x.shape)
-        pad[dim] = f.padded - x.shape[dim]
-        x = torch.cat((x, torch.full(pad, fill, dtype=x.dtype)), dim)
-    return x, dim
-
-
-def trimmed(full: torch.Tensor, dim: int, fill, f: Fields) -> torch.Tensor:
-    if f.positions is not None:
-        out = full.gather(1, f.positions.clamp(min=0))
-        return out.masked_fill(f.positions < 0, fill)
-    if f.rows is not None:
-        return full.reshape(*f.rows, *full.shape[dim + 1:])
-    assert f.original is not None  # _judge_fields passes fields without rows only with original_seq_len
-    return full.narrow(dim, 0, f.original)
-
-
-def untrim_grad(grad: torch.Tensor, stream_shape, dim: int, trim: bool, f: Fields) -> torch.Tensor:
-    """The gradient of a gather's output, in padded-stream coordinates."""
-    if not trim:
-        return grad
-    out = torch.zeros(stream_shape, dtype=grad.dtype)
-    if f.positions is not None:
-        valid = f.positions >= 0
-        out[valid.nonzero(as_tuple=True)[0], f.positions[valid]] = grad[valid]
-    elif f.rows is not None:
-        out = grad.reshape(stream_shape)
-    else:
-        assert f.original is not None  # as in trimmed
-        out.narrow(dim, 0, f.original).copy_(grad)
-    return out
-
-
-def stream_to_caller(g: torch.Tensor, shape, seq_dim: int, f: Fields) -> torch.Tensor:
-    """A padded-stream gradient in the caller's coordinates (the adjoint of ``to_stream``)."""
-    kind, dim = interpret(shape, seq_dim, f)
-    if kind == "positions":
-        assert f.positions is not None  # interpret's "positions"
-        return g.gather(1, f.positions.clamp(min=0)).masked_fill(f.positions < 0, 0)
-    if kind == "rows":
-        return g.narrow(0, 0, shape[0] * shape[1]).reshape(shape)
-    return g.narrow(dim, 0, shape[dim])
-
-
 # ------------------------------------------------------------------ rank half
 def _fields(sharder) -> Fields:
     layout = getattr(sharder, "shard_layout", None)
     rows = getattr(layout, "input_row_shape", None)
     positions = getattr(layout, "input_token_stream_positions", None)
-    return Fields(getattr(layout, "original_seq_len", None), getattr(layout, "padded_seq_len", None),
-                  None if rows is None else tuple(int(r) for r in rows),
-                  None if positions is None else positions.detach().cpu().long())
+    return Fields(
+        getattr(layout, "original_seq_len", None),
+        getattr(layout, "padded_seq_len", None),
+        None if rows is None else tuple(int(r) for r in rows),
+        None if positions is None else positions.detach().cpu().long(),
+    )
 
 
 def _everywhere(ok: bool, ctx, mesh) -> bool:
@@ -313,9 +215,11 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         # the caller's arange(S) (the padded stream's, for harness layouts), shaped to match no rows / map
         length = f.original if f.original is not None else n * len(indices)
         marker = torch.arange(length, device=ctx.device).view(1, 1, length)
-        tensors.update(token_indices=indices,
-                       token_marker=sharder.shard_token_tensor(marker, seq_dim=2, fill=-1)[0, 0],
-                       local_slot=torch.zeros(1, local_len))
+        tensors.update(
+            token_indices=indices,
+            token_marker=sharder.shard_token_tensor(marker, seq_dim=2, fill=-1)[0, 0],
+            local_slot=torch.zeros(1, local_len),
+        )
         if f.positions is not None:
             tensors["positions"] = f.positions
         if f.padded is not None:
@@ -338,31 +242,48 @@ def _expected_fields(case: dict) -> Fields | None:
 
 def _judge_fields(report: CaseReport, case: dict, outputs: list) -> Fields | None:
     o = outputs[0]
-    f = Fields(o.info["original_seq_len"], o.info["padded_seq_len"],
-               None if o.info["rows"] is None else tuple(o.info["rows"]),
-               torch.as_tensor(o.tensors["positions"]).long() if "positions" in o.tensors else None)
+    f = Fields(
+        o.info["original_seq_len"],
+        o.info["padded_seq_len"],
+        None if o.info["rows"] is None else tuple(o.info["rows"]),
+        torch.as_tensor(o.tensors["positions"]).long() if "positions" in o.tensors else None,
+    )
     want = _expected_fields(case)
     if want is None and f.positions is not None:  # the implementation's strategy repositioned the tokens
         B, S = int(case["rows"]), int(case["seq_len"])
-        report.require(tuple(f.positions.shape) == (B, S), f"shard_layout.input_token_stream_positions is "
-                       f"{list(f.positions.shape)}, the batch's rows are [{B}, {S}]")
+        report.require(
+            tuple(f.positions.shape) == (B, S),
+            f"shard_layout.input_token_stream_positions is {list(f.positions.shape)}, the batch's rows are [{B}, {S}]",
+        )
         report.require(f.padded is not None, "a repositioned layout without padded_seq_len")
         return f if f.padded is not None and tuple(f.positions.shape) == (B, S) else None
     if want is None:
         S = int(case["seq_len"])
-        report.require(f.original == S, f"shard_layout.original_seq_len={f.original}, the batch has {S} tokens a row "
-                       "(the verbs pad caller-coordinate tensors from it)")
-        report.require(f.padded is not None, "the strategy reported no padded_seq_len: the verbs cannot validate "
-                       "or pad a caller's tensor")
+        report.require(
+            f.original == S,
+            f"shard_layout.original_seq_len={f.original}, the batch has {S} tokens a row "
+            "(the verbs pad caller-coordinate tensors from it)",
+        )
+        report.require(
+            f.padded is not None,
+            "the strategy reported no padded_seq_len: the verbs cannot validate or pad a caller's tensor",
+        )
         # Without original_seq_len (reported above) the caller's length of flat rows is unknown: no form is judged.
         return f if f.padded is not None and (f.original is not None or f.rows is not None) else None
-    same = (f.original == want.original and f.padded == want.padded and f.rows == want.rows
-            and (f.positions is None) == (want.positions is None)
-            and (want.positions is None or f.positions is not None and torch.equal(f.positions, want.positions)))
-    report.require(same, f"after shard() the sharder holds shard_layout fields original={f.original} padded={f.padded} "
-                   f"rows={f.rows} positions={'set' if f.positions is not None else None}; its strategy reported "
-                   f"original={want.original} padded={want.padded} rows={want.rows} "
-                   f"positions={'set' if want.positions is not None else None}")
+    same = (
+        f.original == want.original
+        and f.padded == want.padded
+        and f.rows == want.rows
+        and (f.positions is None) == (want.positions is None)
+        and (want.positions is None or f.positions is not None and torch.equal(f.positions, want.positions))
+    )
+    report.require(
+        same,
+        f"after shard() the sharder holds shard_layout fields original={f.original} padded={f.padded} "
+        f"rows={f.rows} positions={'set' if f.positions is not None else None}; its strategy reported "
+        f"original={want.original} padded={want.padded} rows={want.rows} "
+        f"positions={'set' if want.positions is not None else None}",
+    )
     return want if same else None
 
 
@@ -384,16 +305,20 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
         shape, seq_dim = form_shape(case, form, f)
         fill = form_fill(form, dtype)
         x = form_value(case, i, shape, dtype)
-        what = (f"form {i} {list(shape)} seq_dim={seq_dim} fill={fill!r} trim={form['trim']}, "
-                f"{interpret(shape, seq_dim, f)[0]} coordinates")
+        what = (
+            f"form {i} {list(shape)} seq_dim={seq_dim} fill={fill!r} trim={form['trim']}, "
+            f"{interpret(shape, seq_dim, f)[0]} coordinates"
+        )
         try:
             padded, dim = to_stream(x, seq_dim, fill, f)
         except ValueError:
             for o in outputs:
-                report.require(f"raised{i}" in o.info and o.info[f"raised{i}"].startswith("ValueError"),
-                               f"rank {o.rank}: shard_token_tensor({what}) must raise ValueError (the pad value "
-                               f"must be explicit), it " + (f"raised {o.info[f'raised{i}']}" if f"raised{i}" in o.info
-                                                            else "returned a shard"))
+                report.require(
+                    f"raised{i}" in o.info and o.info[f"raised{i}"].startswith("ValueError"),
+                    f"rank {o.rank}: shard_token_tensor({what}) must raise ValueError (the pad value "
+                    f"must be explicit), it "
+                    + (f"raised {o.info[f'raised{i}']}" if f"raised{i}" in o.info else "returned a shard"),
+                )
             continue
         raised = [(o.rank, o.info[f"raised{i}"]) for o in outputs if f"raised{i}" in o.info]
         if raised:
@@ -402,22 +327,46 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
         out = trimmed(padded, dim, fill, f) if form["trim"] else padded
         grad_total = None
         if x.is_floating_point():
-            total = sum((upstream(case, i, o.rank, tuple(out.shape), dtype).double() for o in outputs),
-                        torch.zeros((), dtype=torch.float64)).to(x.dtype)
+            total = sum(
+                (upstream(case, i, o.rank, tuple(out.shape), dtype).double() for o in outputs),
+                torch.zeros((), dtype=torch.float64),
+            ).to(x.dtype)
             grad_total = untrim_grad(total, padded.shape, dim, bool(form["trim"]), f)
         for o, index_map in zip(outputs, reported.index_maps):
             owned = torch.as_tensor(index_map)
-            report.add(compare_exact(f"shard_token_tensor({what})@rank{o.rank}", o.tensors[f"local{i}"],
-                               padded.index_select(dim, owned), rank=o.rank))
-            report.add(compare_exact(f"gather_token_tensor({what})@rank{o.rank}", o.tensors[f"out{i}"], out, rank=o.rank))
+            report.add(
+                compare_exact(
+                    f"shard_token_tensor({what})@rank{o.rank}",
+                    o.tensors[f"local{i}"],
+                    padded.index_select(dim, owned),
+                    rank=o.rank,
+                )
+            )
+            report.add(
+                compare_exact(f"gather_token_tensor({what})@rank{o.rank}", o.tensors[f"out{i}"], out, rank=o.rank)
+            )
             if grad_total is None:
                 continue
             local_grad = grad_total.index_select(dim, owned)
-            report.add(compare_exact(f"grad of the local shard ({what})@rank{o.rank}", o.tensors[f"local_grad{i}"],
-                               local_grad, rank=o.rank, gradient=True))
+            report.add(
+                compare_exact(
+                    f"grad of the local shard ({what})@rank{o.rank}",
+                    o.tensors[f"local_grad{i}"],
+                    local_grad,
+                    rank=o.rank,
+                    gradient=True,
+                )
+            )
             own = torch.zeros_like(grad_total).index_copy(dim, owned, local_grad)
-            report.add(compare_exact(f"grad of the caller's tensor ({what})@rank{o.rank}", o.tensors[f"caller_grad{i}"],
-                               stream_to_caller(own, shape, seq_dim, f), rank=o.rank, gradient=True))
+            report.add(
+                compare_exact(
+                    f"grad of the caller's tensor ({what})@rank{o.rank}",
+                    o.tensors[f"caller_grad{i}"],
+                    stream_to_caller(own, shape, seq_dim, f),
+                    rank=o.rank,
+                    gradient=True,
+                )
+            )
     return report
 
 
@@ -433,13 +382,17 @@ def _form(draw, layout: str, dtype: str) -> dict:
     lead: list[int] = []
     if layout == "strategy" or coords == "padded":
         lead = draw(st.sampled_from(([], [], [3], [2])))  # [3, B, S]: mRoPE positions, seq_dim=2
-    trail = [] if two_d else draw(
-        st.lists(st.integers(1, 3), max_size=3 - len(lead)))
+    trail = [] if two_d else draw(st.lists(st.integers(1, 3), max_size=3 - len(lead)))
     # trim=True is asked where the caller's coordinates exist: padded-stream forms of thd / repositioned
     # layouts have none (the map is [B, S_in]; the rows are [B, S]).
     trim = draw(st.booleans()) if (layout == "strategy" or coords != "padded") else False
-    return {"lead": lead, "trail": trail, "coords": coords, "trim": trim,
-            "fill": draw(st.sampled_from(_FILLS.get(dtype, (0, -1, 0.5))))}
+    return {
+        "lead": lead,
+        "trail": trail,
+        "coords": coords,
+        "trim": trim,
+        "fill": draw(st.sampled_from(_FILLS.get(dtype, (0, -1, 0.5)))),
+    }
 
 
 @st.composite
@@ -449,9 +402,17 @@ def verb_cases(draw, space=None) -> dict:
     n = draw(world_sizes(space))
     dtype = draw(payload_dtypes(space))
     layout = draw(st.sampled_from(("strategy", "strategy", "repositioned", "thd", "packed")))
-    case = with_payload({"check": "sharder_verbs", "world_size": n, "seed": draw(seeds),
-                         "model": draw(st.sampled_from(("inkling2", "mistral_large4"))), "layout": layout,
-                         "rows": draw(st.integers(1, 3))}, dtype)
+    case = with_payload(
+        {
+            "check": "sharder_verbs",
+            "world_size": n,
+            "seed": draw(seeds),
+            "model": draw(st.sampled_from(("inkling2", "mistral_large4"))),
+            "layout": layout,
+            "rows": draw(st.integers(1, 3)),
+        },
+        dtype,
+    )
     if layout == "thd":
         case["seq_len"] = 2 * n * draw(st.integers(1, 3))
     elif layout == "packed":  # mistral_large4's packed hook (a repositioned layout where the strategy re-pads)
@@ -460,8 +421,9 @@ def verb_cases(draw, space=None) -> dict:
     else:
         case["seq_len"] = draw(st.integers(1, 13))
     if layout == "repositioned":
-        case["docs"] = draw(st.lists(st.lists(st.integers(1, 5), min_size=1, max_size=3),
-                                     min_size=case["rows"], max_size=case["rows"]))
+        case["docs"] = draw(
+            st.lists(st.lists(st.integers(1, 5), min_size=1, max_size=3), min_size=case["rows"], max_size=case["rows"])
+        )
         case["align"], case["tail"] = draw(st.integers(1, 4)), draw(st.integers(0, 2))
     case["forms"] = draw(st.lists(_form(layout, dtype), min_size=1, max_size=3))
     if n == 1 and draw(st.booleans()):
@@ -470,8 +432,17 @@ def verb_cases(draw, space=None) -> dict:
 
 
 def _example(n: int, seed: int, layout: str, dtype: str, forms: list[dict], **keys) -> dict:
-    case = {"check": "sharder_verbs", "world_size": n, "seed": seed, "model": "mistral_large4", "layout": layout,
-            "rows": 2, "seq_len": 5, **keys, "forms": forms}
+    case = {
+        "check": "sharder_verbs",
+        "world_size": n,
+        "seed": seed,
+        "model": "mistral_large4",
+        "layout": layout,
+        "rows": 2,
+        "seq_len": 5,
+        **keys,
+        "forms": forms,
+    }
     return with_payload(case, dtype)
 
 
@@ -503,10 +474,28 @@ EXAMPLES = {
 }
 # fmt: on
 
-_VERBS = ("sharder.shard", "sharder.shard_token_tensor", "sharder.gather_token_tensor",
-          "sharder.local_token_global_indices")
+_VERBS = (
+    "sharder.shard",
+    "sharder.shard_token_tensor",
+    "sharder.gather_token_tensor",
+    "sharder.local_token_global_indices",
+)
 SHARDER_VERBS = register(
-    "sharder_verbs", rank=_rank, evaluate=_evaluate, functions=_VERBS,
-    rows=(VerifyRow("sharder verbs: every ShardLayout field, rank 2-5, seq_dim 1/2", verb_cases, _VERBS, PAYLOADS,
-                    explicit=tuple(EXAMPLES.values()), position=7.2),),
-    examples=EXAMPLES, gate_share=1.0, repro=Repro(plan=lambda request: sharding.verbs(request, form_value, form_fill)))
+    "sharder_verbs",
+    rank=_rank,
+    evaluate=_evaluate,
+    functions=_VERBS,
+    rows=(
+        VerifyRow(
+            "sharder verbs: every ShardLayout field, rank 2-5, seq_dim 1/2",
+            verb_cases,
+            _VERBS,
+            PAYLOADS,
+            explicit=tuple(EXAMPLES.values()),
+            position=7.2,
+        ),
+    ),
+    examples=EXAMPLES,
+    gate_share=1.0,
+    repro=Repro(plan=lambda request: sharding.verbs(request, form_value, form_fill)),
+)

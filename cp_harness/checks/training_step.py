@@ -52,21 +52,32 @@ def _sizes(case: dict) -> tuple[int, int, int]:
     if dp < 1 or cp < 2:
         raise ValueError(f"training_step case: dp_shard={dp}, cp={cp}; give dp_shard >= 1 and cp >= 2")
     if int(case.get("world_size", 0)) != dp * cp:
-        raise ValueError(f"training_step case: world_size={case.get('world_size')} but dp_shard x cp = {dp} x {cp}; "
-                         f"give world_size {dp * cp}")
+        raise ValueError(
+            f"training_step case: world_size={case.get('world_size')} but dp_shard x cp = {dp} x {cp}; "
+            f"give world_size {dp * cp}"
+        )
     rows = int(case["batch"].get("batch_size", 1))
     if rows % dp:
-        raise ValueError(f"training_step case: batch.batch_size={rows} (the global rows) is not a multiple of "
-                         f"dp_shard={dp}; give {dp} x the rows per dp rank")
+        raise ValueError(
+            f"training_step case: batch.batch_size={rows} (the global rows) is not a multiple of "
+            f"dp_shard={dp}; give {dp} x the rows per dp rank"
+        )
     return dp, cp, rows // dp
 
 
 def _fsdp_model(driver, spec, case: dict, context) -> torch.nn.Module:
-    key = (case.get("driver", DRIVER), case["spec"], case["dtype"], int(case.get("seed", 0)),
-           tuple(sorted((case.get("overrides") or {}).items())), id(context))
+    key = (
+        case.get("driver", DRIVER),
+        case["spec"],
+        case["dtype"],
+        int(case.get("seed", 0)),
+        tuple(sorted((case.get("overrides") or {}).items())),
+        id(context),
+    )
     if key not in _FSDP_MODELS:
-        _FSDP_MODELS[key] = driver.parallelized(spec, model_specs.DTYPES[case["dtype"]], int(case.get("seed", 0)),
-                                                context, **(case.get("overrides") or {}))
+        _FSDP_MODELS[key] = driver.parallelized(
+            spec, model_specs.DTYPES[case["dtype"]], int(case.get("seed", 0)), context, **(case.get("overrides") or {})
+        )
     return _FSDP_MODELS[key]
 
 
@@ -84,9 +95,11 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
     try:
         dp, cp, rows = _sizes(case)
         if ctx.cp_size != dp * cp or torch.distributed.get_world_size() != dp * cp:
-            raise ValueError(f"training_step case: the framework's mesh covers the whole default group, but the "
-                             f"pool has {torch.distributed.get_world_size()} ranks and the case {ctx.cp_size}; "
-                             f"start the pool with --world-sizes {dp * cp}")
+            raise ValueError(
+                f"training_step case: the framework's mesh covers the whole default group, but the "
+                f"pool has {torch.distributed.get_world_size()} ranks and the case {ctx.cp_size}; "
+                f"start the pool with --world-sizes {dp * cp}"
+            )
         driver = importlib.import_module(case.get("driver", DRIVER))
         spec, reference_model, batch = rm._prepare(case, ctx.device)
         context = driver.mesh_context(dp, cp)
@@ -97,13 +110,20 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
     step = driver.STEP.run(spec, model, context, batch, rows)
     if ctx.rank != 0:
         return {}, {}
-    runs = {rm.Run.CP: _with_norm(step),
-            rm.Run.REFERENCE: _with_norm(model_specs.step(spec, reference_model, None, batch)),
-            rm.Run.REORDERED: _with_norm(model_specs.step(spec, reference_model, None, batch, split=max(2, cp),
-                                                          reverse=True))}
+    runs = {
+        rm.Run.CP: _with_norm(step),
+        rm.Run.REFERENCE: _with_norm(model_specs.step(spec, reference_model, None, batch)),
+        rm.Run.REORDERED: _with_norm(
+            model_specs.step(spec, reference_model, None, batch, split=max(2, cp), reverse=True)
+        ),
+    }
     valid = spec.valid_positions(batch).to(torch.bool)
-    info = {"not_judged": {"torch's gloo backward of torch.distributed.nn.functional.all_gather": driver.STAND_IN}
-            if ctx.backend == "gloo" else {}, "dp_label_counts": _label_counts(batch, dp)}
+    info = {
+        "not_judged": {"torch's gloo backward of torch.distributed.nn.functional.all_gather": driver.STAND_IN}
+        if ctx.backend == "gloo"
+        else {},
+        "dp_label_counts": _label_counts(batch, dp),
+    }
     return info, rm._to_wire(valid, runs)
 
 
@@ -159,10 +179,13 @@ def _skip_reason(dtype: str):
             return None
         need = DP_SHARD * CP
         if need not in space.world_sizes or space.pool_ranks != need:
-            return (f"the training step runs on {need} ranks as dp_shard x cp = {DP_SHARD} x {CP} over the whole pool: "
-                    f"give --world-sizes {need} (world sizes {list(space.world_sizes)}, pool {space.pool_ranks})")
+            return (
+                f"the training step runs on {need} ranks as dp_shard x cp = {DP_SHARD} x {CP} over the whole pool: "
+                f"give --world-sizes {need} (world sizes {list(space.world_sizes)}, pool {space.pool_ranks})"
+            )
         runnable, skipped = _runnable(models, dtype)
         return None if runnable else "; ".join(f"{name}: {why}" for name, why in skipped.items())
+
     return reason
 
 
@@ -176,8 +199,17 @@ def training_step_cases(dtype: str):
         spec = draw(st.sampled_from(runnable)) if runnable else draw(st.nothing())
         traits = model_specs.spec_traits(spec)
         batch = draw(rm._batches(_kinds(traits), lambda kind: _global_rows(traits, kind)))
-        return {"check": "training_step", "spec": spec, "dtype": dtype, "seed": 0, "batch": batch,
-                "world_size": DP_SHARD * CP, "dp_shard": DP_SHARD, "cp": CP}
+        return {
+            "check": "training_step",
+            "spec": spec,
+            "dtype": dtype,
+            "seed": 0,
+            "batch": batch,
+            "world_size": DP_SHARD * CP,
+            "dp_shard": DP_SHARD,
+            "cp": CP,
+        }
+
     return cases
 
 
@@ -192,14 +224,39 @@ def smoke_cases(spec: str, dtype: str = "float32", driver: str | None = None) ->
         {"kind": "plain", "seq_len": 11, "batch_size": 2, "seed": 5},
     ]
     extra = {"driver": driver} if driver else {}
-    return [{"check": "training_step", "spec": spec, "dtype": dtype, "seed": 0, "batch": b,
-             "world_size": DP_SHARD * CP, "dp_shard": DP_SHARD, "cp": CP, **extra} for b in batches]
+    return [
+        {
+            "check": "training_step",
+            "spec": spec,
+            "dtype": dtype,
+            "seed": 0,
+            "batch": b,
+            "world_size": DP_SHARD * CP,
+            "dp_shard": DP_SHARD,
+            "cp": CP,
+            **extra,
+        }
+        for b in batches
+    ]
 
 
 TRAINING_STEP = register(
-    "training_step", rank=_rank, evaluate=_evaluate,
-    rows=tuple(VerifyRow(f"training step dp_shard x cp = {DP_SHARD} x {CP} ({dtype})", training_step_cases(dtype),
-                         (), dtypes=(dtype,), position=22 + i, needs_model=True, id=f"training_step.{dtype}",
-                         skip=_skip_reason(dtype), step="training")
-               for i, dtype in enumerate(STEP_DTYPES)),
-    gate_share=0.0)
+    "training_step",
+    rank=_rank,
+    evaluate=_evaluate,
+    rows=tuple(
+        VerifyRow(
+            f"training step dp_shard x cp = {DP_SHARD} x {CP} ({dtype})",
+            training_step_cases(dtype),
+            (),
+            dtypes=(dtype,),
+            position=22 + i,
+            needs_model=True,
+            id=f"training_step.{dtype}",
+            skip=_skip_reason(dtype),
+            step="training",
+        )
+        for i, dtype in enumerate(STEP_DTYPES)
+    ),
+    gate_share=0.0,
+)

@@ -72,13 +72,18 @@ def _gather_rank(seq_dim: int, function: str):
             local.requires_grad_(True)
         module = ctx.impl.inkling2 if function == "gather_sequence" else ctx.impl.mistral_large4
         out = getattr(module, function)(local, ctx.mesh_for(case), differentiable)
-        info = {"same_object": out is local, "requires_grad": bool(out.requires_grad),
-                "device": str(out.device), "dtype": str(out.dtype)}
+        info = {
+            "same_object": out is local,
+            "requires_grad": bool(out.requires_grad),
+            "device": str(out.device),
+            "dtype": str(out.dtype),
+        }
         tensors = {"out": out}
         if differentiable:
             out.backward(upstream_gradient(case, ctx.rank, out.shape).to(ctx.device))
             tensors["grad"] = local.grad if local.grad is not None else torch.full_like(local, float("nan"))
         return info, tensors
+
     return rank_fn
 
 
@@ -87,17 +92,27 @@ def _magnitude(contributions) -> float:
     return float(sum(c.to(torch.float64).abs() for c in contributions).max()) if contributions else 0.0
 
 
-def _sum_comparison(name: str, got, exact, expected: dict, dtype: torch.dtype, policy, grid=None,
-                    rank: int | None = None):
+def _sum_comparison(
+    name: str, got, exact, expected: dict, dtype: torch.dtype, policy, grid=None, rank: int | None = None
+):
     """A sum of ``expected["terms"]`` contributions: bit for bit under the strict policy (float32 accumulation,
     rounded once); under ``payload`` a bfloat16/float16 sum may round in its own precision, within ``terms - 1``
     ULPs of its dtype at the scale of the contributions' magnitudes (``cp_harness.judging.policy``)."""
     low = dtype in (torch.bfloat16, torch.float16)
     if not (policy.payload_sums and low and expected["terms"] > 1):
         return compare_exact(name, got, exact, grid=grid, rank=rank, gradient=True)
-    return compare_ulp(name, got, exact, budget_ulp=float(expected["terms"] - 1), floor_fraction=1.0,
-                       ulp_dtype=str(dtype).replace("torch.", ""), reference_scale=expected["magnitude"], grid=grid,
-                       rank=rank, gradient=True)
+    return compare_ulp(
+        name,
+        got,
+        exact,
+        budget_ulp=float(expected["terms"] - 1),
+        floor_fraction=1.0,
+        ulp_dtype=str(dtype).replace("torch.", ""),
+        reference_scale=expected["magnitude"],
+        grid=grid,
+        rank=rank,
+        gradient=True,
+    )
 
 
 def _gather_expect(seq_dim: int):
@@ -107,8 +122,14 @@ def _gather_expect(seq_dim: int):
         differentiable = bool(case.get("differentiable", True)) and value.is_floating_point()
         upstream = [upstream_gradient(case, r, value.shape) for r in range(n)] if differentiable else []
         total = accumulate(upstream, value.dtype) if differentiable else None
-        return {"value": value, "differentiable": differentiable, "total": total, "terms": n,
-                "magnitude": _magnitude(upstream)}
+        return {
+            "value": value,
+            "differentiable": differentiable,
+            "total": total,
+            "terms": n,
+            "magnitude": _magnitude(upstream),
+        }
+
     return expect
 
 
@@ -122,20 +143,34 @@ def _gather_evaluate(seq_dim: int):
         grid = TokenGrid(local_len, n) if seq_dim == 1 else None
         for o in outputs:
             report.add(compare_exact(f"output@rank{o.rank}", o.tensors["out"], value, grid=grid, rank=o.rank))
-            report.require(o.info["dtype"] == str(value.dtype), f"rank {o.rank}: output dtype {o.info['dtype']}, input {value.dtype}")
+            report.require(
+                o.info["dtype"] == str(value.dtype),
+                f"rank {o.rank}: output dtype {o.info['dtype']}, input {value.dtype}",
+            )
             if n == 1:
                 report.require(o.info["same_object"], "with one rank the documented result is the input object itself")
             else:
                 report.require(not o.info["same_object"], f"rank {o.rank}: the gathered result must be a new tensor")
             if not differentiable:
-                report.require(not o.info["requires_grad"], f"rank {o.rank}: differentiable=False must give no autograd history")
+                report.require(
+                    not o.info["requires_grad"], f"rank {o.rank}: differentiable=False must give no autograd history"
+                )
         if differentiable:
             total = expected["total"]
             for o in outputs:
-                report.add(_sum_comparison(f"grad@rank{o.rank}", o.tensors["grad"],
-                                           total.narrow(seq_dim, o.rank * local_len, local_len), expected,
-                                           value.dtype, policy, rank=o.rank))
+                report.add(
+                    _sum_comparison(
+                        f"grad@rank{o.rank}",
+                        o.tensors["grad"],
+                        total.narrow(seq_dim, o.rank * local_len, local_len),
+                        expected,
+                        value.dtype,
+                        policy,
+                        rank=o.rank,
+                    )
+                )
         return report
+
     return evaluate
 
 
@@ -143,7 +178,7 @@ def _history_rank(case: dict, ctx) -> tuple[dict, dict]:
     B, L, C = case["shape"]
     width = int(case["width"])
     value = global_value(case, [B, L, C], 1).to(ctx.device)
-    local = value[:, ctx.rank * L:(ctx.rank + 1) * L].clone()
+    local = value[:, ctx.rank * L : (ctx.rank + 1) * L].clone()
     differentiable = local.is_floating_point()  # integer and bool payloads move without autograd
     if differentiable:
         local.requires_grad_(True)
@@ -170,11 +205,16 @@ def _history_expect(case: dict) -> dict:
     for r in range(n):
         # Rank r's output rows are global rows r*L - h .. (r+1)*L - 1: padded rows r*L .. r*L + L + h.
         part = torch.zeros_like(padded)
-        part[:, r * L:r * L + L + h] = upstream_gradient(case, r, (B, L + h, C))
+        part[:, r * L : r * L + L + h] = upstream_gradient(case, r, (B, L + h, C))
         contributions.append(part)
-        readers[r * L:r * L + L + h] += 1
-    return {"value": value, "padded": padded, "grad_total": accumulate(contributions, value.dtype),
-            "terms": int(readers.max()), "magnitude": _magnitude(contributions)}
+        readers[r * L : r * L + L + h] += 1
+    return {
+        "value": value,
+        "padded": padded,
+        "grad_total": accumulate(contributions, value.dtype),
+        "terms": int(readers.max()),
+        "magnitude": _magnitude(contributions),
+    }
 
 
 def _history_evaluate(case: dict, outputs: list, expected: dict, policy) -> CaseReport:
@@ -187,15 +227,26 @@ def _history_evaluate(case: dict, outputs: list, expected: dict, policy) -> Case
     for o in outputs:
         r = o.rank
         # Local row i of rank r's history is global position r*L - h + i (negative: before the sequence).
-        report.add(compare_exact(f"history@rank{r}", o.tensors["out"], padded[:, r * L:r * L + L + h], rank=r))
+        report.add(compare_exact(f"history@rank{r}", o.tensors["out"], padded[:, r * L : r * L + L + h], rank=r))
         report.require(not o.info["same_object"], f"rank {r}: convolution_history must return a new tensor")
-        report.require(o.info["dtype"] == str(value.dtype), f"rank {r}: history dtype {o.info['dtype']}, input {value.dtype}")
+        report.require(
+            o.info["dtype"] == str(value.dtype), f"rank {r}: history dtype {o.info['dtype']}, input {value.dtype}"
+        )
     if not value.is_floating_point():
         return report
     grad_total = expected["grad_total"]
     # Gradients in global order, so a failure names the owning rank and its distance to the boundary.
-    report.add(_sum_comparison("gradient returned to each owner", stack_ranks(outputs, "grad"),
-                               grad_total[:, h:h + n * L], expected, value.dtype, policy, grid=TokenGrid(L, n)))
+    report.add(
+        _sum_comparison(
+            "gradient returned to each owner",
+            stack_ranks(outputs, "grad"),
+            grad_total[:, h : h + n * L],
+            expected,
+            value.dtype,
+            policy,
+            grid=TokenGrid(L, n),
+        )
+    )
     return report
 
 
@@ -207,17 +258,25 @@ def _payload_budget(case: dict, policy, expected: dict):
 def _gather_repro(seq_dim: int, function: str):
     """The gather's script: each rank's shard and upstream gradient from the case's seed, this check's oracle;
     a gather recorded in a model run is judged by ``calls.gathered``."""
+
     def plan(request):
         case = request.case
         expected, n, L = _gather_expect(seq_dim)(case), int(case["world_size"]), list(case["shape"])[seq_dim]
         value, diff = expected["value"], expected["differentiable"]
         call = calls.gather_call(
-            function, seq_dim, [value.narrow(seq_dim, r * L, L) for r in range(n)],
-            [upstream_gradient(case, r, value.shape) for r in range(n)] if diff else None, value,
+            function,
+            seq_dim,
+            [value.narrow(seq_dim, r * L, L) for r in range(n)],
+            [upstream_gradient(case, r, value.shape) for r in range(n)] if diff else None,
+            value,
             [expected["total"].narrow(seq_dim, r * L, L) for r in range(n)] if diff else None,
-            _payload_budget(case, request.policy, expected), repr(diff), "drawn from the case's seed",
-            case.get("mesh") != "none")
+            _payload_budget(case, request.policy, expected),
+            repr(diff),
+            "drawn from the case's seed",
+            case.get("mesh") != "none",
+        )
         return calls.plan(call, request.subject(function), request.name, request.case_text)
+
     return Repro(plan=plan, replays={function: calls.recorded_gather(function, seq_dim)})
 
 
@@ -226,12 +285,15 @@ def _history_plan(request):
     expected, n, (B, L, C), width = _history_expect(case), int(case["world_size"]), case["shape"], int(case["width"])
     padded, diff, h = expected["padded"], expected["grad_total"] is not None, width - 1
     call = calls.history_call(
-        [expected["value"][:, r * L:(r + 1) * L] for r in range(n)],
+        [expected["value"][:, r * L : (r + 1) * L] for r in range(n)],
         [upstream_gradient(case, r, (B, L + h, C)) for r in range(n)] if diff else None,
-        [padded[:, r * L:r * L + L + h] for r in range(n)],
-        [expected["grad_total"][:, h + r * L:h + (r + 1) * L] for r in range(n)] if diff else None,
-        _payload_budget(case, request.policy, expected) if diff else None, width, "drawn from the case's seed",
-        case.get("mesh") != "none")
+        [padded[:, r * L : r * L + L + h] for r in range(n)],
+        [expected["grad_total"][:, h + r * L : h + (r + 1) * L] for r in range(n)] if diff else None,
+        _payload_budget(case, request.policy, expected) if diff else None,
+        width,
+        "drawn from the case's seed",
+        case.get("mesh") != "none",
+    )
     return calls.plan(call, request.subject(call.function), request.name, request.case_text)
 
 
@@ -248,7 +310,9 @@ def gather_cases(draw, space=None, check: str | None = None) -> dict:
     payload = draw(payload_dtypes(space))
     local = draw(st.integers(min_value=1, max_value=5))
     rest = draw(st.lists(st.integers(min_value=1, max_value=3), min_size=0, max_size=2))
-    shape = [draw(st.integers(min_value=1, max_value=3)), local, *rest] if check == "gather_sequence" else [local, *rest]
+    shape = (
+        [draw(st.integers(min_value=1, max_value=3)), local, *rest] if check == "gather_sequence" else [local, *rest]
+    )
     case = with_payload({"check": check, "world_size": n, "seed": draw(seeds)}, payload)
     case["shape"] = shape
     case["differentiable"] = draw(st.booleans()) if payload in FLOAT_DTYPES else False
@@ -265,11 +329,15 @@ def history_cases(draw, space=None) -> dict:
     n = draw(world_sizes(space))
     local = draw(st.integers(min_value=1, max_value=4))
     width = draw(st.integers(min_value=1, max_value=3 * local + 2))
-    case = with_payload({"check": "convolution_history", "world_size": n, "seed": draw(seeds)},
-                        draw(payload_dtypes(space)))
-    case.update({
+    case = with_payload(
+        {"check": "convolution_history", "world_size": n, "seed": draw(seeds)}, draw(payload_dtypes(space))
+    )
+    case.update(
+        {
             "shape": [draw(st.integers(min_value=1, max_value=2)), local, draw(st.integers(min_value=1, max_value=3))],
-            "width": width})
+            "width": width,
+        }
+    )
     if n == 1 and draw(st.booleans()):
         case["mesh"] = "none"
     return case
@@ -288,15 +356,16 @@ def _history_arrays(case: dict, expected: dict) -> dict[str, torch.Tensor]:
     _, L, _ = case["shape"]
     h = int(case["width"]) - 1
     padded = expected["padded"]
-    out = {"expected_history": torch.stack([padded[:, r * L:r * L + L + h] for r in range(n)])}
+    out = {"expected_history": torch.stack([padded[:, r * L : r * L + L + h] for r in range(n)])}
     if expected["grad_total"] is not None:
-        out["expected_grad"] = expected["grad_total"][:, h:h + n * L]
+        out["expected_grad"] = expected["grad_total"][:, h : h + n * L]
     return out
 
 
 def _grad_axis(axis: int):
     def rank_axis(case: dict, tensor: str) -> int | None:
         return axis if tensor == "grad" else None
+
     return rank_axis
 
 

@@ -24,18 +24,24 @@ def _select(pattern: str | None) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cp_harness golden", description="golden files (docs/golden.md)")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command, text in (("check", "compare the current oracle and implementation with the golden files"),
-                          ("update", "regenerate the golden files that changed (CPU, gloo) and print what changed"),
-                          ("list", "list the canonical cases")):
+    for command, text in (
+        ("check", "compare the current oracle and implementation with the golden files"),
+        ("update", "regenerate the golden files that changed (CPU, gloo) and print what changed"),
+        ("list", "list the canonical cases"),
+    ):
         p = sub.add_parser(command, help=text)
         if command == "list":
             continue
         p.add_argument("-k", dest="pattern", default=None, help="only cases whose name contains this")
-        p.add_argument("--dir", default=None, help=f"golden folder (default: $CP_HARNESS_GOLDEN_DIR, else {GOLDEN_DIR})")
+        p.add_argument(
+            "--dir", default=None, help=f"golden folder (default: $CP_HARNESS_GOLDEN_DIR, else {GOLDEN_DIR})"
+        )
         options.add_cli_options(p, "golden")
         if command == "check":
             p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
-            p.add_argument("--storage-only", action="store_true", help="verify the files and the oracle; start no ranks")
+            p.add_argument(
+                "--storage-only", action="store_true", help="verify the files and the oracle; start no ranks"
+            )
     args = parser.parse_args(argv)
     if args.command == "list":
         for name, case in CASES.items():
@@ -54,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     failures = 0
     stale = stale_folders(args.dir)
     if stale and not args.pattern:
-        print(f"FAIL stale golden folders (not in cp_harness.golden.CASES): {', '.join(stale)}; regenerate with: {REGENERATE}")
+        print(
+            f"FAIL stale golden folders (not in cp_harness.golden.CASES): {', '.join(stale)}; regenerate with: {REGENERATE}"
+        )
     runner = None if args.storage_only else _runner(impl, args.backend, names)
     # Pipelined: the ranks run the next cases while this one is checked.
     runs = None if runner is None else runner.run_outputs_many([CASES[name] for name in names])
@@ -69,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
                 failures += 1
                 continue
             if verdict.ok:
-                same = {True: ", bit-identical", False: ", within budget (not bit-identical)", None: ""}[verdict.bit_identical]
+                same = {True: ", bit-identical", False: ", within budget (not bit-identical)", None: ""}[
+                    verdict.bit_identical
+                ]
                 print(f"ok   {name} ({len(verdict.comparisons)} comparisons{same})")
             else:
                 print(f"FAIL {verdict.format()}")

@@ -56,8 +56,14 @@ def _mode(case: dict, arr: np.ndarray) -> str:
     return "ulp"
 
 
-def compare_arrays(case: dict, kind: str, actual: dict[str, np.ndarray], expected: dict[str, np.ndarray], *,
-                   oracle: dict[str, np.ndarray] | None = None) -> tuple[list[Comparison], list[str]]:
+def compare_arrays(
+    case: dict,
+    kind: str,
+    actual: dict[str, np.ndarray],
+    expected: dict[str, np.ndarray],
+    *,
+    oracle: dict[str, np.ndarray] | None = None,
+) -> tuple[list[Comparison], list[str]]:
     """Compare current arrays with golden ones: ``(comparisons, problems)``.
 
     ``kind``: ``"oracle"`` (float64 references; arithmetic within the float64
@@ -86,8 +92,18 @@ def compare_arrays(case: dict, kind: str, actual: dict[str, np.ndarray], expecte
             comparisons.append(compare_exact(label, a, e, mask=mask, grid=_grid(case, kind, name, e)))
         else:
             budget = STRICT.budget(checks.check_of(case), ulp_dtype)
-            comparisons.append(compare_ulp(label, a, e, budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction,
-                                       mask=mask, grid=_grid(case, kind, name, e), ulp_dtype=ulp_dtype))
+            comparisons.append(
+                compare_ulp(
+                    label,
+                    a,
+                    e,
+                    budget_ulp=budget.ulp,
+                    floor_fraction=budget.floor_fraction,
+                    mask=mask,
+                    grid=_grid(case, kind, name, e),
+                    ulp_dtype=ulp_dtype,
+                )
+            )
     return comparisons, problems
 
 
@@ -122,14 +138,20 @@ def verify(golden: Golden, outputs: list | None, *, implementation: str = "cp_im
     verdict = Verdict(name=golden.name, case=case, path=str(golden.path))
     recorded = golden.manifest["torch_version"]
     if recorded != torch.__version__:
-        verdict.notes.append(f"the golden files were made with PyTorch {recorded}; this run uses PyTorch {torch.__version__}")
+        verdict.notes.append(
+            f"the golden files were made with PyTorch {recorded}; this run uses PyTorch {torch.__version__}"
+        )
     elif golden.manifest["numerics_platform"] != numerics_platform():
-        verdict.notes.append(f"the golden files were made on {golden.manifest['numerics_platform']}; this run is on "
-                             f"{numerics_platform()}: float results may differ in their last bits (compared within budgets)")
+        verdict.notes.append(
+            f"the golden files were made on {golden.manifest['numerics_platform']}; this run is on "
+            f"{numerics_platform()}: float results may differ in their last bits (compared within budgets)"
+        )
     made_by = golden.manifest["produced_by"]
     if backend != made_by.get("backend") or implementation != made_by.get("implementation"):
-        verdict.notes.append(f"the golden implementation results come from {made_by.get('implementation')!r} on "
-                             f"{made_by.get('backend')}; this run judges {implementation!r} on {backend}")
+        verdict.notes.append(
+            f"the golden implementation results come from {made_by.get('implementation')!r} on "
+            f"{made_by.get('backend')}; this run judges {implementation!r} on {backend}"
+        )
     oracle_now = oracle_arrays(case)
     comps, probs = compare_arrays(case, "oracle", oracle_now, golden.oracle)
     verdict.comparisons += comps
@@ -137,8 +159,9 @@ def verify(golden: Golden, outputs: list | None, *, implementation: str = "cp_im
     expected = checks.expect(case)  # the oracle once, for both verdicts (it is only read)
     golden_report = checks.evaluate(case, golden.rank_outputs(), expected)
     if not golden_report.ok:
-        verdict.problems.append("the check rejects the golden implementation results against the oracle:\n"
-                                + report_text(golden_report))
+        verdict.problems.append(
+            "the check rejects the golden implementation results against the oracle:\n" + report_text(golden_report)
+        )
     if outputs is not None:
         try:
             impl_now, rules, info = impl_arrays(case, outputs)
@@ -150,8 +173,13 @@ def verify(golden: Golden, outputs: list | None, *, implementation: str = "cp_im
         verdict.problems += probs
         report = checks.evaluate(case, outputs, expected)
         if not report.ok:
-            verdict.problems.append("the check rejects the current implementation against the oracle:\n" + report_text(report))
-        verdict.bit_identical = (encode_npz(oracle_now) == encode_npz(golden.oracle)
-                                 and encode_npz(impl_now) == encode_npz(golden.impl) and rules == golden.rules
-                                 and info == golden.manifest["rank_info"])
+            verdict.problems.append(
+                "the check rejects the current implementation against the oracle:\n" + report_text(report)
+            )
+        verdict.bit_identical = (
+            encode_npz(oracle_now) == encode_npz(golden.oracle)
+            and encode_npz(impl_now) == encode_npz(golden.impl)
+            and rules == golden.rules
+            and info == golden.manifest["rank_info"]
+        )
     return verdict

@@ -33,7 +33,7 @@ def _canonical_cases() -> dict[str, dict]:
     a Hypothesis ``@example``, and vice versa."""
     found: dict[str, dict] = {}
     for check in checks.load_checks().values():
-        for name, case in (check.golden.cases.items() if check.golden is not None else ()):
+        for name, case in check.golden.cases.items() if check.golden is not None else ():
             if name in found:
                 raise ValueError(f"golden case {name!r} is listed by two checks")
             found[name] = case
@@ -58,8 +58,11 @@ def numerics_platform() -> dict[str, str]:
                     model = value.strip()
     except OSError:
         pass
-    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cpu": f"{vendor} {model}".strip()}
+    return {
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu": f"{vendor} {model}".strip(),
+    }
 
 
 class GoldenError(Exception):
@@ -109,7 +112,9 @@ def impl_arrays(case: dict, outputs: list) -> tuple[dict[str, np.ndarray], dict[
     names = sorted(outputs[0].tensors)
     for o in outputs:
         if sorted(o.tensors) != names:
-            raise GoldenError(f"case {canonical(case)}: rank {o.rank} returned tensors {sorted(o.tensors)}, rank 0 {names}")
+            raise GoldenError(
+                f"case {canonical(case)}: rank {o.rank} returned tensors {sorted(o.tensors)}, rank 0 {names}"
+            )
     arrays, rules = {}, {}
     for name in names:
         rule = combine_rule(case, name)
@@ -130,8 +135,10 @@ def rank_outputs(arrays: dict[str, np.ndarray], rules: dict[str, dict], rank_inf
         parts = np.split(arr, n, axis=rule["axis"]) if rule["combine"] == "concat" else list(arr)
         for r in range(n):
             per_rank[r][name] = np.array(parts[r], order="C", copy=True)
-    return [RankOutput(rank=r, ok=True, info=copy.deepcopy(rank_info[r]), tensors=per_rank[r], comm=[], seconds=0.0)
-            for r in range(n)]
+    return [
+        RankOutput(rank=r, ok=True, info=copy.deepcopy(rank_info[r]), tensors=per_rank[r], comm=[], seconds=0.0)
+        for r in range(n)
+    ]
 
 
 def _jsonable(value):

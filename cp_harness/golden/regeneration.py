@@ -65,8 +65,10 @@ def _describe_changes(kind: str, old: dict[str, np.ndarray], new: dict[str, np.n
         if a.dtype.kind in "fc":
             c = compare_ulp(name, a, e, budget_ulp=math.inf, ulp_dtype=ulp_dtype)
             changed = int(np.sum(~((a == e) | (np.isnan(a) & np.isnan(e)))))
-            lines.append(f"{kind} {name}: {changed} of {a.size} elements changed, max |change| {c.max_abs:.3g}, "
-                         f"max {c.max_ulp:.3g} ULP")
+            lines.append(
+                f"{kind} {name}: {changed} of {a.size} elements changed, max |change| {c.max_abs:.3g}, "
+                f"max {c.max_ulp:.3g} ULP"
+            )
         else:
             changed = int(np.sum(a != e))
             diff = np.abs(a.astype(np.float64) - e.astype(np.float64)).max() if a.size else 0.0
@@ -91,8 +93,15 @@ def _write_if_changed(path: Path, data: bytes) -> bool:
     return True
 
 
-def regenerate(name: str, case: dict, outputs: list, root: Path | str = GOLDEN_DIR, *,
-               implementation: str = "cp_impl", backend: str = "gloo") -> Change:
+def regenerate(
+    name: str,
+    case: dict,
+    outputs: list,
+    root: Path | str = GOLDEN_DIR,
+    *,
+    implementation: str = "cp_impl",
+    backend: str = "gloo",
+) -> Change:
     """Write ``root/name`` from the current oracle and the ranks' ``outputs``, touching only what changed.
 
     Refuses (``GoldenError``) when the check itself rejects the outputs (a
@@ -103,8 +112,9 @@ def regenerate(name: str, case: dict, outputs: list, root: Path | str = GOLDEN_D
         raise GoldenError(f"golden files are made on CPU (gloo); refusing to regenerate {name!r} from a {backend} run")
     report = checks.evaluate(case, outputs)
     if not report.ok:
-        raise GoldenError(f"refusing to pin {name!r}: the check rejects the implementation {implementation!r}:\n"
-                          f"{report_text(report)}")
+        raise GoldenError(
+            f"refusing to pin {name!r}: the check rejects the implementation {implementation!r}:\n{report_text(report)}"
+        )
     oracle = oracle_arrays(case)
     impl, rules, info = impl_arrays(case, outputs)
     folder = Path(root) / name
@@ -116,8 +126,12 @@ def regenerate(name: str, case: dict, outputs: list, root: Path | str = GOLDEN_D
         except GoldenError as exc:
             reason = str(exc).splitlines()[0]
     if old is not None:
-        same = (encode_npz(oracle) == encode_npz(old.oracle) and encode_npz(impl) == encode_npz(old.impl)
-                and rules == old.rules and _jsonable(info) == old.manifest["rank_info"])
+        same = (
+            encode_npz(oracle) == encode_npz(old.oracle)
+            and encode_npz(impl) == encode_npz(old.impl)
+            and rules == old.rules
+            and _jsonable(info) == old.manifest["rank_info"]
+        )
         if same:
             return Change(name, "unchanged")
     files = build_files(name, case, oracle, impl, rules, info, implementation=implementation, backend=backend)
@@ -169,11 +183,19 @@ def _runner(impl: str, backend: str, names: list[str]):
     from cp_harness.ranks.pool import PoolConfig
     from cp_harness.runner import CaseRunner
 
-    return CaseRunner(PoolConfig(world_size=max(int(CASES[n]["world_size"]) for n in names), backend=backend, impl=impl))
+    return CaseRunner(
+        PoolConfig(world_size=max(int(CASES[n]["world_size"]) for n in names), backend=backend, impl=impl)
+    )
 
 
-def update(names: list[str] | None = None, root: Path | str = GOLDEN_DIR, *, impl: str | None = None,
-           runner=None, out: Callable[[str], None] = print) -> list[Change]:
+def update(
+    names: list[str] | None = None,
+    root: Path | str = GOLDEN_DIR,
+    *,
+    impl: str | None = None,
+    runner=None,
+    out: Callable[[str], None] = print,
+) -> list[Change]:
     """Regenerate ``names`` (default: every case; stale folders are removed then) and print the summary."""
     from cp_harness.cases.implementation import DEFAULT_IMPL
 
@@ -186,7 +208,9 @@ def update(names: list[str] | None = None, root: Path | str = GOLDEN_DIR, *, imp
     try:
         # Pipelined: the ranks run the next cases while this one is judged and written.
         for name, outputs in zip(names, runner.run_outputs_many([CASES[name] for name in names])):
-            changes.append(regenerate(name, CASES[name], outputs, root, implementation=impl, backend=runner.config.backend))
+            changes.append(
+                regenerate(name, CASES[name], outputs, root, implementation=impl, backend=runner.config.backend)
+            )
     finally:
         if own:
             runner.close()

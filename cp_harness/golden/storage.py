@@ -93,9 +93,18 @@ def seal_manifest(manifest: dict) -> bytes:
     return (_dump_json(manifest) + "\n").encode()
 
 
-def build_files(name: str, case: dict, oracle: dict[str, np.ndarray], impl: dict[str, np.ndarray],
-                rules: dict[str, dict], rank_info: list[dict], *, implementation: str = "cp_impl",
-                backend: str = "gloo", torch_version: str | None = None) -> dict[str, bytes]:
+def build_files(
+    name: str,
+    case: dict,
+    oracle: dict[str, np.ndarray],
+    impl: dict[str, np.ndarray],
+    rules: dict[str, dict],
+    rank_info: list[dict],
+    *,
+    implementation: str = "cp_impl",
+    backend: str = "gloo",
+    torch_version: str | None = None,
+) -> dict[str, bytes]:
     """Every file of one golden case, as bytes: ``{"manifest.json": ..., "oracle.npz": ..., "impl.npz": ...}``."""
     blobs = {ORACLE_FILE: encode_npz(oracle), IMPL_FILE: encode_npz(impl)}
     impl_specs = _array_specs(impl)
@@ -103,7 +112,7 @@ def build_files(name: str, case: dict, oracle: dict[str, np.ndarray], impl: dict
         spec["ranks"] = rules[array]
     manifest = {
         "about": "CP harness golden case: oracle.npz holds the oracle's reference arrays, impl.npz the ranks' results "
-                 "combined in rank order. Do not edit; regenerate with: " + REGENERATE,
+        "combined in rank order. Do not edit; regenerate with: " + REGENERATE,
         "name": name,
         "case": _jsonable(case),
         "case_id": case_id(case),
@@ -117,10 +126,16 @@ def build_files(name: str, case: dict, oracle: dict[str, np.ndarray], impl: dict
         "produced_by": {"implementation": implementation, "backend": backend},
         "rank_info": _jsonable(rank_info),
         "files": {
-            ORACLE_FILE: {"sha256": hashlib.sha256(blobs[ORACLE_FILE]).hexdigest(), "size": len(blobs[ORACLE_FILE]),
-                          "arrays": _array_specs(oracle)},
-            IMPL_FILE: {"sha256": hashlib.sha256(blobs[IMPL_FILE]).hexdigest(), "size": len(blobs[IMPL_FILE]),
-                        "arrays": impl_specs},
+            ORACLE_FILE: {
+                "sha256": hashlib.sha256(blobs[ORACLE_FILE]).hexdigest(),
+                "size": len(blobs[ORACLE_FILE]),
+                "arrays": _array_specs(oracle),
+            },
+            IMPL_FILE: {
+                "sha256": hashlib.sha256(blobs[IMPL_FILE]).hexdigest(),
+                "size": len(blobs[IMPL_FILE]),
+                "arrays": impl_specs,
+            },
         },
     }
     return {MANIFEST: seal_manifest(manifest), **blobs}
@@ -148,8 +163,20 @@ class Golden:
         return rank_outputs(self.impl, self.rules, self.manifest["rank_info"])
 
 
-_REQUIRED_KEYS = ("name", "case", "check", "dtype", "generator_version", "format_version", "torch_version",
-                  "numerics_platform", "produced_by", "rank_info", "files", "manifest_sha256")
+_REQUIRED_KEYS = (
+    "name",
+    "case",
+    "check",
+    "dtype",
+    "generator_version",
+    "format_version",
+    "torch_version",
+    "numerics_platform",
+    "produced_by",
+    "rank_info",
+    "files",
+    "manifest_sha256",
+)
 
 
 def _read_manifest(path: Path) -> dict:
@@ -189,7 +216,9 @@ def _read_arrays(path: Path, entry: dict) -> dict[str, np.ndarray]:
         raise _fail(path, f"{what}: {len(raw)} bytes, manifest.json records {entry.get('size')}")
     digest = hashlib.sha256(raw).hexdigest()
     if digest != entry.get("sha256"):
-        raise _fail(path, f"SHA-256 mismatch (edited or corrupted): {digest}, manifest.json records {entry.get('sha256')}")
+        raise _fail(
+            path, f"SHA-256 mismatch (edited or corrupted): {digest}, manifest.json records {entry.get('sha256')}"
+        )
     specs = entry.get("arrays", {})
     for array, spec in specs.items():
         if "O" in str(spec.get("dtype")) or str(spec.get("dtype")) == "object":
@@ -215,8 +244,11 @@ def _read_arrays(path: Path, entry: dict) -> dict[str, np.ndarray]:
                 raise _fail(path, f"array {array!r} unreadable ({exc})") from None
             spec = specs[array]
             if str(value.dtype) != spec.get("dtype") or list(value.shape) != spec.get("shape"):
-                raise _fail(path, f"array {array!r} is {value.dtype} {list(value.shape)}, "
-                                  f"manifest.json records {spec.get('dtype')} {spec.get('shape')}")
+                raise _fail(
+                    path,
+                    f"array {array!r} is {value.dtype} {list(value.shape)}, "
+                    f"manifest.json records {spec.get('dtype')} {spec.get('shape')}",
+                )
             arrays[array] = value
     return arrays
 
@@ -235,11 +267,17 @@ def load(name: str, root: Path | str = GOLDEN_DIR, *, expected_case: dict | None
     if expected_case is None:
         expected_case = CASES.get(name)
     if expected_case is not None and canonical(manifest["case"]) != canonical(expected_case):
-        raise _fail(manifest_path, f"records case {canonical(manifest['case'])}, but cp_harness.golden.CASES[{name!r}] "
-                                   f"is {canonical(expected_case)}")
+        raise _fail(
+            manifest_path,
+            f"records case {canonical(manifest['case'])}, but cp_harness.golden.CASES[{name!r}] "
+            f"is {canonical(expected_case)}",
+        )
     if manifest["generator_version"] != GENERATOR_VERSION:
-        raise _fail(manifest_path, f"made with generator version {manifest['generator_version']}, "
-                                   f"cp_harness.cases.descriptions.GENERATOR_VERSION is now {GENERATOR_VERSION}")
+        raise _fail(
+            manifest_path,
+            f"made with generator version {manifest['generator_version']}, "
+            f"cp_harness.cases.descriptions.GENERATOR_VERSION is now {GENERATOR_VERSION}",
+        )
     oracle = _read_arrays(folder / ORACLE_FILE, manifest["files"][ORACLE_FILE])
     impl = _read_arrays(folder / IMPL_FILE, manifest["files"][IMPL_FILE])
     n = int(manifest["case"]["world_size"])
@@ -247,10 +285,19 @@ def load(name: str, root: Path | str = GOLDEN_DIR, *, expected_case: dict | None
         raise _fail(manifest_path, f"rank_info must list {n} ranks")
     for array, spec in manifest["files"][IMPL_FILE]["arrays"].items():
         rule = spec.get("ranks")
-        ok = rule == {"combine": "stack"} and impl[array].shape[:1] == (n,) or \
-            isinstance(rule, dict) and rule.get("combine") == "concat" and isinstance(rule.get("axis"), int) \
-            and 0 <= rule["axis"] < impl[array].ndim and impl[array].shape[rule["axis"]] % n == 0
+        ok = (
+            rule == {"combine": "stack"}
+            and impl[array].shape[:1] == (n,)
+            or isinstance(rule, dict)
+            and rule.get("combine") == "concat"
+            and isinstance(rule.get("axis"), int)
+            and 0 <= rule["axis"] < impl[array].ndim
+            and impl[array].shape[rule["axis"]] % n == 0
+        )
         if not ok:
-            raise _fail(manifest_path, f"impl array {array!r}: rank combination {rule!r} does not fit shape "
-                                       f"{list(impl[array].shape)} and {n} ranks")
+            raise _fail(
+                manifest_path,
+                f"impl array {array!r}: rank combination {rule!r} does not fit shape "
+                f"{list(impl[array].shape)} and {n} ranks",
+            )
     return Golden(name=name, path=folder, manifest=manifest, oracle=oracle, impl=impl)

@@ -90,9 +90,13 @@ from cp_harness.instruments.leaks import process_group as _process_group
 # (CompositeImplicitAutograd) into ``_c10d_functional`` ops, which are counted.
 HOOKED_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 # Operators of those namespaces that move nothing between ranks.
-_NOT_COMMUNICATION = frozenset({
-    "_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd", "c10d::check_for_nan",
-})
+_NOT_COMMUNICATION = frozenset(
+    {
+        "_c10d_functional::wait_tensor",
+        "_c10d_functional::_wrap_tensor_autograd",
+        "c10d::check_for_nan",
+    }
+)
 
 
 @dataclasses.dataclass
@@ -128,8 +132,6 @@ _calls: list[CollectiveCall] | None = None
 _allowed: frozenset[int] | None = None  # global ranks the recorded block may reach (None: any)
 _installed = False
 _local = threading.local()  # .inside: a communication op is running (its inner calls are part of it)
-
-
 
 
 # ------------------------------------------------------------------ byte rules
@@ -194,8 +196,9 @@ def _reduce_scatter_functional(inputs, n: int) -> list[Record]:
     return [("reduce_scatter", _first(inputs), sum(t.numel() for t in inputs) // n, (n - 1) * b, (n - 1) * b)]
 
 
-def _all_to_all_single(inp: torch.Tensor, out_rows: int | None, out_splits, in_splits, n: int, r: int,
-                       row_out: int) -> list[Record]:
+def _all_to_all_single(
+    inp: torch.Tensor, out_rows: int | None, out_splits, in_splits, n: int, r: int, row_out: int
+) -> list[Record]:
     row_in = _nbytes(inp) // max(inp.shape[0], 1) if inp.dim() else _nbytes(inp)
     in_splits = list(in_splits) if in_splits else [(inp.shape[0] if inp.dim() else 1) // n] * n
     out_splits = list(out_splits) if out_splits else ([out_rows // n] * n if out_rows is not None else in_splits)
@@ -215,8 +218,9 @@ def _rooted(op: str, tensors, n: int, r: int, root: int, *, root_sends: bool) ->
 
 def _p2p(op: str, tensors) -> list[Record]:
     b = sum(_nbytes(t) for t in tensors)
-    return [(op, _first(tensors), sum(t.numel() for t in tensors), b if op == "isend" else 0,
-             b if op == "irecv" else 0)]
+    return [
+        (op, _first(tensors), sum(t.numel() for t in tensors), b if op == "isend" else 0, b if op == "irecv" else 0)
+    ]
 
 
 def _row_bytes(t: torch.Tensor) -> int:
@@ -240,16 +244,34 @@ _RULES: dict[str, Callable[[dict, int, int], list[Record]]] = {
     "c10d::allreduce_": lambda a, n, r: _all_reduce(a["tensors"], n),
     "c10d::allreduce_coalesced_": lambda a, n, r: _all_reduce(a["tensors"], n),
     "c10d::reduce_scatter_": lambda a, n, r: [
-        ("reduce_scatter", _first(a["output_tensors"]), sum(t.numel() for t in a["output_tensors"]),
-         sum(_others(ins, r) for ins in a["input_tensors"]), (n - 1) * sum(_nbytes(t) for t in a["output_tensors"]))],
+        (
+            "reduce_scatter",
+            _first(a["output_tensors"]),
+            sum(t.numel() for t in a["output_tensors"]),
+            sum(_others(ins, r) for ins in a["input_tensors"]),
+            (n - 1) * sum(_nbytes(t) for t in a["output_tensors"]),
+        )
+    ],
     "c10d::_reduce_scatter_base_": lambda a, n, r: _reduce_scatter_out([a["output_tensor"]], n),
     "c10d::reduce_scatter_tensor_coalesced_": lambda a, n, r: _reduce_scatter_out(a["outputs"], n),
     "c10d::alltoall_": lambda a, n, r: [
-        ("all_to_all", _first(a["input_tensors"]), sum(t.numel() for t in a["input_tensors"]),
-         _others(a["input_tensors"], r), _others(a["output_tensors"], r))],
+        (
+            "all_to_all",
+            _first(a["input_tensors"]),
+            sum(t.numel() for t in a["input_tensors"]),
+            _others(a["input_tensors"], r),
+            _others(a["output_tensors"], r),
+        )
+    ],
     "c10d::alltoall_base_": lambda a, n, r: _all_to_all_single(
-        a["input"], a["output"].shape[0] if a["output"].dim() else 1, a["output_split_sizes"],
-        a["input_split_sizes"], n, r, _row_bytes(a["output"])),
+        a["input"],
+        a["output"].shape[0] if a["output"].dim() else 1,
+        a["output_split_sizes"],
+        a["input_split_sizes"],
+        n,
+        r,
+        _row_bytes(a["output"]),
+    ),
     "c10d::broadcast_": lambda a, n, r: _rooted("broadcast", a["tensors"], n, r, a["root_rank"], root_sends=True),
     "c10d::scatter_": lambda a, n, r: _rooted("scatter", a["output_tensors"], n, r, a["root_rank"], root_sends=True),
     "c10d::gather_": lambda a, n, r: _rooted("gather", a["input_tensors"], n, r, a["root_rank"], root_sends=False),
@@ -271,7 +293,8 @@ _RULES: dict[str, Callable[[dict, int, int], list[Record]]] = {
     "_c10d_functional::reduce_scatter_tensor_out": lambda a, n, r: _reduce_scatter_functional([a["input"]], n),
     "_c10d_functional::reduce_scatter_tensor_coalesced": lambda a, n, r: _reduce_scatter_functional(a["inputs"], n),
     "_c10d_functional::all_to_all_single": lambda a, n, r: _all_to_all_single(
-        a["input"], None, a["output_split_sizes"], a["input_split_sizes"], n, r, _row_bytes(a["input"])),
+        a["input"], None, a["output_split_sizes"], a["input_split_sizes"], n, r, _row_bytes(a["input"])
+    ),
     "_c10d_functional::broadcast": lambda a, n, r: _rooted("broadcast", [a["input"]], n, r, a["src"], root_sends=True),
     "_c10d_functional::broadcast_": lambda a, n, r: _rooted("broadcast", [a["input"]], n, r, a["src"], root_sends=True),
     "_c10d_functional::isend": lambda a, n, r: _p2p("isend", [a["tensor"]]),
@@ -321,12 +344,24 @@ def account(name: str, a: dict[str, Any]) -> list[CollectiveCall]:
         except Exception as exc:  # noqa: BLE001 - arguments the rule did not expect: unknown bytes, not a crash
             reason = f"byte rule for {name} failed: {type(exc).__name__}: {exc}"
         else:
-            return [CollectiveCall(op, group_size, _dtype(t), int(numel), int(sent), int(recv), name)
-                    for op, t, numel, sent, recv in records]
+            return [
+                CollectiveCall(op, group_size, _dtype(t), int(numel), int(sent), int(recv), name)
+                for op, t, numel, sent, recv in records
+            ]
     tensors = [t for v in a.values() for t in _tensors_in(v)]
     first = tensors[0] if tensors else None
-    return [CollectiveCall(name, group_size, _dtype(first) if first is not None else "", first.numel() if first is not None else 0,
-                           None, None, name, reason)]
+    return [
+        CollectiveCall(
+            name,
+            group_size,
+            _dtype(first) if first is not None else "",
+            first.numel() if first is not None else 0,
+            None,
+            None,
+            name,
+            reason,
+        )
+    ]
 
 
 # ------------------------------------------------------------------ the dispatcher hook
@@ -425,8 +460,11 @@ def recording(allowed=None) -> Iterator[list[CollectiveCall]]:
 
 def unaccounted(calls: list[CollectiveCall] | list[dict]) -> list[str]:
     """Sorted names of the ops among ``calls`` whose bytes are unknown."""
-    ops = {(c["op"] if isinstance(c, dict) else c.op) for c in calls
-           if (c.get("unaccounted") if isinstance(c, dict) else c.unaccounted)}
+    ops = {
+        (c["op"] if isinstance(c, dict) else c.op)
+        for c in calls
+        if (c.get("unaccounted") if isinstance(c, dict) else c.unaccounted)
+    }
     return sorted(ops)
 
 

@@ -97,12 +97,19 @@ def _copy(value: Any) -> Any:
 def _capture(name: str, fn: Callable, args: tuple, kwargs: dict, out: Any) -> None:
     if _captured is None or not isinstance(out, torch.Tensor):
         return
-    entry = Captured(name, fn, tuple(_copy(a) for a in args), {k: _copy(v) for k, v in kwargs.items()},
-                     tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args))
+    entry = Captured(
+        name,
+        fn,
+        tuple(_copy(a) for a in args),
+        {k: _copy(v) for k, v in kwargs.items()},
+        tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args),
+    )
     _captured.append(entry)
     if out.requires_grad:
+
         def keep(grad: torch.Tensor) -> None:
             entry.upstream = grad.detach().clone()  # a copy: a backward may write into the gradient it is handed
+
         out.register_hook(keep)
 
 
@@ -113,6 +120,7 @@ def _recorded(name: str, fn: Callable) -> Callable:
         out = fn(*args, **kwargs)
         _capture(name, fn, args, kwargs, out)
         return out
+
     return call
 
 
@@ -157,8 +165,14 @@ def replay(captured: list[Captured]) -> tuple[list[dict], dict[str, torch.Tensor
             for j, leaf in leaves:
                 if leaf.grad is not None:
                     _wire(tensors, described, f"call{i}/grad{j}", leaf.grad)
-        calls.append({"function": entry.function, "arguments": len(entry.args), "tensors": described,
-                      "others": {str(j): repr(a) for j, a in enumerate(entry.args) if not isinstance(a, torch.Tensor)}})
+        calls.append(
+            {
+                "function": entry.function,
+                "arguments": len(entry.args),
+                "tensors": described,
+                "others": {str(j): repr(a) for j, a in enumerate(entry.args) if not isinstance(a, torch.Tensor)},
+            }
+        )
     return calls, tensors
 
 

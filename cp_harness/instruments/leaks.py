@@ -52,8 +52,12 @@ def _members(pg) -> list[int]:
 
 
 # Point-to-point ops: the argument naming the peer (a rank of the call's group), and the direction.
-_PEER_ARGS = {"c10d::send": ("dst", "to"), "c10d::recv_": ("src", "from"), "_c10d_functional::isend": ("dst", "to"),
-              "_c10d_functional::irecv": ("src", "from")}
+_PEER_ARGS = {
+    "c10d::send": ("dst", "to"),
+    "c10d::recv_": ("src", "from"),
+    "_c10d_functional::isend": ("dst", "to"),
+    "_c10d_functional::irecv": ("src", "from"),
+}
 
 
 def leak(name: str, a: dict[str, Any], allowed: frozenset[int]) -> str | None:
@@ -65,23 +69,32 @@ def leak(name: str, a: dict[str, Any], allowed: frozenset[int]) -> str | None:
         return None
     inside = f"this rank's CP group {sorted(allowed)}"
     if name in _PEER_ARGS or name == "_c10d_functional::batch_p2p_ops":
-        peers = ([(a[_PEER_ARGS[name][0]], _PEER_ARGS[name][1])] if name in _PEER_ARGS else
-                 [(p, "to" if "send" in kind else "from") for kind, p in zip(a["op_list"], a["peer_list"])])
+        peers = (
+            [(a[_PEER_ARGS[name][0]], _PEER_ARGS[name][1])]
+            if name in _PEER_ARGS
+            else [(p, "to" if "send" in kind else "from") for kind, p in zip(a["op_list"], a["peer_list"])]
+        )
         for peer, way in peers:
             target = members[int(peer)] if 0 <= int(peer) < len(members) else None
             if target == dist.get_rank():  # gloo waits forever on a message to itself
-                return (f"a point-to-point message {way} this rank itself (global rank {target}, peer {int(peer)} of "
-                        f"a group of global ranks {members}): a peer computed from a CP rank taken as a global "
-                        f"rank, or a global rank taken as a CP rank?")
+                return (
+                    f"a point-to-point message {way} this rank itself (global rank {target}, peer {int(peer)} of "
+                    f"a group of global ranks {members}): a peer computed from a CP rank taken as a global "
+                    f"rank, or a global rank taken as a CP rank?"
+                )
             if target not in allowed:
-                return (f"a point-to-point message {way} global rank {target} (peer {int(peer)} of a group of global "
-                        f"ranks {members}) leaves {inside}: address a CP peer by its global rank "
-                        f"(torch.distributed.get_global_rank(cp_group, cp_rank)), or by group_dst/group_src with "
-                        f"group=cp_group; a CP rank passed as a global rank reaches another rank")
+                return (
+                    f"a point-to-point message {way} global rank {target} (peer {int(peer)} of a group of global "
+                    f"ranks {members}) leaves {inside}: address a CP peer by its global rank "
+                    f"(torch.distributed.get_global_rank(cp_group, cp_rank)), or by group_dst/group_src with "
+                    f"group=cp_group; a CP rank passed as a global rank reaches another rank"
+                )
         return None
     outside = sorted(set(members) - allowed)
     if not outside:
         return None
-    return (f"{name} on a process group of global ranks {members} reaches ranks {outside} outside {inside}: run "
-            f"CP collectives on the CP group (mesh.get_group()), not on the default group or another mesh "
-            f"dimension's group")
+    return (
+        f"{name} on a process group of global ranks {members} reaches ranks {outside} outside {inside}: run "
+        f"CP collectives on the CP group (mesh.get_group()), not on the default group or another mesh "
+        f"dimension's group"
+    )

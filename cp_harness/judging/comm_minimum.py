@@ -61,8 +61,12 @@ def _require_accounted(report) -> None:
 
 def is_control(call: dict, index: int) -> bool:
     """Whether the ``index``-th collective of a rank's call is a validation control message."""
-    return (index == 0 and call["op"] == "all_gather" and call["dtype"] in ("int64", "int32")
-            and call["numel"] <= CONTROL_MAX_ELEMENTS)
+    return (
+        index == 0
+        and call["op"] == "all_gather"
+        and call["dtype"] in ("int64", "int32")
+        and call["numel"] <= CONTROL_MAX_ELEMENTS
+    )
 
 
 def moved(report) -> tuple[int, int]:
@@ -152,8 +156,14 @@ def per_rank_moved(report) -> list[dict[str, int]]:
     _require_accounted(report)
     out = []
     for entry in report.comm:
-        row = {"rank": int(entry["rank"]), "sent": 0, "recv": 0, "control_sent": 0, "control_recv": 0,
-               "calls": len(entry["calls"])}
+        row = {
+            "rank": int(entry["rank"]),
+            "sent": 0,
+            "recv": 0,
+            "control_sent": 0,
+            "control_recv": 0,
+            "calls": len(entry["calls"]),
+        }
         for index, call in enumerate(entry["calls"]):
             prefix = "control_" if is_control(call, index) else ""
             row[prefix + "sent"] += int(call["sent"])

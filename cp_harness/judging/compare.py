@@ -116,9 +116,14 @@ class TokenGrid:
         boundaries = [p for p in range(1, self.length) if self.owner(p) != self.owner(p - 1)]
         # A boundary between p-1 and p: position p-1 is 0 tokens from it on the left, p on the right.
         distance = min((p - 1 - position if position < p else position - p for p in boundaries), default=None)
-        return {"row": row, "position": position, "owning_rank": owner, "distance_to_shard_boundary": distance,
-                "at_shard_boundary": distance == 0,
-                "divisibility_padding": self.seq_len is not None and position >= self.seq_len}
+        return {
+            "row": row,
+            "position": position,
+            "owning_rank": owner,
+            "distance_to_shard_boundary": distance,
+            "at_shard_boundary": distance == 0,
+            "divisibility_padding": self.seq_len is not None and position >= self.seq_len,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +181,11 @@ class Comparison:
 
     def as_dict(self) -> dict[str, Any]:
         """The comparison as JSON-ready data (``kind`` names its type)."""
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("error_map", "ulp_values", "element_values", "scale", "grid", "excess")}
+        data = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("error_map", "ulp_values", "element_values", "scale", "grid", "excess")
+        }
         data["kind"] = self.kind
         data["grid"] = dataclasses.asdict(self.grid) if self.grid is not None else None
         data["ok"] = self.ok
@@ -261,8 +269,16 @@ def _selection(e: np.ndarray, mask) -> np.ndarray:
 _C = TypeVar("_C", bound="Comparison")
 
 
-def _locate(comp: _C, a: np.ndarray, e: np.ndarray, bad: np.ndarray, score: np.ndarray,
-            diff: np.ndarray, select: np.ndarray, grid: TokenGrid | None) -> _C:
+def _locate(
+    comp: _C,
+    a: np.ndarray,
+    e: np.ndarray,
+    bad: np.ndarray,
+    score: np.ndarray,
+    diff: np.ndarray,
+    select: np.ndarray,
+    grid: TokenGrid | None,
+) -> _C:
     """The parts both kinds share once each element has a score: counts, worst element, locations, error map."""
     comp.mismatched = int(bad.sum())
     comp.max_abs = float(np.max(np.where(select, diff, 0.0))) if diff.size else 0.0
@@ -292,8 +308,16 @@ def _locate(comp: _C, a: np.ndarray, e: np.ndarray, bad: np.ndarray, score: np.n
     return comp
 
 
-def compare_exact(name: str, actual, expected, *, mask=None, grid: TokenGrid | None = None, rank: int | None = None,
-                  gradient: bool = False) -> ExactComparison:
+def compare_exact(
+    name: str,
+    actual,
+    expected,
+    *,
+    mask=None,
+    grid: TokenGrid | None = None,
+    rank: int | None = None,
+    gradient: bool = False,
+) -> ExactComparison:
     """``actual`` bit for bit against ``expected`` (same shape and dtype).
 
     ``mask``: optional bool array broadcastable to the leading dims of the tensors; only selected elements are
@@ -323,18 +347,36 @@ def compare_exact(name: str, actual, expected, *, mask=None, grid: TokenGrid | N
     return _locate(comp, a, e, bad, score, diff, select, grid)
 
 
-def compare_ulp(name: str, actual, expected, *, budget_ulp: float, mask=None, grid: TokenGrid | None = None,
-                ulp_dtype: str | None = None, floor_fraction: float = FLOOR_FRACTION,
-                reference_scale: float | None = None, rank: int | None = None,
-                gradient: bool = False) -> UlpComparison:
+def compare_ulp(
+    name: str,
+    actual,
+    expected,
+    *,
+    budget_ulp: float,
+    mask=None,
+    grid: TokenGrid | None = None,
+    ulp_dtype: str | None = None,
+    floor_fraction: float = FLOOR_FRACTION,
+    reference_scale: float | None = None,
+    rank: int | None = None,
+    gradient: bool = False,
+) -> UlpComparison:
     """``actual`` within ``budget_ulp`` ULPs of ``expected`` (the measure of the module docstring).
 
     ``ulp_dtype``: the dtype whose ULP is the unit (default: ``actual``'s); ``mask``, ``grid``, ``rank``,
     ``gradient`` as for ``compare_exact``; ``floor_fraction``, ``reference_scale``: see the module docstring."""
     a, e = _as_numpy(actual), _as_numpy(expected)
     dtype = str(a.dtype)
-    comp = UlpComparison(name=name, dtype=dtype, shape=tuple(e.shape), rank=rank, gradient=gradient,
-                         budget_ulp=budget_ulp, ulp_dtype=ulp_dtype or dtype, floor_fraction=floor_fraction)
+    comp = UlpComparison(
+        name=name,
+        dtype=dtype,
+        shape=tuple(e.shape),
+        rank=rank,
+        gradient=gradient,
+        budget_ulp=budget_ulp,
+        ulp_dtype=ulp_dtype or dtype,
+        floor_fraction=floor_fraction,
+    )
     if a.shape != e.shape:
         comp.problem = f"shape {list(a.shape)} but expected {list(e.shape)}"
         return comp

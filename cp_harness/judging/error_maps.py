@@ -45,21 +45,66 @@ NONFINITE = (255, 230, 0)
 
 # 3x5 bitmap font: each glyph is five rows of three bits.
 _GLYPHS = {
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
-    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001001010010",
-    "8": "111101111101111", "9": "111101111001111", "A": "010101111101101", "B": "110101110101110",
-    "C": "011100100100011", "D": "110101101101110", "E": "111100110100111", "F": "111100110100100",
-    "G": "011100101101011", "H": "101101111101101", "I": "111010010010111", "J": "001001001101010",
-    "K": "101101110101101", "L": "100100100100111", "M": "101111111101101", "N": "110101101101101",
-    "O": "010101101101010", "P": "110101110100100", "Q": "010101101110011", "R": "110101110101101",
-    "S": "011100010001110", "T": "111010010010010", "U": "101101101101111", "V": "101101101101010",
-    "W": "101101111111101", "X": "101101010101101", "Y": "101101010010010", "Z": "111001010100111",
-    " ": "000000000000000", ".": "000000000000010", "-": "000000111000000", "+": "000010111010000",
-    "/": "001001010100100", ":": "000010000010000", "=": "000111000111000", "@": "010101111100011",
-    "_": "000000000000111", "(": "010100100100010", ")": "010001001001010", ",": "000000000010100",
-    "[": "110100100100110", "]": "011001001001011", "<": "001010100010001", ">": "100010001010100",
-    "%": "101001010100101", "#": "101111101111101", "?": "111001010000010", "!": "010010010000010",
-    "'": "010010000000000", '"': "101101000000000", "*": "000101010101000", "|": "010010010010010",
+    "0": "111101101101111",
+    "1": "010110010010111",
+    "2": "111001111100111",
+    "3": "111001111001111",
+    "4": "101101111001001",
+    "5": "111100111001111",
+    "6": "111100111101111",
+    "7": "111001001010010",
+    "8": "111101111101111",
+    "9": "111101111001111",
+    "A": "010101111101101",
+    "B": "110101110101110",
+    "C": "011100100100011",
+    "D": "110101101101110",
+    "E": "111100110100111",
+    "F": "111100110100100",
+    "G": "011100101101011",
+    "H": "101101111101101",
+    "I": "111010010010111",
+    "J": "001001001101010",
+    "K": "101101110101101",
+    "L": "100100100100111",
+    "M": "101111111101101",
+    "N": "110101101101101",
+    "O": "010101101101010",
+    "P": "110101110100100",
+    "Q": "010101101110011",
+    "R": "110101110101101",
+    "S": "011100010001110",
+    "T": "111010010010010",
+    "U": "101101101101111",
+    "V": "101101101101010",
+    "W": "101101111111101",
+    "X": "101101010101101",
+    "Y": "101101010010010",
+    "Z": "111001010100111",
+    " ": "000000000000000",
+    ".": "000000000000010",
+    "-": "000000111000000",
+    "+": "000010111010000",
+    "/": "001001010100100",
+    ":": "000010000010000",
+    "=": "000111000111000",
+    "@": "010101111100011",
+    "_": "000000000000111",
+    "(": "010100100100010",
+    ")": "010001001001010",
+    ",": "000000000010100",
+    "[": "110100100100110",
+    "]": "011001001001011",
+    "<": "001010100010001",
+    ">": "100010001010100",
+    "%": "101001010100101",
+    "#": "101111101111101",
+    "?": "111001010000010",
+    "!": "010010010000010",
+    "'": "010010000000000",
+    '"': "101101000000000",
+    "*": "000101010101000",
+    "|": "010010010010010",
 }
 
 
@@ -78,7 +123,7 @@ def _draw_text(img: np.ndarray, x: int, y: int, text: str, color=TEXT, scale: in
                 if bits[r * 3 + c] == "1":
                     y0, x0 = y + r * scale, gx + c * scale
                     if 0 <= y0 and y0 + scale <= h and 0 <= x0 and x0 + scale <= w:
-                        img[y0:y0 + scale, x0:x0 + scale] = color
+                        img[y0 : y0 + scale, x0 : x0 + scale] = color
 
 
 def _png(path: str, rgb: np.ndarray) -> None:
@@ -111,7 +156,7 @@ def _pool(values: np.ndarray, axis: int, factor: int) -> np.ndarray:
         widths[axis] = (0, pad)
         values = np.pad(values, widths, constant_values=0.0)
     shape = list(values.shape)
-    shape[axis:axis + 1] = [groups, factor]
+    shape[axis : axis + 1] = [groups, factor]
     return values.reshape(shape).max(axis=axis + 1)
 
 
@@ -121,8 +166,15 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
-def render(error_map: np.ndarray, local_len: int, cp_size: int, *, title: list[str] | None = None,
-           unit: str = "error", segments: list[tuple[int, int, int]] | None = None) -> np.ndarray:
+def render(
+    error_map: np.ndarray,
+    local_len: int,
+    cp_size: int,
+    *,
+    title: list[str] | None = None,
+    unit: str = "error",
+    segments: list[tuple[int, int, int]] | None = None,
+) -> np.ndarray:
     """``[batch, sequence]`` errors (0 = right, ``inf``/NaN = not finite) to an RGB picture.
 
     ``local_len``/``cp_size``: the shard grid (boundaries at multiples of
@@ -162,11 +214,16 @@ def render(error_map: np.ndarray, local_len: int, cp_size: int, *, title: list[s
     label_w = _text_width(f"B{max(rows - 1, 0)}") + 6
     top = 8 + len(title) * line_h + 4 + line_h  # title lines, then the rank labels
     legend_h = 2 * line_h + 16
-    legend_text = [f"{unit}: {_fmt(lo)} .. {_fmt(hi)}" + ("   yellow: not finite" if nonfinite.any() else ""),
-                   "blue: shard boundary   black: right"]
+    legend_text = [
+        f"{unit}: {_fmt(lo)} .. {_fmt(hi)}" + ("   yellow: not finite" if nonfinite.any() else ""),
+        "blue: shard boundary   black: right",
+    ]
     ramp_w = 120
-    width = max(label_w + grid_w + 8, 8 + max((_text_width(t) for t in title + legend_text[1:]), default=0) + 8,
-                16 + ramp_w + _text_width(legend_text[0]) + 8)
+    width = max(
+        label_w + grid_w + 8,
+        8 + max((_text_width(t) for t in title + legend_text[1:]), default=0) + 8,
+        16 + ramp_w + _text_width(legend_text[0]) + 8,
+    )
     height = top + grid_h + legend_h
     img = np.zeros((height, width, 3), dtype=np.uint8)
     img[:] = BACKGROUND
@@ -177,8 +234,10 @@ def render(error_map: np.ndarray, local_len: int, cp_size: int, *, title: list[s
     # The grid: red for errors, yellow for non-finite values.
     if cell_w < 3 and pcol > 1:
         # One-pixel columns are hard to see: widen every error by a column on each side (display only).
-        intensity = np.maximum(intensity, np.maximum(np.pad(intensity, ((0, 0), (1, 0)))[:, :-1],
-                                                     np.pad(intensity, ((0, 0), (0, 1)))[:, 1:]))
+        intensity = np.maximum(
+            intensity,
+            np.maximum(np.pad(intensity, ((0, 0), (1, 0)))[:, :-1], np.pad(intensity, ((0, 0), (0, 1)))[:, 1:]),
+        )
         bad_p = bad_p | np.pad(bad_p, ((0, 0), (1, 0)))[:, :-1] | np.pad(bad_p, ((0, 0), (0, 1)))[:, 1:]
     cells = np.zeros((prow, pcol, 3), dtype=np.float64)
     cells[..., 0] = intensity * 255
@@ -186,10 +245,10 @@ def render(error_map: np.ndarray, local_len: int, cp_size: int, *, title: list[s
     cells[bad_p] = NONFINITE
     block = np.repeat(np.repeat(cells.astype(np.uint8), cell_h, axis=0), cell_w, axis=1)
     gx, gy = label_w, top
-    img[gy:gy + grid_h, gx:gx + grid_w] = block
+    img[gy : gy + grid_h, gx : gx + grid_w] = block
     if cell_h >= 6:
         for b in range(1, prow):
-            img[gy + b * cell_h, gx:gx + grid_w] = ROW_SEPARATOR
+            img[gy + b * cell_h, gx : gx + grid_w] = ROW_SEPARATOR
     for b in range(prow):
         label = f"B{b * row_factor}"
         _draw_text(img, 2, gy + b * cell_h + max(0, (cell_h - 5 * FONT_SCALE) // 2), label, DIM_TEXT)
@@ -204,10 +263,10 @@ def render(error_map: np.ndarray, local_len: int, cp_size: int, *, title: list[s
             break
         if start > 0:
             xs = slice(max(x0 - 1, 0), x0 + 1)
-            img[gy - 4:gy, xs] = BOUNDARY
-            img[gy + grid_h:gy + grid_h + 4, xs] = BOUNDARY
-            inside = img[gy:gy + grid_h, xs]
-            free = (inside.max(axis=-1) <= max(ROW_SEPARATOR))  # never paint over an error
+            img[gy - 4 : gy, xs] = BOUNDARY
+            img[gy + grid_h : gy + grid_h + 4, xs] = BOUNDARY
+            inside = img[gy : gy + grid_h, xs]
+            free = inside.max(axis=-1) <= max(ROW_SEPARATOR)  # never paint over an error
             inside[free] = BOUNDARY
         label = f"R{rank}"
         room = min(int(round((end - start) * px_per_position)), gx + grid_w - x0)  # the visible part of this shard
@@ -217,9 +276,9 @@ def render(error_map: np.ndarray, local_len: int, cp_size: int, *, title: list[s
     # Legend: the colour ramp and what it means.
     ly = gy + grid_h + 8
     ramp = np.linspace(0.35, 1.0, ramp_w)
-    img[ly:ly + line_h - 4, 8:8 + ramp_w, 0] = (ramp * 255).astype(np.uint8)[None, :]
-    img[ly:ly + line_h - 4, 8:8 + ramp_w, 1] = 30
-    img[ly:ly + line_h - 4, 8:8 + ramp_w, 2] = 0
+    img[ly : ly + line_h - 4, 8 : 8 + ramp_w, 0] = (ramp * 255).astype(np.uint8)[None, :]
+    img[ly : ly + line_h - 4, 8 : 8 + ramp_w, 1] = 30
+    img[ly : ly + line_h - 4, 8 : 8 + ramp_w, 2] = 0
     _draw_text(img, 16 + ramp_w, ly, legend_text[0], TEXT)
     _draw_text(img, 8, ly + line_h + 2, legend_text[1], DIM_TEXT)
     return img
@@ -230,18 +289,27 @@ def _titles(report, comp) -> list[str]:
     grid = comp.grid
     x: Any = getattr(comp, "excess", None)  # an ExcessVerdict or None: read only when it failed
     failed = x is not None and x.failed
-    lines = [f"{comp.name}", f"{case_id(case)}  N={case.get('world_size')}  L={grid.local_len if grid else '?'}"
-             + (f"  {x.mismatched} of {comp.compared} elements above the excess allowance"
-                if failed else f"  {comp.mismatched} of {comp.compared} elements wrong")]
+    lines = [
+        f"{comp.name}",
+        f"{case_id(case)}  N={case.get('world_size')}  L={grid.local_len if grid else '?'}"
+        + (
+            f"  {x.mismatched} of {comp.compared} elements above the excess allowance"
+            if failed
+            else f"  {comp.mismatched} of {comp.compared} elements wrong"
+        ),
+    ]
     if failed:
-        lines.append(f"CP error {x.error:.3g} ULP > {x.limit:g} x one-rank error "
-                     f"{x.baseline:.3g} + {x.floor:g} (normwise)")
+        lines.append(
+            f"CP error {x.error:.3g} ULP > {x.limit:g} x one-rank error {x.baseline:.3g} + {x.floor:g} (normwise)"
+        )
     if comp.location:
         loc = comp.location
         distance = loc.get("distance_to_shard_boundary")
-        lines.append(f"worst: row {loc['row']} position {loc['position']} rank {loc['owning_rank']}"
-                     + ("  divisibility padding" if loc.get("divisibility_padding") else "")
-                     + (f"  {distance} from a boundary" if distance is not None else ""))
+        lines.append(
+            f"worst: row {loc['row']} position {loc['position']} rank {loc['owning_rank']}"
+            + ("  divisibility padding" if loc.get("divisibility_padding") else "")
+            + (f"  {distance} from a boundary" if distance is not None else "")
+        )
     return lines
 
 
@@ -264,7 +332,16 @@ def write_error_maps(report, directory: str | None = None) -> list[str]:
         path = os.path.join(directory, name)
         unit = comp.error_map_unit or ("error (ULP)" if comp.arithmetic else "absolute difference")
         segments = comp.grid.segments(comp.error_map.shape[1]) if comp.grid.owners is not None else None
-        _png(path, render(comp.error_map, comp.grid.local_len, comp.grid.cp_size, title=_titles(report, comp), unit=unit,
-                          segments=segments))
+        _png(
+            path,
+            render(
+                comp.error_map,
+                comp.grid.local_len,
+                comp.grid.cp_size,
+                title=_titles(report, comp),
+                unit=unit,
+                segments=segments,
+            ),
+        )
         paths.append(path)
     return paths

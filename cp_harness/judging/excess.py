@@ -117,9 +117,13 @@ def apply(report, baseline_report, rule: ExcessRule) -> None:
         base_ulp, _ = element_terms(ref, 0.0)
         base = float(base_ulp.max()) if base_ulp.size else 0.0
         base = base if math.isfinite(base) else 0.0  # a failed baseline earns CP no allowance
-        comp.excess = ExcessVerdict(error=float(ulp.max()) if ulp.size else 0.0, baseline=base,
-                                    excess=max_excess(ulp, floor, base, rule.limit), limit=rule.limit,
-                                    floor=rule.floor)
+        comp.excess = ExcessVerdict(
+            error=float(ulp.max()) if ulp.size else 0.0,
+            baseline=base,
+            excess=max_excess(ulp, floor, base, rule.limit),
+            limit=rule.limit,
+            floor=rule.floor,
+        )
         if comp.excess.failed:
             _locate_excess(comp, base_ulp, rule.limit * base + floor)
 
@@ -135,15 +139,20 @@ def _locate_excess(comp, base_ulp: np.ndarray, allowance: np.ndarray) -> None:
         cp_part, base_part = pair
         part = tuple(slice(0, n) for n in cp_part.shape)
         added = np.zeros_like(cp)
-        added[part] = np.where(over[part], np.maximum(cp_part - np.where(np.isfinite(base_part), base_part, 0.0), 0.0),
-                               0.0)
+        added[part] = np.where(
+            over[part], np.maximum(cp_part - np.where(np.isfinite(base_part), base_part, 0.0), 0.0), 0.0
+        )
     if not comp.first_mismatches and comp.element_values is not None:
         actual, expected = comp.element_values
-        order = np.argsort(-np.where(over, cp, -1.0), axis=None)[:min(comp.excess.mismatched, 5)]
+        order = np.argsort(-np.where(over, cp, -1.0), axis=None)[: min(comp.excess.mismatched, 5)]
         for flat in order:
             idx = tuple(int(i) for i in np.unravel_index(int(flat), cp.shape))
-            entry = {"index": list(idx), "actual": float(actual[idx]), "expected": float(expected[idx]),
-                     "ulp": float(cp[idx])}
+            entry = {
+                "index": list(idx),
+                "actual": float(actual[idx]),
+                "expected": float(expected[idx]),
+                "ulp": float(cp[idx]),
+            }
             if comp.grid is not None and cp.ndim >= 2:
                 entry.update(comp.grid.describe(idx[0], idx[1]))
             comp.first_mismatches.append(entry)

@@ -53,8 +53,9 @@ class JudgingPolicy:
     def budget(self, check: Any, dtype: str) -> Budget:
         """The budget of ``check`` (a ``cp_harness.checks.Check``) at ``dtype``."""
         if dtype not in check.budgets:
-            raise KeyError(f"check {check.name!r} has no error budget for {dtype}; add one to its budgets "
-                           f"(cp_harness/checks/)")
+            raise KeyError(
+                f"check {check.name!r} has no error budget for {dtype}; add one to its budgets (cp_harness/checks/)"
+            )
         budget = check.budgets[dtype]
         return budget if self.judged else Budget(math.inf, budget.floor_fraction)
 

@@ -33,8 +33,10 @@ def describe_location(loc: dict[str, Any]) -> str:
 
 
 def _head(c: Comparison) -> str:
-    return (f"{c.name}{f' on {c.group}' if c.group else ''} [{c.kind}, {c.dtype}, shape {list(c.shape)}]: "
-            f"{c.mismatched} of {c.compared} elements differ")
+    return (
+        f"{c.name}{f' on {c.group}' if c.group else ''} [{c.kind}, {c.dtype}, shape {list(c.shape)}]: "
+        f"{c.mismatched} of {c.compared} elements differ"
+    )
 
 
 def _worst(c: Comparison, failed: bool) -> str:
@@ -73,14 +75,19 @@ def _ulp_summary(c: UlpComparison) -> str:
     if vacuous is not None:
         return vacuous
     unit = f"{c.ulp_dtype} ULP" if c.ulp_dtype and c.ulp_dtype != c.dtype else "ULP"
-    budget = (f"budget {c.budget_ulp:g} ULP" if math.isfinite(c.budget_ulp)
-              else "no ULP budget: judged by its excess over one rank")
+    budget = (
+        f"budget {c.budget_ulp:g} ULP"
+        if math.isfinite(c.budget_ulp)
+        else "no ULP budget: judged by its excess over one rank"
+    )
     head = _head(c) + f"; largest error {c.max_ulp:.3g} {unit} ({budget}), {c.max_abs:.3g} absolute"
     x = c.excess
     if x is not None:
-        head += (f"; normwise: CP error {x.error:.3g} {unit}, one-rank error {x.baseline:.3g}, "
-                 f"CP excess {x.excess:.3g} (limit {x.limit:g}: CP error <= {x.limit:g}"
-                 f" x one-rank error + {x.floor:g} ULP)")
+        head += (
+            f"; normwise: CP error {x.error:.3g} {unit}, one-rank error {x.baseline:.3g}, "
+            f"CP excess {x.excess:.3g} (limit {x.limit:g}: CP error <= {x.limit:g}"
+            f" x one-rank error + {x.floor:g} ULP)"
+        )
         if x.failed:
             head += f"; CP ADDS ERROR: {x.mismatched} elements above {x.limit:g} x {x.baseline:.3g} ULP + the floor"
     return head + _worst(c, bool(c.mismatched) or (x is not None and x.failed))
@@ -99,9 +106,11 @@ def _where(entry: dict) -> str:
 
 
 def _also_lines(comp, limit: int | None = None) -> list[str]:
-    entries = comp.first_mismatches[1:] if limit is None else comp.first_mismatches[1:1 + limit]
-    return [f"       also index {e['index']}: actual {e['actual']!r}, expected {e['expected']!r}{_where(e)}"
-            for e in entries]
+    entries = comp.first_mismatches[1:] if limit is None else comp.first_mismatches[1 : 1 + limit]
+    return [
+        f"       also index {e['index']}: actual {e['actual']!r}, expected {e['expected']!r}{_where(e)}"
+        for e in entries
+    ]
 
 
 @functools.singledispatch
@@ -158,11 +167,14 @@ def repro_command(case: dict, impl: str, backend: str = "gloo") -> str:
     return " ".join(shlex.quote(p) for p in parts + [canonical(case)])
 
 
-def failure_message(case: dict, report: CaseReport | None, impl: str, *, backend: str = "gloo",
-                    error: BaseException | None = None) -> str:
-    lines = [f"CP case {case_id(case)} failed against implementation {case_impl(case, impl)!r}",
-             f"case: {canonical(case)}",
-             f"reproduce: {repro_command(case, impl, backend)}"]
+def failure_message(
+    case: dict, report: CaseReport | None, impl: str, *, backend: str = "gloo", error: BaseException | None = None
+) -> str:
+    lines = [
+        f"CP case {case_id(case)} failed against implementation {case_impl(case, impl)!r}",
+        f"case: {canonical(case)}",
+        f"reproduce: {repro_command(case, impl, backend)}",
+    ]
     if error is not None:
         lines.append(f"rank failure: {error}")
     if report is not None:
@@ -184,8 +196,10 @@ def verdict_text(report: CaseReport, impl: str, *, backend: str = "gloo", error_
 
 def golden_text(verdict, regenerate: str) -> str:
     """A golden case that does not match (``cp_harness.golden.comparison.Verdict``), and how to regenerate."""
-    lines = [f"golden case {verdict.name!r} ({verdict.path or verdict.name}) does not match the current results",
-             f"case: {canonical(verdict.case)}"]
+    lines = [
+        f"golden case {verdict.name!r} ({verdict.path or verdict.name}) does not match the current results",
+        f"case: {canonical(verdict.case)}",
+    ]
     lines += [f"  PROBLEM: {p}" for p in verdict.problems]
     lines += [f"  FAIL {comparison_summary(c)}" for c in verdict.comparisons if not c.ok]
     passed = [c for c in verdict.comparisons if c.ok]

@@ -121,8 +121,7 @@ class CaseReport:
     @property
     def max_excess(self) -> float | None:
         """The largest CP excess over the one-rank baseline (``cp_harness.judging.excess``); ``None`` when not judged."""
-        values = [c.excess.excess for c in self.comparisons
-                  if isinstance(c, UlpComparison) and c.excess is not None]
+        values = [c.excess.excess for c in self.comparisons if isinstance(c, UlpComparison) and c.excess is not None]
         return max(values) if values else None
 
     def failures(self) -> list[Comparison]:

@@ -46,24 +46,31 @@ def check_backend(backend: str, ranks: int, *, pools: int = 1) -> None:
         raise DeviceError(
             f"backend nccl needs CUDA devices, but this PyTorch ({torch.__version__}) sees none "
             f"(torch.version.cuda={torch.version.cuda}). Install a CUDA build of PyTorch on this machine, "
-            f"or use the gloo backend on CPU.")
+            f"or use the gloo backend on CPU."
+        )
     count = len(visible_gpus())
     need = ranks * pools
     if need > count:
         per = f"{ranks} ranks" + (f" x {pools} pytest-xdist workers" if pools > 1 else "")
-        fix = (f"run fewer workers (-n {count // ranks} or no -n)" if pools > 1 and count >= ranks
-               else f"use world sizes of at most {count} (e.g. --cp-world-sizes / --world-sizes "
-                    f"{','.join(str(s) for s in (1, 2, 4, 8, 16, 32) if s <= count)})")
-        raise DeviceError(f"backend nccl gives every rank its own GPU: {per} need {need} GPUs, but "
-                          f"{count} are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
-                          f"{fix}.")
+        fix = (
+            f"run fewer workers (-n {count // ranks} or no -n)"
+            if pools > 1 and count >= ranks
+            else f"use world sizes of at most {count} (e.g. --cp-world-sizes / --world-sizes "
+            f"{','.join(str(s) for s in (1, 2, 4, 8, 16, 32) if s <= count)})"
+        )
+        raise DeviceError(
+            f"backend nccl gives every rank its own GPU: {per} need {need} GPUs, but "
+            f"{count} are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+            f"{fix}."
+        )
 
 
 def gpu_slice(worker: int, ranks: int) -> str:
     """``CUDA_VISIBLE_DEVICES`` for pool number ``worker`` of ``ranks`` ranks: its own run of devices."""
     ids = visible_gpus()
-    chosen = ids[worker * ranks:(worker + 1) * ranks]
+    chosen = ids[worker * ranks : (worker + 1) * ranks]
     if len(chosen) < ranks:
-        raise DeviceError(f"pool {worker} needs GPUs {worker * ranks}..{(worker + 1) * ranks - 1}, "
-                          f"but only {len(ids)} are visible")
+        raise DeviceError(
+            f"pool {worker} needs GPUs {worker * ranks}..{(worker + 1) * ranks - 1}, but only {len(ids)} are visible"
+        )
     return ",".join(chosen)

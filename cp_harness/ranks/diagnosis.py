@@ -42,9 +42,11 @@ def start_failure_report(exits: Sequence[tuple[int, int]], rank_errors: Mapping[
     rank, code = exits[0]
     how = f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
     own = rank_errors.get(rank)
-    return (f"rank {rank} failed first during the start: it {how}; the launcher then ended the others.\n"
-            + (f"--- traceback of rank {rank} ---\n{own}" if own else
-               f"(rank {rank} left no traceback{': out of memory?' if code == -9 else ''})\n"))
+    return f"rank {rank} failed first during the start: it {how}; the launcher then ended the others.\n" + (
+        f"--- traceback of rank {rank} ---\n{own}"
+        if own
+        else f"(rank {rank} left no traceback{': out of memory?' if code == -9 else ''})\n"
+    )
 
 
 def rank_ranges(ranks: Sequence[int]) -> str:
@@ -63,16 +65,27 @@ def rank_ranges(ranks: Sequence[int]) -> str:
 START_LINES = 16  # ranks a start failure lists one by one (the rest are counted)
 
 
-def start_timeout_report(*, world: int, ready: Sequence[int], progress: Mapping[int, dict],
-                         exited: Mapping[int, int], timeout_text: str, launcher: str, nodes: int,
-                         last_lines: Mapping[int, str | None], now: float) -> str:
+def start_timeout_report(
+    *,
+    world: int,
+    ready: Sequence[int],
+    progress: Mapping[int, dict],
+    exited: Mapping[int, int],
+    timeout_text: str,
+    launcher: str,
+    nodes: int,
+    last_lines: Mapping[int, str | None],
+    now: float,
+) -> str:
     """Why a pool did not come up: which timeout fired (or which launcher ended), the ranks that never
     connected and the last line each wrote, and for every rank that connected but was not ready, the step of
     its start it was at (``progress``: its last phase message, with ``at`` its arrival time)."""
     if exited:
         which = ", ".join(f"node {n}: {code}" if nodes > 1 else str(code) for n, code in sorted(exited.items()))
-        head = (f"rank pool did not start: the {launcher} launcher exited (exit code {which}) with {len(ready)} of "
-                f"{world} ranks ready.")
+        head = (
+            f"rank pool did not start: the {launcher} launcher exited (exit code {which}) with {len(ready)} of "
+            f"{world} ranks ready."
+        )
     else:
         head = f"rank pool did not start: the pool's {timeout_text} fired with {len(ready)} of {world} ranks ready."
     lines = [head]
@@ -92,8 +105,10 @@ def start_timeout_report(*, world: int, ready: Sequence[int], progress: Mapping[
             where = f", node {p.get('node')} on {p.get('host')}" if nodes > 1 else ""
             since = f", {now - p['at']:.0f} s ago" if "at" in p else ""
             last = last_lines.get(r)
-            lines.append(f"  rank {r} (pid {p.get('pid')}{where}): {p.get('what')}{since}"
-                         + (f"; its last line: {last}" if last else ""))
+            lines.append(
+                f"  rank {r} (pid {p.get('pid')}{where}): {p.get('what')}{since}"
+                + (f"; its last line: {last}" if last else "")
+            )
         if len(waiting) > START_LINES:
             lines.append(f"  ... and {len(waiting) - START_LINES} more ranks")
     return "\n".join(lines) + "\n"
@@ -102,8 +117,10 @@ def start_timeout_report(*, world: int, ready: Sequence[int], progress: Mapping[
 def looks_like_timeout(message: str | None) -> bool:
     """Whether a rank's error is a consequence of a peer's failure (it gave up waiting, or lost the peer)."""
     text = (message or "").lower()
-    return any(sign in text for sign in ("timed out", "timeout", "connection closed by peer", "connection reset by peer",
-                                         "broken pipe"))
+    return any(
+        sign in text
+        for sign in ("timed out", "timeout", "connection closed by peer", "connection reset by peer", "broken pipe")
+    )
 
 
 def format_stacks(stacks: Mapping[int, str], ranks: Sequence[int]) -> str:
@@ -117,13 +134,25 @@ def format_stacks(stacks: Mapping[int, str], ranks: Sequence[int]) -> str:
     return "\n".join(parts)
 
 
-def diagnose(case: dict, *, timeout: float, replies: Mapping[int, RankOutput], unanswered: Sequence[int] = (),
-             launcher: str = "fork", send_error: tuple[int, str] | None = None,
-             closed: tuple[int, str] | None = None, off_protocol: tuple[int, str] | None = None,
-             launcher_exit: int | None = None, exits: Sequence[tuple[int, int]] = (), log: str = "",
-             stacks: Mapping[int, str] | None = None, rank_errors: Mapping[int, str] | None = None,
-             lost: tuple[int, str] | None = None, where: str = "",
-             rank_logs: Mapping[int, str | None] | None = None) -> RankFailure | None:
+def diagnose(
+    case: dict,
+    *,
+    timeout: float,
+    replies: Mapping[int, RankOutput],
+    unanswered: Sequence[int] = (),
+    launcher: str = "fork",
+    send_error: tuple[int, str] | None = None,
+    closed: tuple[int, str] | None = None,
+    off_protocol: tuple[int, str] | None = None,
+    launcher_exit: int | None = None,
+    exits: Sequence[tuple[int, int]] = (),
+    log: str = "",
+    stacks: Mapping[int, str] | None = None,
+    rank_errors: Mapping[int, str] | None = None,
+    lost: tuple[int, str] | None = None,
+    where: str = "",
+    rank_logs: Mapping[int, str | None] | None = None,
+) -> RankFailure | None:
     """The failure of ``case`` from what the pool observed, or ``None`` when every rank answered normally.
 
     ``replies``: rank -> its decoded reply, in the order they arrived. ``unanswered``: ranks that sent no
@@ -142,9 +171,15 @@ def diagnose(case: dict, *, timeout: float, replies: Mapping[int, RankOutput], u
     if lost is not None:
         rank, why = lost
         ended = f"; launcher exit code {launcher_exit}" if launcher_exit is not None else ""
-        return _failure(case, f"rank {rank} exited while running the case: {why}{ended}. Its node is lost; its "
-                              f"peers cannot finish the case.", rank=rank, kind=RankFailureKind.EXITED, outputs=outputs,
-                        where=where)
+        return _failure(
+            case,
+            f"rank {rank} exited while running the case: {why}{ended}. Its node is lost; its "
+            f"peers cannot finish the case.",
+            rank=rank,
+            kind=RankFailureKind.EXITED,
+            outputs=outputs,
+            where=where,
+        )
     if send_error is not None:
         rank, message = send_error
         return _failure(case, message, rank=rank, kind=RankFailureKind.EXITED, outputs=[], where=where)
@@ -157,15 +192,25 @@ def diagnose(case: dict, *, timeout: float, replies: Mapping[int, RankOutput], u
         own = replies.get(culprit)
         # A rank that replied before exiting (SystemExit in the case) left its own traceback in the reply.
         left = (rank_errors or {}).get(culprit)
-        told = (f"--- traceback of rank {culprit} ---\n{own.traceback}\n"
-                if own is not None and not own.ok and own.traceback else
-                f"--- traceback of rank {culprit} ---\n{left}" if left else
-                f"--- last lines of rank {culprit} ---\n{(rank_logs or {})[culprit]}\n"
-                if (rank_logs or {}).get(culprit) else "")
-        return _failure(case, f"rank {culprit} exited while running the case ({error}{seen}; "
-                              f"{launcher} exit code {launcher_exit}).\n{told}"
-                              f"{launcher} log tail:\n{log}",
-                        rank=culprit, kind=RankFailureKind.EXITED, outputs=outputs, where=where)
+        told = (
+            f"--- traceback of rank {culprit} ---\n{own.traceback}\n"
+            if own is not None and not own.ok and own.traceback
+            else f"--- traceback of rank {culprit} ---\n{left}"
+            if left
+            else f"--- last lines of rank {culprit} ---\n{(rank_logs or {})[culprit]}\n"
+            if (rank_logs or {}).get(culprit)
+            else ""
+        )
+        return _failure(
+            case,
+            f"rank {culprit} exited while running the case ({error}{seen}; "
+            f"{launcher} exit code {launcher_exit}).\n{told}"
+            f"{launcher} log tail:\n{log}",
+            rank=culprit,
+            kind=RankFailureKind.EXITED,
+            outputs=outputs,
+            where=where,
+        )
     if off_protocol is not None:
         rank, message = off_protocol
         return _failure(case, message, rank=rank, kind=RankFailureKind.PROTOCOL, outputs=outputs, where=where)
@@ -178,22 +223,40 @@ def diagnose(case: dict, *, timeout: float, replies: Mapping[int, RankOutput], u
     root = next((o for o in errors if not looks_like_timeout(o.message)), None)
     followers = [o.rank for o in errors if o is not root]
     if root is not None:
-        return _failure(case, f"rank {root.rank} raised {root.error_type}: {root.message}\n"
-                              + (f"ranks {followers} then failed waiting for it.\n" if followers else "")
-                              + (f"ranks {stuck} then did not answer (waiting in a collective for it).\n"
-                                 if stuck else "")
-                              + f"--- traceback of rank {root.rank} ---\n{root.traceback}{dumps}",
-                        rank=root.rank, kind=RankFailureKind.RAISED, outputs=outputs, where=where)
+        return _failure(
+            case,
+            f"rank {root.rank} raised {root.error_type}: {root.message}\n"
+            + (f"ranks {followers} then failed waiting for it.\n" if followers else "")
+            + (f"ranks {stuck} then did not answer (waiting in a collective for it).\n" if stuck else "")
+            + f"--- traceback of rank {root.rank} ---\n{root.traceback}{dumps}",
+            rank=root.rank,
+            kind=RankFailureKind.RAISED,
+            outputs=outputs,
+            where=where,
+        )
     if stuck:
-        return _failure(case, f"ranks {stuck} did not answer within {timeout:.1f} s (hung)"
-                              + (f"; ranks {followers} timed out in a collective waiting for them" if followers else "")
-                              + f"; ranks {sorted(set(replies) - set(followers))} answered normally.\n{dumps}",
-                        rank=stuck[0], kind=RankFailureKind.HUNG, outputs=outputs, where=where)
+        return _failure(
+            case,
+            f"ranks {stuck} did not answer within {timeout:.1f} s (hung)"
+            + (f"; ranks {followers} timed out in a collective waiting for them" if followers else "")
+            + f"; ranks {sorted(set(replies) - set(followers))} answered normally.\n{dumps}",
+            rank=stuck[0],
+            kind=RankFailureKind.HUNG,
+            outputs=outputs,
+            where=where,
+        )
     first = errors[0]
-    return _failure(case, f"rank {first.rank} raised {first.error_type}: {first.message}\n{first.traceback}",
-                    rank=first.rank, kind=RankFailureKind.RAISED, outputs=outputs, where=where)
+    return _failure(
+        case,
+        f"rank {first.rank} raised {first.error_type}: {first.message}\n{first.traceback}",
+        rank=first.rank,
+        kind=RankFailureKind.RAISED,
+        outputs=outputs,
+        where=where,
+    )
 
 
-def _failure(case: dict, message: str, *, rank: int | None, kind: RankFailureKind, outputs: list[RankOutput],
-             where: str = "") -> RankFailure:
+def _failure(
+    case: dict, message: str, *, rank: int | None, kind: RankFailureKind, outputs: list[RankOutput], where: str = ""
+) -> RankFailure:
     return RankFailure(f"{message}\n{where}case: {case}", rank=rank, kind=kind, case=case, outputs=outputs)

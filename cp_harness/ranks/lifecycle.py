@@ -86,8 +86,11 @@ class RankProcesses:
 
     @property
     def running(self) -> bool:
-        return (self.generation is not None and all(p.poll() is None for p in self.agents.values())
-                and len(self.socks) == self.config.world_size)
+        return (
+            self.generation is not None
+            and all(p.poll() is None for p in self.agents.values())
+            and len(self.socks) == self.config.world_size
+        )
 
     @property
     def launcher(self) -> str:
@@ -112,8 +115,11 @@ class RankProcesses:
         if self.running:
             return
         if self.starts and not self.config.restartable:
-            raise PoolLost(self.lost or "the pool's ranks are gone, and its other nodes were started outside this "
-                                        "process: start them again and rerun")
+            raise PoolLost(
+                self.lost
+                or "the pool's ranks are gone, and its other nodes were started outside this "
+                "process: start them again and rerun"
+            )
         try:
             self._start_once()
         except RuntimeError as exc:
@@ -126,9 +132,16 @@ class RankProcesses:
         """The worker's arguments (``local``: with the stack and log folder, which ranks elsewhere cannot use)."""
         cfg = self.config
         host, port = self._listen or _split(cfg.listen or "127.0.0.1:0")
-        args = ["-m", "cp_harness.ranks.worker", f"--connect={host}:{port}", f"--backend={cfg.backend}",
-                f"--impl={cfg.impl}", f"--collective-timeout={cfg.collective_timeout}",
-                f"--start-timeout={cfg.start_seconds:.0f}", f"--rank-order={cfg.rank_order}"]
+        args = [
+            "-m",
+            "cp_harness.ranks.worker",
+            f"--connect={host}:{port}",
+            f"--backend={cfg.backend}",
+            f"--impl={cfg.impl}",
+            f"--collective-timeout={cfg.collective_timeout}",
+            f"--start-timeout={cfg.start_seconds:.0f}",
+            f"--rank-order={cfg.rank_order}",
+        ]
         if local and self._workdir is not None:
             args.append(f"--stack-dir={self._workdir}")
         if cfg.preload:
@@ -146,29 +159,52 @@ class RankProcesses:
         if self.launcher == "fork":
             return [cfg.python, *worker, f"--ranks={cfg.world_size}"]
         if cfg.nnodes == 1:
-            return [cfg.python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.world_size}",
-                    "--max-restarts=0", "--monitor-interval=0.2", *worker]
+            return [
+                cfg.python,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={cfg.world_size}",
+                "--max-restarts=0",
+                "--monitor-interval=0.2",
+                *worker,
+            ]
         conf = f"join_timeout={cfg.start_seconds:.0f}"
         if cfg.restartable:  # every agent on this machine: node 0's hosts the rendezvous store
             conf += f",is_host={'true' if node == 0 else 'false'}"
-        return [cfg.python if local else "python", "-m", "torch.distributed.run", f"--nnodes={cfg.nnodes}",
-                f"--nproc-per-node={cfg.ranks_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={self._rdzv}",
-                f"--rdzv-id=cp-harness-{self._listen[1] if self._listen else 0}", f"--rdzv-conf={conf}",
-                "--max-restarts=0", "--monitor-interval=0.2", *worker]
+        return [
+            cfg.python if local else "python",
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={cfg.nnodes}",
+            f"--nproc-per-node={cfg.ranks_per_node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self._rdzv}",
+            f"--rdzv-id=cp-harness-{self._listen[1] if self._listen else 0}",
+            f"--rdzv-conf={conf}",
+            "--max-restarts=0",
+            "--monitor-interval=0.2",
+            *worker,
+        ]
 
     def remote_commands(self) -> dict[int, str]:
         """For each node this process does not start: the command to run on it (printed for the user)."""
         if self._listen is None:
             self._addresses()
-        return {node: shlex.join(self.node_command(node, local=False)) for node in range(self.config.nnodes)
-                if node not in self.config.local_nodes and self.launcher == "torchrun"}
+        return {
+            node: shlex.join(self.node_command(node, local=False))
+            for node in range(self.config.nnodes)
+            if node not in self.config.local_nodes and self.launcher == "torchrun"
+        }
 
     def _addresses(self) -> None:
         cfg = self.config
         remote = not cfg.restartable
         if remote and cfg.listen is None:
-            raise ValueError("ranks started elsewhere must reach this process: give --listen HOST:PORT (an address "
-                             "of this machine that every node can reach)")
+            raise ValueError(
+                "ranks started elsewhere must reach this process: give --listen HOST:PORT (an address "
+                "of this machine that every node can reach)"
+            )
         host, port = _split(cfg.listen or "127.0.0.1:0")
         self._listen = (host, port or _free_port(host if host != "0.0.0.0" else "127.0.0.1"))
         if cfg.nnodes > 1 and self.launcher == "torchrun":
@@ -199,8 +235,14 @@ class RankProcesses:
                 log = open(self._workdir / name, "wb")  # noqa: SIM115 - closed in shutdown()
                 self._logs.append(log)
                 env["TORCHELASTIC_ERROR_FILE"] = str(self._workdir / f"error{node}.json")
-                self.agents[node] = subprocess.Popen(self.node_command(node), stdout=log, stderr=subprocess.STDOUT,
-                                                     env=env, start_new_session=True, stdin=subprocess.DEVNULL)
+                self.agents[node] = subprocess.Popen(
+                    self.node_command(node),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                    stdin=subprocess.DEVNULL,
+                )
             self._rendezvous(listener, time.monotonic() + cfg.start_seconds)
             self.generation = self.starts
         except BaseException:
@@ -247,7 +289,9 @@ class RankProcesses:
                     if self.launcher == "external" and body.get("launcher") in ("torchrun", "slurm"):
                         pass
                     elif body.get("launcher") != self.launcher:
-                        raise RuntimeError(f"rank {rank} was started by {body.get('launcher')!r}, not {self.launcher!r}")
+                        raise RuntimeError(
+                            f"rank {rank} was started by {body.get('launcher')!r}, not {self.launcher!r}"
+                        )
                     del starting[sock]
                     self.socks[rank] = sock
                     self._pids[rank] = int(body["pid"])
@@ -258,11 +302,19 @@ class RankProcesses:
 
     def _start_failure(self, exited: dict[int, int]) -> str:
         cfg = self.config
-        lines = [start_timeout_report(
-            world=cfg.world_size, ready=sorted(self.socks), progress=self.progress, exited=exited,
-            timeout_text=cfg.start_timeout_text, launcher=self.launcher, nodes=cfg.nnodes,
-            last_lines={r: self.rank_log_tail(r, 1) for r in range(cfg.world_size) if r not in self.socks},
-            now=time.monotonic())]
+        lines = [
+            start_timeout_report(
+                world=cfg.world_size,
+                ready=sorted(self.socks),
+                progress=self.progress,
+                exited=exited,
+                timeout_text=cfg.start_timeout_text,
+                launcher=self.launcher,
+                nodes=cfg.nnodes,
+                last_lines={r: self.rank_log_tail(r, 1) for r in range(cfg.world_size) if r not in self.socks},
+                now=time.monotonic(),
+            )
+        ]
         lines.append(start_failure_report(exits_in_log(self.log_tail(1 << 24)), self.rank_errors()))
         return "\n".join(lines) + f"{self.launcher} log tail:\n{self.log_tail()}"
 

@@ -57,8 +57,9 @@ class RankFailure(AssertionError):
     converted); ``outputs`` holds whatever the other ranks returned.
     """
 
-    def __init__(self, message: str, *, rank: int | None, kind: RankFailureKind | str, case: dict,
-                 outputs: list[RankOutput]):
+    def __init__(
+        self, message: str, *, rank: int | None, kind: RankFailureKind | str, case: dict, outputs: list[RankOutput]
+    ):
         super().__init__(message)
         self.rank, self.kind, self.case, self.outputs = rank, RankFailureKind(kind), case, outputs
 
@@ -111,13 +112,17 @@ class PoolConfig:
         if self.launcher is not None and self.launcher not in LAUNCHERS:
             raise ValueError(f"launcher={self.launcher!r}: choose one of {', '.join(LAUNCHERS)}")
         if self.nnodes < 1 or self.world_size % self.nnodes:
-            raise ValueError(f"nnodes={self.nnodes}: the {self.world_size} ranks must split evenly over the nodes "
-                             f"(give world sizes whose largest is a multiple of --nnodes)")
+            raise ValueError(
+                f"nnodes={self.nnodes}: the {self.world_size} ranks must split evenly over the nodes "
+                f"(give world sizes whose largest is a multiple of --nnodes)"
+            )
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank}: give 0..{self.nnodes - 1} (--node-rank)")
         if self.nnodes > 1 and self.resolved_launcher == "fork":
-            raise ValueError("launcher fork starts ranks on this machine only: with --nnodes > 1 use torchrun "
-                             "(the default) or external (srun)")
+            raise ValueError(
+                "launcher fork starts ranks on this machine only: with --nnodes > 1 use torchrun "
+                "(the default) or external (srun)"
+            )
         if self.rank_order not in ("blocked", "cyclic"):
             raise ValueError(f"rank_order={self.rank_order!r}: choose blocked or cyclic")
 
@@ -140,8 +145,10 @@ class PoolConfig:
         """How the start's deadline was set, for the message of a start that fails."""
         if self.start_timeout is not None:
             return f"start timeout {self.start_seconds:g} s"
-        return (f"start timeout {self.start_seconds:.0f} s = {START_BASE_S:.0f} s + {START_PER_RANK_S:.0f} s x "
-                f"{self.world_size} ranks")
+        return (
+            f"start timeout {self.start_seconds:.0f} s = {START_BASE_S:.0f} s + {START_PER_RANK_S:.0f} s x "
+            f"{self.world_size} ranks"
+        )
 
     @property
     def ranks_per_node(self) -> int:
@@ -177,22 +184,37 @@ class OffProtocol(ValueError):
     """A rank answered something other than the reply to the case it was sent."""
 
 
-def decode_reply(body: dict, arrays: dict[str, np.ndarray], *, rank: int, case_id: int | None,
-                 received_at: float) -> RankOutput:
+def decode_reply(
+    body: dict, arrays: dict[str, np.ndarray], *, rank: int, case_id: int | None, received_at: float
+) -> RankOutput:
     """The ``RankOutput`` in rank ``rank``'s reply to case ``case_id``; ``OffProtocol`` when it is not that reply."""
     if body.get("op") != "result" or body.get("case_id") != case_id or int(body.get("rank", -1)) != rank:
         raise OffProtocol(f"rank {rank} answered out of protocol: {str(body)[:300]}")
-    return RankOutput(rank=rank, ok=bool(body["ok"]), info=body.get("info", {}), tensors=arrays,
-                      comm=body.get("comm", []), seconds=float(body.get("seconds", 0.0)),
-                      error_type=body.get("error_type"), message=body.get("message"),
-                      traceback=body.get("traceback"), called=body.get("called", []),
-                      started_at=body.get("t_start"), finished_at=body.get("t_end"), received_at=received_at,
-                      cp_rank=body.get("cp_rank"), group=body.get("group"))
+    return RankOutput(
+        rank=rank,
+        ok=bool(body["ok"]),
+        info=body.get("info", {}),
+        tensors=arrays,
+        comm=body.get("comm", []),
+        seconds=float(body.get("seconds", 0.0)),
+        error_type=body.get("error_type"),
+        message=body.get("message"),
+        traceback=body.get("traceback"),
+        called=body.get("called", []),
+        started_at=body.get("t_start"),
+        finished_at=body.get("t_end"),
+        received_at=received_at,
+        cp_rank=body.get("cp_rank"),
+        group=body.get("group"),
+    )
 
 
 def mesh_request(case_id: int, key: str) -> dict:
     """The message that asks every rank to build the mesh ``key`` (``cp_harness.cases.meshes.mesh_key``)."""
     import json
 
-    return ({"op": "mesh", "case_id": case_id, "prefix": int(key.split(":", 1)[1])} if key.startswith("prefix:")
-            else {"op": "mesh", "case_id": case_id, "layout": json.loads(key)})
+    return (
+        {"op": "mesh", "case_id": case_id, "prefix": int(key.split(":", 1)[1])}
+        if key.startswith("prefix:")
+        else {"op": "mesh", "case_id": case_id, "layout": json.loads(key)}
+    )

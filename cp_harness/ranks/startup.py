@@ -49,9 +49,17 @@ class Placement:
     launcher: str
 
     def identity(self) -> dict:
-        return {"rank": self.rank, "world_size": self.world_size, "local_rank": self.local_rank, "node": self.node,
-                "nnodes": self.nnodes, "launcher": self.launcher, "host": socket.gethostname(), "pid": os.getpid(),
-                "launcher_pid": os.getppid()}
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "local_rank": self.local_rank,
+            "node": self.node,
+            "nnodes": self.nnodes,
+            "launcher": self.launcher,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "launcher_pid": os.getppid(),
+        }
 
 
 def placement(forked: bool, rank_order: str = "blocked", environ=None) -> Placement:
@@ -65,16 +73,22 @@ def placement(forked: bool, rank_order: str = "blocked", environ=None) -> Placem
         per_node = int(env.get("LOCAL_WORLD_SIZE", world // max(nnodes, 1)))
     elif "SLURM_PROCID" in env:
         rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
-        local, node, nnodes = int(env.get("SLURM_LOCALID", 0)), int(env.get("SLURM_NODEID", 0)), int(
-            env.get("SLURM_NNODES", 1))
+        local, node, nnodes = (
+            int(env.get("SLURM_LOCALID", 0)),
+            int(env.get("SLURM_NODEID", 0)),
+            int(env.get("SLURM_NNODES", 1)),
+        )
         launcher, per_node = "slurm", world // max(nnodes, 1)
     else:
-        raise ValueError("no rank in the environment: start the worker with torchrun (RANK, WORLD_SIZE), srun "
-                         "(SLURM_PROCID, SLURM_NTASKS) or --ranks N")
+        raise ValueError(
+            "no rank in the environment: start the worker with torchrun (RANK, WORLD_SIZE), srun "
+            "(SLURM_PROCID, SLURM_NTASKS) or --ranks N"
+        )
     if rank_order == "cyclic":
         if per_node * nnodes != world:
-            raise ValueError(f"--rank-order cyclic needs the same number of ranks on every node: {world} ranks "
-                             f"on {nnodes} nodes")
+            raise ValueError(
+                f"--rank-order cyclic needs the same number of ranks on every node: {world} ranks on {nnodes} nodes"
+            )
         rank = local * nnodes + node  # rank r on node r % nnodes
     return Placement(rank, world, local, node, nnodes, launcher)
 
@@ -119,8 +133,15 @@ class Phases:
     def say(self, what: str, **extra) -> None:
         """Tell the test process what the rank is doing now (it shows the last one if the start fails)."""
         print(f"cp_harness rank {self.place.rank}: {what}", file=sys.stderr, flush=True)
-        self.send({"op": "phase", "rank": self.place.rank, "what": what,
-                   "seconds": round(time.monotonic() - self.started, 3), **extra})
+        self.send(
+            {
+                "op": "phase",
+                "rank": self.place.rank,
+                "what": what,
+                "seconds": round(time.monotonic() - self.started, 3),
+                **extra,
+            }
+        )
 
 
 def join(backend: str, place: Placement, *, start_timeout: float, collective_timeout: float, device=None):
@@ -137,8 +158,14 @@ def join(backend: str, place: Placement, *, start_timeout: float, collective_tim
         store = dist.TCPStore(host, port, place.world_size, place.rank == 0, timeout=waiting, multi_tenant=True)
     collective = datetime.timedelta(seconds=collective_timeout)
     store.set_timeout(collective)  # after every rank joined: a lost peer fails a collective, not the start
-    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=place.rank,
-                            world_size=place.world_size, timeout=collective, device_id=device)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("default_pg", store),
+        rank=place.rank,
+        world_size=place.world_size,
+        timeout=collective,
+        device_id=device,
+    )
     return store
 
 
@@ -172,8 +199,9 @@ class MeshBook:
         group = dist.group.WORLD if n == self.world_size else dist.new_group(list(range(n)), timeout=self.timeout)
         assert group is not None  # the rank has joined the default process group
         mesh = DeviceMesh.from_group(group, self.device_type, mesh_dim_names=("cp",)) if self.rank < n else None
-        self.built[f"prefix:{n}"] = Built(mesh, 0 if self.rank < n else None, self.rank if self.rank < n else None,
-                                          tuple(range(n)))
+        self.built[f"prefix:{n}"] = Built(
+            mesh, 0 if self.rank < n else None, self.rank if self.rank < n else None, tuple(range(n))
+        )
 
     def layout(self, spec: dict) -> dict:
         """A world mesh as a layout describes it; returns what this rank holds of it (for the pool's checks)."""
@@ -181,8 +209,7 @@ class MeshBook:
         from torch.distributed.device_mesh import DeviceMesh
 
         layout = MeshLayout.parse(spec, pool_size=self.world_size)
-        world = DeviceMesh(self.device_type, torch.tensor(layout.nested(), dtype=torch.int),
-                           mesh_dim_names=layout.dims)
+        world = DeviceMesh(self.device_type, torch.tensor(layout.nested(), dtype=torch.int), mesh_dim_names=layout.dims)
         where = layout.place(self.rank)
         if where is None:
             self.built[layout.key] = Built(None, None, None, ())
@@ -191,16 +218,20 @@ class MeshBook:
         group, cp_rank = where
         members = layout.groups()[group]
         if int(cp_mesh.get_local_rank()) != cp_rank or int(cp_mesh.size()) != len(members):
-            raise RuntimeError(f"mesh {layout.label()}: torch puts global rank {self.rank} at CP rank "
-                               f"{cp_mesh.get_local_rank()} of {cp_mesh.size()}, the layout at {cp_rank} of "
-                               f"{len(members)} (cp_harness.cases.meshes and torch disagree)")
+            raise RuntimeError(
+                f"mesh {layout.label()}: torch puts global rank {self.rank} at CP rank "
+                f"{cp_mesh.get_local_rank()} of {cp_mesh.size()}, the layout at {cp_rank} of "
+                f"{len(members)} (cp_harness.cases.meshes and torch disagree)"
+            )
         self.built[layout.key] = Built(cp_mesh, group, cp_rank, members, world)
         return {"in_mesh": True, "group": group, "cp_rank": cp_rank}
 
     def get(self, key: str) -> Built:
         if key not in self.built:
-            raise RuntimeError(f"rank {self.rank} holds no mesh {key}: the pool sends a mesh request to every rank "
-                               f"before the first case on it")
+            raise RuntimeError(
+                f"rank {self.rank} holds no mesh {key}: the pool sends a mesh request to every rank "
+                f"before the first case on it"
+            )
         return self.built[key]
 
 
@@ -212,8 +243,7 @@ def watch_launcher(phases: Phases) -> None:
         while os.getppid() == parent:
             time.sleep(LAUNCHER_POLL_S)
         place = phases.place
-        reason = (f"its launcher ({place.launcher}, pid {parent}) on node {place.node} "
-                  f"({socket.gethostname()}) is gone")
+        reason = f"its launcher ({place.launcher}, pid {parent}) on node {place.node} ({socket.gethostname()}) is gone"
         print(f"cp_harness rank {place.rank}: {reason}; exiting", file=sys.stderr, flush=True)
         try:
             phases.send({"op": "lost", "rank": place.rank, "node": place.node, "reason": reason})

@@ -82,10 +82,13 @@ class TicketQueue:
         n = int(case["world_size"])
         meshes.MeshLayout.of(case, pool_size=world)  # MeshLayoutError (a ValueError) naming the field
         if not 1 <= n <= world or meshes.ranks_needed(case) > world:
-            raise ValueError(f"case world_size={n} needs {meshes.ranks_needed(case)} ranks; this pool has {world} "
-                             f"ranks (start it with a larger PoolConfig.world_size)")
-        ticket = Ticket(case=case, timeout=timeout, seq=next(self._tickets), pool=self.owner,
-                        ranks=tuple(meshes.case_ranks(case)))
+            raise ValueError(
+                f"case world_size={n} needs {meshes.ranks_needed(case)} ranks; this pool has {world} "
+                f"ranks (start it with a larger PoolConfig.world_size)"
+            )
+        ticket = Ticket(
+            case=case, timeout=timeout, seq=next(self._tickets), pool=self.owner, ranks=tuple(meshes.case_ranks(case))
+        )
         self._inflight.append(ticket)
         try:
             self._ensure_sent()
@@ -140,8 +143,15 @@ class TicketQueue:
         self._meshes = {generation: asked}  # an earlier start's meshes went with its ranks
         if key != f"prefix:{self.processes.config.world_size}" and key not in asked:
             asked.add(key)
-            build = Ticket(case={"mesh": key}, timeout=ticket.timeout, seq=ticket.seq, pool=self.owner,
-                           ranks=tuple(range(self.processes.config.world_size)), mesh=key, needed_by=ticket)
+            build = Ticket(
+                case={"mesh": key},
+                timeout=ticket.timeout,
+                seq=ticket.seq,
+                pool=self.owner,
+                ranks=tuple(range(self.processes.config.world_size)),
+                mesh=key,
+                needed_by=ticket,
+            )
             self._inflight.insert(self._inflight.index(ticket), build)
             self._transmit(build, mesh_request)
         self._transmit(ticket, run_request)
@@ -164,8 +174,12 @@ class TicketQueue:
         """Wait for the oldest case in flight; record its outputs or its ``RankFailure`` on the ticket."""
         procs = self.processes
         case, timeout = ticket.case, ticket.timeout
-        evidence: dict[str, Any] = dict(case=case if ticket.needed_by is None else ticket.needed_by.case,
-                                        timeout=timeout, launcher=procs.launcher, where=self._where(ticket))
+        evidence: dict[str, Any] = dict(
+            case=case if ticket.needed_by is None else ticket.needed_by.case,
+            timeout=timeout,
+            launcher=procs.launcher,
+            where=self._where(ticket),
+        )
         if ticket.send_error is not None:
             return self._fail(ticket, diagnose(**evidence, replies={}, send_error=ticket.send_error))
         outputs: dict[int, RankOutput] = {}
@@ -186,16 +200,33 @@ class TicketQueue:
                     body, arrays = wire.recv(sock, timeout=max(deadline - time.monotonic(), 1.0))
                 except wire.WireError as exc:
                     code = procs.wait_exit()
-                    return self._fail(ticket, diagnose(
-                        **evidence, replies=outputs, closed=(rank, str(exc)), launcher_exit=code,
-                        exits=exits_in_log(procs.log_tail(1 << 20)), log=procs.log_tail(),
-                        rank_errors=procs.rank_errors(), rank_logs={r: procs.rank_log_tail(r) for r in ticket.ranks}))
+                    return self._fail(
+                        ticket,
+                        diagnose(
+                            **evidence,
+                            replies=outputs,
+                            closed=(rank, str(exc)),
+                            launcher_exit=code,
+                            exits=exits_in_log(procs.log_tail(1 << 20)),
+                            log=procs.log_tail(),
+                            rank_errors=procs.rank_errors(),
+                            rank_logs={r: procs.rank_log_tail(r) for r in ticket.ranks},
+                        ),
+                    )
                 if body.get("op") == "lost":  # the rank's launcher is gone (a lost node): it exits now
-                    return self._fail(ticket, diagnose(**evidence, replies=outputs, lost=(rank, body.get("reason")),
-                                                       launcher_exit=procs.wait_exit() if procs.exited_agents() else None))
+                    return self._fail(
+                        ticket,
+                        diagnose(
+                            **evidence,
+                            replies=outputs,
+                            lost=(rank, body.get("reason")),
+                            launcher_exit=procs.wait_exit() if procs.exited_agents() else None,
+                        ),
+                    )
                 try:
-                    outputs[rank] = decode_reply(body, arrays, rank=rank, case_id=ticket.case_id,
-                                                 received_at=time.monotonic())
+                    outputs[rank] = decode_reply(
+                        body, arrays, rank=rank, case_id=ticket.case_id, received_at=time.monotonic()
+                    )
                 except OffProtocol as exc:
                     return self._fail(ticket, diagnose(**evidence, replies=outputs, off_protocol=(rank, str(exc))))
                 pending.discard(rank)
@@ -203,8 +234,9 @@ class TicketQueue:
                     # Peers of a rank that raised may be waiting in a collective; give them a moment.
                     grace_deadline = time.monotonic() + min(RAISED_GRACE, timeout)
         stuck = sorted(pending)
-        failure = diagnose(**evidence, replies=outputs, unanswered=stuck,
-                           stacks=procs.dump_stacks(stuck) if stuck else {})
+        failure = diagnose(
+            **evidence, replies=outputs, unanswered=stuck, stacks=procs.dump_stacks(stuck) if stuck else {}
+        )
         if failure is not None:
             return self._fail(ticket, failure)
         ticket.outputs = [outputs[r] for r in ticket.ranks]
@@ -218,8 +250,11 @@ class TicketQueue:
         lines = []
         layout = meshes.MeshLayout.of(ticket.case) if ticket.mesh is None else None
         if layout is not None:
-            lines.append("on " + "; ".join(layout.group_label(g) for g in layout.running())
-                         + " (CP rank i of a group is its i-th global rank)")
+            lines.append(
+                "on "
+                + "; ".join(layout.group_label(g) for g in layout.running())
+                + " (CP rank i of a group is its i-th global rank)"
+            )
         elif ticket.mesh is not None:
             lines.append(f"while every rank built the mesh {ticket.mesh} for the next case")
         nodes = {r: self.processes.where(r) for r in ticket.ranks}

@@ -47,19 +47,36 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--connect", required=True, help="host:port of the test process")
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
-    parser.add_argument("--impl", default="cp_impl",
-                        help="module(s) exposing inkling2 and mistral_large4, comma-separated; a case's 'impl' picks one")
+    parser.add_argument(
+        "--impl",
+        default="cp_impl",
+        help="module(s) exposing inkling2 and mistral_large4, comma-separated; a case's 'impl' picks one",
+    )
     parser.add_argument("--collective-timeout", type=float, default=60.0, help="seconds before a collective gives up")
-    parser.add_argument("--idle-timeout", type=float, default=3600.0, help="seconds without a request before the rank exits")
+    parser.add_argument(
+        "--idle-timeout", type=float, default=3600.0, help="seconds without a request before the rank exits"
+    )
     parser.add_argument("--stack-dir", default=None, help="folder for stack dumps on SIGUSR1")
     parser.add_argument("--preload", default="", help="model spec modules (comma-separated) the launcher imports once")
-    parser.add_argument("--ranks", type=int, default=None,
-                        help="start this many ranks by forking this process after its imports (without it: one rank, "
-                             "started by torchrun or srun)")
-    parser.add_argument("--start-timeout", type=float, default=180.0,
-                        help="seconds the store waits for every rank to join (the pool grows it with the rank count)")
-    parser.add_argument("--rank-order", default="blocked", choices=("blocked", "cyclic"),
-                        help="blocked: the launcher's ranks; cyclic: rank r on node r %% nnodes")
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help="start this many ranks by forking this process after its imports (without it: one rank, "
+        "started by torchrun or srun)",
+    )
+    parser.add_argument(
+        "--start-timeout",
+        type=float,
+        default=180.0,
+        help="seconds the store waits for every rank to join (the pool grows it with the rank count)",
+    )
+    parser.add_argument(
+        "--rank-order",
+        default="blocked",
+        choices=("blocked", "cyclic"),
+        help="blocked: the launcher's ranks; cyclic: rank r on node r %% nnodes",
+    )
     return parser.parse_args(argv)
 
 
@@ -105,6 +122,7 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
 
     from cp_harness.instruments import comm_meter, coverage  # noqa: F401 - the rank's own imports
     from cp_harness.ranks import wire  # noqa: F401
+
     for name in impl_names(args.impl):
         load_impl(name)  # one that does not import stops the launcher here; the pool shows its traceback
     load_checks()
@@ -115,12 +133,20 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
     import threading
 
     if threading.active_count() > 1:  # a fork carries only this thread over; the others' locks may be held
-        print(f"cp_harness.ranks.worker: importing {args.impl} started {threading.active_count() - 1} Python thread(s); "
-              f"forked ranks do not have them. If cases hang, start the ranks with torchrun "
-              f"(--cp-launcher torchrun / --launcher torchrun).", file=sys.stderr, flush=True)
+        print(
+            f"cp_harness.ranks.worker: importing {args.impl} started {threading.active_count() - 1} Python thread(s); "
+            f"forked ranks do not have them. If cases hang, start the ranks with torchrun "
+            f"(--cp-launcher torchrun / --launcher torchrun).",
+            file=sys.stderr,
+            flush=True,
+        )
     world = args.ranks
-    env = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port())}
+    env = {
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }
     children: dict[int, int] = {}
     for rank in range(world):
         pid = os.fork()
@@ -197,10 +223,17 @@ def main(argv: list[str] | None = None) -> int:
         # One compile cache per rank: ranks compiling the same kernel at once into one folder loaded each other's
         # half-written files ("file too short", "invalid ELF header"; the real models' MoE kernels).
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{os.environ['TORCHINDUCTOR_CACHE_DIR']}-rank{place.local_rank}"
-    phases.say(f"joining the process group ({args.backend}; store at {os.environ.get('MASTER_ADDR')}:"
-               f"{os.environ.get('MASTER_PORT')}, waiting up to {args.start_timeout:.0f} s for {place.world_size} ranks)")
-    startup.join(args.backend, place, start_timeout=args.start_timeout, collective_timeout=args.collective_timeout,
-                 device=device if args.backend == "nccl" else None)
+    phases.say(
+        f"joining the process group ({args.backend}; store at {os.environ.get('MASTER_ADDR')}:"
+        f"{os.environ.get('MASTER_PORT')}, waiting up to {args.start_timeout:.0f} s for {place.world_size} ranks)"
+    )
+    startup.join(
+        args.backend,
+        place,
+        start_timeout=args.start_timeout,
+        collective_timeout=args.collective_timeout,
+        device=device if args.backend == "nccl" else None,
+    )
     meshes = startup.MeshBook(rank, place.world_size, device.type, args.collective_timeout)
 
     phases.say(f"in the process group; loading {args.impl}")
@@ -214,8 +247,16 @@ def main(argv: list[str] | None = None) -> int:
     # After the implementations and the checks are imported: operators they define are hooked too.
     comm.install()
 
-    phases.send({"op": "hello", **place.identity(), "backend": args.backend, "device": str(device),
-                 "torch": torch.__version__, "impl": args.impl})
+    phases.send(
+        {
+            "op": "hello",
+            **place.identity(),
+            "backend": args.backend,
+            "device": str(device),
+            "torch": torch.__version__,
+            "impl": args.impl,
+        }
+    )
     sock = phases.sock
     exit_code = 0
     while True:
@@ -248,13 +289,26 @@ def main(argv: list[str] | None = None) -> int:
                     comm.install()  # hooks operators the new module defined
                 held = meshes.get(mesh_key(case))
                 assert held.cp_rank is not None, f"rank {rank} is not on the mesh {mesh_key(case)} of its case"
-                context = RankContext(rank=held.cp_rank, cp_size=int(case["world_size"]), mesh=held.cp_mesh,
-                                      device=device, backend=args.backend, impl=impls[name], global_rank=rank,
-                                      group=held.group)
+                context = RankContext(
+                    rank=held.cp_rank,
+                    cp_size=int(case["world_size"]),
+                    mesh=held.cp_mesh,
+                    device=device,
+                    backend=args.backend,
+                    impl=impls[name],
+                    global_rank=rank,
+                    group=held.group,
+                )
                 with comm.recording(allowed=held.members) as calls, coverage.recording() as called:
                     info, tensors = run_on_rank(case, context)
-                reply.update(ok=True, info=info, comm=[c.as_dict() for c in calls], called=sorted(called),
-                             cp_rank=held.cp_rank, group=held.group)
+                reply.update(
+                    ok=True,
+                    info=info,
+                    comm=[c.as_dict() for c in calls],
+                    called=sorted(called),
+                    cp_rank=held.cp_rank,
+                    group=held.group,
+                )
         except BaseException as exc:  # noqa: BLE001 - everything is reported, SystemExit included
             tensors = {}
             reply.update(ok=False, error_type=type(exc).__name__, message=str(exc), traceback=traceback.format_exc())

@@ -38,7 +38,9 @@ aten = torch.ops.aten
 FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
 BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 SEQ_DIM = 2  # torch's ring hard-codes it too ([B, H, S, D]; the LSE [B, H, S])
-_CALLS: collections.Counter[object] = collections.Counter()  # op -> ring calls made through this stand-in in this process
+_CALLS: collections.Counter[object] = (
+    collections.Counter()
+)  # op -> ring calls made through this stand-in in this process
 
 
 def _bound(op: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]) -> dict[str, Any]:
@@ -88,29 +90,58 @@ def _handler(op_call: torch._ops.OpOverload, args: tuple, kwargs: dict) -> objec
     specs = [s for s in list(schema.args_schema) + list(schema.kwargs_schema.values()) if isinstance(s, DTensorSpec)]
     wrong = sorted({str(s.placements) for s in specs if s.mesh != mesh or tuple(s.placements) != (Shard(SEQ_DIM),)})
     if mesh.ndim != 1 or wrong:
-        raise NotImplementedError(f"stand-in ring_sdpa_cpu: {op_call} takes Shard(2) DTensors on one 1-D mesh "
-                                  f"(torch's ring SDPA layout); got mesh of {mesh.ndim} dims, placements {wrong}")
-    uneven = [tuple(s.shape) for s, t in zip(schema.args_schema, info.local_args)
-              if isinstance(s, DTensorSpec) and isinstance(t, torch.Tensor)
-              and s.shape[SEQ_DIM] != t.shape[SEQ_DIM] * mesh.size()]
+        raise NotImplementedError(
+            f"stand-in ring_sdpa_cpu: {op_call} takes Shard(2) DTensors on one 1-D mesh "
+            f"(torch's ring SDPA layout); got mesh of {mesh.ndim} dims, placements {wrong}"
+        )
+    uneven = [
+        tuple(s.shape)
+        for s, t in zip(schema.args_schema, info.local_args)
+        if isinstance(s, DTensorSpec)
+        and isinstance(t, torch.Tensor)
+        and s.shape[SEQ_DIM] != t.shape[SEQ_DIM] * mesh.size()
+    ]
     if uneven:
-        raise NotImplementedError(f"stand-in ring_sdpa_cpu: {op_call} takes evenly sharded sequences (torch's ring "
-                                  f"and its load balancer shard evenly); global shapes {uneven} on {mesh.size()} ranks")
+        raise NotImplementedError(
+            f"stand-in ring_sdpa_cpu: {op_call} takes evenly sharded sequences (torch's ring "
+            f"and its load balancer shard evenly); global shapes {uneven} on {mesh.size()} ranks"
+        )
     a = _bound(op_call, info.local_args, info.local_kwargs)
     if a.get("attn_mask") is not None:
-        raise NotImplementedError("stand-in ring_sdpa_cpu: attn_mask is not supported (torch's ring SDPA takes "
-                                  "none either: causal or full attention only)")
+        raise NotImplementedError(
+            "stand-in ring_sdpa_cpu: attn_mask is not supported (torch's ring SDPA takes "
+            "none either: causal or full attention only)"
+        )
     group = mesh.get_group()
     _CALLS[op_call] += 1
     if op_call is FORWARD:
         results = torch_cp._templated_ring_attention(
-            group, SEQ_DIM, aten._scaled_dot_product_flash_attention_for_cpu, query=a["query"], key=a["key"],
-            value=a["value"], is_causal=a["is_causal"], dropout_p=a["dropout_p"], scale=a["scale"])
+            group,
+            SEQ_DIM,
+            aten._scaled_dot_product_flash_attention_for_cpu,
+            query=a["query"],
+            key=a["key"],
+            value=a["value"],
+            is_causal=a["is_causal"],
+            dropout_p=a["dropout_p"],
+            scale=a["scale"],
+        )
     else:
         results = torch_cp._templated_ring_attention_backward(
-            group, SEQ_DIM, BACKWARD, grad_out=a["grad_out"], grad_out_name="grad_out", query=a["query"],
-            key=a["key"], value=a["value"], out=a["out"], logsumexp=a["logsumexp"], is_causal=a["is_causal"],
-            dropout_p=a["dropout_p"], scale=a["scale"])
+            group,
+            SEQ_DIM,
+            BACKWARD,
+            grad_out=a["grad_out"],
+            grad_out_name="grad_out",
+            query=a["query"],
+            key=a["key"],
+            value=a["value"],
+            out=a["out"],
+            logsumexp=a["logsumexp"],
+            is_causal=a["is_causal"],
+            dropout_p=a["dropout_p"],
+            scale=a["scale"],
+        )
     return DTensor._op_dispatcher.wrap(tuple(results), tuple(_global_spec(r, mesh) for r in results))
 
 
@@ -134,14 +165,18 @@ def install() -> Iterator[None]:
 
     torch_cp = _torch_cp()
     if DTensor._op_dispatcher._custom_op_handlers is not torch_cp.existing_custom_ops:
-        raise RuntimeError("stand-in ring_sdpa_cpu entered inside a context_parallel context: enter it before "
-                           "(torch merges its handler table into DTensor's dispatcher when the context starts)")
+        raise RuntimeError(
+            "stand-in ring_sdpa_cpu entered inside a context_parallel context: enter it before "
+            "(torch merges its handler table into DTensor's dispatcher when the context starts)"
+        )
     present = handlers()
     if any(handler is _handler for handler in present.values()):
         raise RuntimeError("stand-in ring_sdpa_cpu is already installed (entered twice)")
     if present:
-        raise RuntimeError(f"stand-in ring_sdpa_cpu: torch already has DTensor handlers for {sorted(map(str, present))}"
-                           f"; the stand-in is not needed (remove it from the spec's STANDINS)")
+        raise RuntimeError(
+            f"stand-in ring_sdpa_cpu: torch already has DTensor handlers for {sorted(map(str, present))}"
+            f"; the stand-in is not needed (remove it from the spec's STANDINS)"
+        )
     torch_cp.custom_ops.update({FORWARD: _handler, BACKWARD: _handler})
     try:
         yield
@@ -150,8 +185,16 @@ def install() -> Iterator[None]:
             torch_cp.custom_ops.pop(op, None)
 
 
-RING_SDPA_CPU = register(StandIn(
-    name="ring_sdpa_cpu", device_type="cpu", replaces="aten._scaled_dot_product_flash_attention (CUDA flash / "
-    "memory-efficient / cuDNN SDPA) as torch context_parallel's ring SDPA per-step kernel",
-    role="ring SDPA per-step kernel", computes_with="aten._scaled_dot_product_flash_attention_for_cpu",
-    meets="cuda", install=install, calls=lambda: sum(_CALLS.values())))
+RING_SDPA_CPU = register(
+    StandIn(
+        name="ring_sdpa_cpu",
+        device_type="cpu",
+        replaces="aten._scaled_dot_product_flash_attention (CUDA flash / "
+        "memory-efficient / cuDNN SDPA) as torch context_parallel's ring SDPA per-step kernel",
+        role="ring SDPA per-step kernel",
+        computes_with="aten._scaled_dot_product_flash_attention_for_cpu",
+        meets="cuda",
+        install=install,
+        calls=lambda: sum(_CALLS.values()),
+    )
+)

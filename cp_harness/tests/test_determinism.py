@@ -16,18 +16,65 @@ import numpy as np
 import pytest
 
 CASES = [
-    pytest.param({"check": "model", "world_size": 4, "seed": 31, "model": "inkling2", "dtype": "float64", "num_chunks": 1,
-                  "batch": {"format": "thd", "seq_len": 13, "docs": [[[5, 6], [4, 4], [2, 3]]],
-                            "images": [[0, 1, 2, 4]], "eos_is_pad": True}}, id="model-inkling2-float64"),
-    pytest.param({"check": "model", "world_size": 3, "seed": 32, "model": "mistral_large4", "dtype": "float32",
-                  "num_chunks": 2, "shard_primary": False,
-                  "batch": {"format": "thd", "seq_len": 11, "docs": [[[4, 5], [6, 6]], [[11, 11]]],
-                            "images": {"height": 2, "width": 4, "spans": [[1, 3, 2]]}}}, id="model-mistral_large4-float32"),
-    pytest.param({"check": "convolution_history", "world_size": 3, "seed": 33, "dtype": "float32", "shape": [2, 2, 3],
-                  "width": 6}, id="transport-convolution_history"),
-    pytest.param({"check": "shifted_cp_loss", "world_size": 2, "seed": 34, "model": "mistral_large4", "dtype": "float32",
-                  "vocab": 9, "batch": {"format": "bshd", "seq_len": 9, "rows": [[2, 7], [0, 9]]}},
-                 id="loss-shifted_cp_loss"),
+    pytest.param(
+        {
+            "check": "model",
+            "world_size": 4,
+            "seed": 31,
+            "model": "inkling2",
+            "dtype": "float64",
+            "num_chunks": 1,
+            "batch": {
+                "format": "thd",
+                "seq_len": 13,
+                "docs": [[[5, 6], [4, 4], [2, 3]]],
+                "images": [[0, 1, 2, 4]],
+                "eos_is_pad": True,
+            },
+        },
+        id="model-inkling2-float64",
+    ),
+    pytest.param(
+        {
+            "check": "model",
+            "world_size": 3,
+            "seed": 32,
+            "model": "mistral_large4",
+            "dtype": "float32",
+            "num_chunks": 2,
+            "shard_primary": False,
+            "batch": {
+                "format": "thd",
+                "seq_len": 11,
+                "docs": [[[4, 5], [6, 6]], [[11, 11]]],
+                "images": {"height": 2, "width": 4, "spans": [[1, 3, 2]]},
+            },
+        },
+        id="model-mistral_large4-float32",
+    ),
+    pytest.param(
+        {
+            "check": "convolution_history",
+            "world_size": 3,
+            "seed": 33,
+            "dtype": "float32",
+            "shape": [2, 2, 3],
+            "width": 6,
+        },
+        id="transport-convolution_history",
+    ),
+    pytest.param(
+        {
+            "check": "shifted_cp_loss",
+            "world_size": 2,
+            "seed": 34,
+            "model": "mistral_large4",
+            "dtype": "float32",
+            "vocab": 9,
+            "batch": {"format": "bshd", "seq_len": 9, "rows": [[2, 7], [0, 9]]},
+        },
+        id="loss-shifted_cp_loss",
+    ),
 ]
 
 
@@ -52,7 +99,9 @@ def test_same_case_twice_is_bit_identical(cp_runner, cp_world_sizes, case):
             if _bits(a.tensors[name]) != _bits(b.tensors[name]):
                 x, y = a.tensors[name], b.tensors[name]
                 where = np.argwhere(np.asarray(x != y)) if x.shape == y.shape else "shape differs"
-                differences.append(f"rank {a.rank}: {name} differs between the runs (at {where[:3].tolist() if isinstance(where, np.ndarray) else where})")
+                differences.append(
+                    f"rank {a.rank}: {name} differs between the runs (at {where[:3].tolist() if isinstance(where, np.ndarray) else where})"
+                )
         if a.info != b.info:
             differences.append(f"rank {a.rank}: info {a.info} then {b.info}")
         if a.comm != b.comm:

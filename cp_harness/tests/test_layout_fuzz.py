@@ -86,7 +86,9 @@ def same_document_problems(keep: torch.Tensor, positions: torch.Tensor, document
             by_position = {j for j in range(i + 1) if bool(keep[b, j]) and j >= i - int(positions[b, i])}
             by_document = {j for j in range(i + 1) if bool(keep[b, j]) and int(documents[b, j]) == int(documents[b, i])}
             if by_position != by_document:
-                problems.append(f"row {b}, token {i}: positions give {sorted(by_position)}, documents {sorted(by_document)}")
+                problems.append(
+                    f"row {b}, token {i}: positions give {sorted(by_position)}, documents {sorted(by_document)}"
+                )
     return problems
 
 
@@ -107,8 +109,9 @@ def attempt(call, inputs: dict):
 
 
 # --------------------------------------------------------------------------------------- strategies
-ODD_LENGTHS = st.one_of(st.integers(-3, -1), st.integers(0, 16),
-                        st.sampled_from([FILLER, -999, -1001, 2**62, 2**63 - 1, -2**63]))
+ODD_LENGTHS = st.one_of(
+    st.integers(-3, -1), st.integers(0, 16), st.sampled_from([FILLER, -999, -1001, 2**62, 2**63 - 1, -(2**63)])
+)
 
 
 @st.composite
@@ -126,8 +129,7 @@ def packed_metadata(draw, rows: int | None = None) -> dict:
             r = draw(st.integers(0, room))
             real[b, d], padded[b, d] = r, r + draw(st.integers(0, min(3, room - r)))
             used += int(padded[b, d])
-    corruption = draw(st.sampled_from(("none", "none", "none", "none", "element", "element", "shape", "dtype",
-                                       "huge")))
+    corruption = draw(st.sampled_from(("none", "none", "none", "none", "element", "element", "shape", "dtype", "huge")))
     if corruption == "huge" and D:  # lengths whose int64 sum wraps around
         b = draw(st.integers(0, B - 1))
         padded[b, :] = draw(st.sampled_from((2**62, 2**63 - 1, 2**61 + 1)))
@@ -148,8 +150,11 @@ def packed_metadata(draw, rows: int | None = None) -> dict:
     elif corruption == "dtype":
         dtype = draw(st.sampled_from((torch.int32, torch.float32, torch.bool)))
         real, padded = real.to(dtype), padded.to(dtype)
-    batch: dict[str, Any] = {"input_ids": torch.arange(B * S).view(B, S) % 5, "seq_lens": real.clone(),
-                             "seq_lens_padded": padded.clone()}
+    batch: dict[str, Any] = {
+        "input_ids": torch.arange(B * S).view(B, S) % 5,
+        "seq_lens": real.clone(),
+        "seq_lens_padded": padded.clone(),
+    }
     if draw(st.booleans()):
         batch["qkv_format"] = "thd"
     return batch
@@ -162,7 +167,7 @@ def attention_mask_metadata(draw) -> dict:
     mask = torch.zeros(B, S, dtype=torch.int64)
     for b in range(B):
         lo = draw(st.integers(0, S))
-        mask[b, lo:draw(st.integers(lo, S))] = 1
+        mask[b, lo : draw(st.integers(lo, S))] = 1
     for _ in range(draw(st.integers(0, 2))):  # holes, odd values
         mask[draw(st.integers(0, B - 1)), draw(st.integers(0, S - 1))] = draw(st.sampled_from((0, 1, 1, 2, -1)))
     if draw(st.booleans()):
@@ -188,15 +193,18 @@ def with_positions_and_labels(draw, batch: dict, layout_fn) -> dict:
             positions[b, t] = 0
         batch["position_ids"] = positions
     elif kind == "arbitrary":
-        batch["position_ids"] = torch.tensor(draw(st.lists(st.integers(-2, 8), min_size=B * S, max_size=B * S))).view(B, S)
+        batch["position_ids"] = torch.tensor(draw(st.lists(st.integers(-2, 8), min_size=B * S, max_size=B * S))).view(
+            B, S
+        )
     if draw(st.booleans()):
         batch["labels"] = (torch.arange(B * S).view(B, S) * 7) % 11 - 1
     return batch
 
 
 def packed_layout_of(batch: dict):
-    return layout_from_batch({"input_ids": batch["input_ids"], "seq_lens": batch["seq_lens"],
-                              "seq_lens_padded": batch["seq_lens_padded"]})
+    return layout_from_batch(
+        {"input_ids": batch["input_ids"], "seq_lens": batch["seq_lens"], "seq_lens_padded": batch["seq_lens_padded"]}
+    )
 
 
 def mask_layout_of(batch: dict):
@@ -237,18 +245,21 @@ def check_normalised(batch: dict, before: dict, layout, *, packed: bool) -> None
         if key in before:
             assert batch[key] is before[key] and torch.equal(batch[key], before[key + "#copy"]), f"{key} changed"
     keep = layout.keep
-    assert batch["padding_mask"].dtype == torch.bool and torch.equal(batch["padding_mask"], ~keep), \
+    assert batch["padding_mask"].dtype == torch.bool and torch.equal(batch["padding_mask"], ~keep), (
         f"padding_mask {batch['padding_mask'].tolist()} but the layout keeps {keep.tolist()}"
+    )
     positions = batch["position_ids"]
     assert positions.dtype == torch.int64 and positions.shape == keep.shape
     given = before.get("position_ids#copy")
     if packed or given is None:
-        assert torch.equal(positions[keep], layout.positions[keep]), \
+        assert torch.equal(positions[keep], layout.positions[keep]), (
             f"positions {positions.tolist()} differ from the layout's {layout.positions.tolist()} on real tokens"
+        )
         documents = layout.document_ids
     else:  # unpacked rows with valid given positions: those, or the derived ones (docs/reliability.md)
-        assert torch.equal(positions[keep], given[keep]) or torch.equal(positions[keep], layout.positions[keep]), \
+        assert torch.equal(positions[keep], given[keep]) or torch.equal(positions[keep], layout.positions[keep]), (
             f"positions {positions.tolist()} are neither the given {given.tolist()} nor the derived ones"
+        )
         documents = None
     assert not position_violations(keep, positions), f"position rules broken at {position_violations(keep, positions)}"
     if documents is not None:
@@ -281,8 +292,11 @@ def run_hook(call, batch: dict, layout, problems: list[str], *, packed: bool):
 @example(data=None)  # the overflow that once passed: padded lengths whose int64 sum wraps around
 def test_unpack_row_layout_fuzz(cp_impl, data):
     if data is None:
-        batch = {"input_ids": torch.zeros(1, 6, dtype=torch.int64), "seq_lens": torch.tensor([[1, 1, 1]]),
-                 "seq_lens_padded": torch.tensor([[2**62, 2**62, 3]])}
+        batch = {
+            "input_ids": torch.zeros(1, 6, dtype=torch.int64),
+            "seq_lens": torch.tensor([[1, 1, 1]]),
+            "seq_lens_padded": torch.tensor([[2**62, 2**62, 3]]),
+        }
     else:
         batch = data.draw(packed_metadata())
         batch = data.draw(with_positions_and_labels(batch, packed_layout_of))
@@ -308,8 +322,9 @@ def test_prepare_hooks_fuzz(cp_impl, data):
     num_chunks = data.draw(st.one_of(st.sampled_from(fitting), st.sampled_from(fitting), st.integers(-1, 4)))
     layout, problems = expected_problems(batch, layout_fn, packed=packed, num_chunks=num_chunks, exact_chunks=exact)
     module = getattr(cp_impl, model)
-    if not run_hook(lambda: module.prepare_cp_inputs(batch, num_chunks=num_chunks), batch, layout, problems,
-                    packed=packed):
+    if not run_hook(
+        lambda: module.prepare_cp_inputs(batch, num_chunks=num_chunks), batch, layout, problems, packed=packed
+    ):
         return
     # One rank: the local batch, put at the global positions the sharder reports, is the global one (whatever
     # the layout's divisibility padding).
@@ -318,8 +333,11 @@ def test_prepare_hooks_fuzz(cp_impl, data):
     with sharded(sharder, batch) as shard:  # read inside the sharder's context, as a train step does
         indices = local_token_indices(sharder, None, shard.local["padding_mask"].shape[1])
         order = torch.argsort(indices)[:S]
-        local = {k: shard.local[k].index_select(1, order) for k in ("padding_mask", "position_ids", "labels")
-                 if k in shard.local}
+        local = {
+            k: shard.local[k].index_select(1, order)
+            for k in ("padding_mask", "position_ids", "labels")
+            if k in shard.local
+        }
     keep = layout.keep
     assert torch.equal(local["padding_mask"], ~keep)
     assert torch.equal(local["position_ids"][keep], batch["position_ids"][keep])
@@ -375,8 +393,12 @@ def keep_and_positions(draw):
 @example(pair=(torch.tensor([[False, True, True]]), torch.tensor([[7, 3, 4]])))  # mid-document start after padding
 def test_validate_document_positions_fuzz(cp_impl, pair):
     keep, positions = pair
-    malformed = keep.dtype != torch.bool or positions.dtype.is_floating_point or keep.dim() != 2 \
+    malformed = (
+        keep.dtype != torch.bool
+        or positions.dtype.is_floating_point
+        or keep.dim() != 2
         or keep.shape != positions.shape
+    )
     violations = [] if malformed else position_violations(keep, positions)
     inputs = {"keep": keep, "positions": positions}
     error, changes = attempt(lambda: cp_impl.inkling2.validate_document_positions(keep, positions), inputs)
@@ -393,5 +415,6 @@ def test_validate_document_positions_fuzz(cp_impl, pair):
         return
     assert isinstance(error, ValueError), f"a rule violation must be a ValueError, got {type(error).__name__}"
     numbers = {int(x) for x in re.findall(r"\d+", message)}
-    assert any(b in numbers and t in numbers for b, t in violations), \
+    assert any(b in numbers and t in numbers for b, t in violations), (
         f"the message names no row and column of a violation {violations}: {message}"
+    )

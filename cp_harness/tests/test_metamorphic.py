@@ -46,19 +46,31 @@ def test_padding_contents_never_change_real_results(cp_runner, case, padding_see
     real = _real_mask(base, layout.padded_len)
     grid = layout.grid
     results = [
-        compare_exact("logits (real tokens)", layout.scatter(b, "logits"), layout.scatter(a, "logits"), mask=real,
-                grid=grid) if real.any() else None,
-        compare_exact("input-embedding gradient", layout.scatter(b, "inputs_embeds.grad"),
-                layout.scatter(a, "inputs_embeds.grad"), grid=grid, gradient=True),
+        compare_exact(
+            "logits (real tokens)", layout.scatter(b, "logits"), layout.scatter(a, "logits"), mask=real, grid=grid
+        )
+        if real.any()
+        else None,
+        compare_exact(
+            "input-embedding gradient",
+            layout.scatter(b, "inputs_embeds.grad"),
+            layout.scatter(a, "inputs_embeds.grad"),
+            grid=grid,
+            gradient=True,
+        ),
     ]
     for o_a, o_b in zip(a, b):
         results.append(compare_exact(f"loss@rank{o_a.rank}", o_b.tensors["loss"], o_a.tensors["loss"], rank=o_a.rank))
         for name in o_a.tensors:
             if name.startswith("grad."):
-                results.append(compare_exact(f"{name}@rank{o_a.rank}", o_b.tensors[name], o_a.tensors[name], rank=o_a.rank))
+                results.append(
+                    compare_exact(f"{name}@rank{o_a.rank}", o_b.tensors[name], o_a.tensors[name], rank=o_a.rank)
+                )
     failed = [comparison_summary(r) for r in results if r is not None and not r.ok]
-    assert not failed, ("padding contents changed a real result\n"
-                        f"case: {canonical(base)}\nwith padding: {canonical(noisy)}\n" + "\n".join(failed))
+    assert not failed, (
+        "padding contents changed a real result\n"
+        f"case: {canonical(base)}\nwith padding: {canonical(noisy)}\n" + "\n".join(failed)
+    )
 
 
 @settings(max_examples=examples(0.2))
@@ -74,9 +86,15 @@ def test_results_do_not_depend_on_cp_size(cp_runner, case):
     kw = dict(budget_ulp=budget.ulp, floor_fraction=budget.floor_fraction)
     results = [
         compare_ulp("logits", many.scatter(multi, "logits")[:, :S], one_rank.scatter(single, "logits")[:, :S], **kw),
-        compare_ulp("loss", np.array(sum(float(o.tensors["loss"]) for o in multi) / n), single[0].tensors["loss"], **kw),
-        compare_ulp("input-embedding gradient", many.scatter(multi, "inputs_embeds.grad")[:, :S] / n,
-                one_rank.scatter(single, "inputs_embeds.grad")[:, :S], **kw),
+        compare_ulp(
+            "loss", np.array(sum(float(o.tensors["loss"]) for o in multi) / n), single[0].tensors["loss"], **kw
+        ),
+        compare_ulp(
+            "input-embedding gradient",
+            many.scatter(multi, "inputs_embeds.grad")[:, :S] / n,
+            one_rank.scatter(single, "inputs_embeds.grad")[:, :S],
+            **kw,
+        ),
     ]
     for name in single[0].tensors:
         if name.startswith("grad."):

@@ -12,8 +12,9 @@ from cp_harness.checks import load_checks
 
 # The forward-backward rows, as ``verify --model`` runs them (the training step needs a pool of exactly its 4 ranks:
 # ``verify --step training``, docs/training_step.md).
-ROWS = [row for check in load_checks().values() for row in check.rows
-        if row.needs_model and row.step == "forward-backward"]
+ROWS = [
+    row for check in load_checks().values() for row in check.rows if row.needs_model and row.step == "forward-backward"
+]
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[row.label for row in ROWS])

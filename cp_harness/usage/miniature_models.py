@@ -92,8 +92,17 @@ def _mesh_rank_size(mesh) -> tuple[int, int]:
     return mesh.get_local_rank(), mesh.size()
 
 
-def _local_attention(q, k_all, v_all, keep, positions, token_positions: TokenPositions, *, window=None,
-                     documents: tuple[torch.Tensor, torch.Tensor] | None = None):
+def _local_attention(
+    q,
+    k_all,
+    v_all,
+    keep,
+    positions,
+    token_positions: TokenPositions,
+    *,
+    window=None,
+    documents: tuple[torch.Tensor, torch.Tensor] | None = None,
+):
     """Local queries ``[B,L,Hq,Dh]`` against gathered keys/values ``[B,N*L,Hkv,Dh]`` (rank order).
 
     Query ``i`` (global index ``token_positions.local[t]``) attends key ``j``
@@ -121,7 +130,7 @@ def _local_attention(q, k_all, v_all, keep, positions, token_positions: TokenPos
         allowed = allowed & ((i[None, :, None] - j[None, None, :]) < window)
     has_key = allowed.any(dim=-1, keepdim=True)
     safe = allowed | ~has_key  # rows with no key (padding) attend everything harmlessly, then are zeroed
-    scores = torch.einsum("blhd,bshd->bhls", q, k_all) * (Dh ** -0.5)
+    scores = torch.einsum("blhd,bshd->bhls", q, k_all) * (Dh**-0.5)
     scores = scores.masked_fill(~safe[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhls,bshd->blhd", probs, v_all)
@@ -148,7 +157,7 @@ def _global_embeddings(params, config, batch) -> torch.Tensor:
 def _gather_kv(gather, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values ``[B,L,Hkv,Dh]`` travel in one differentiable gather, as a model would send its KV."""
     kv = gather(torch.cat([k, v], dim=-1))
-    return kv[..., :k.shape[-1]], kv[..., k.shape[-1]:]
+    return kv[..., : k.shape[-1]], kv[..., k.shape[-1] :]
 
 
 def _count_all_reduce(count: torch.Tensor, mesh) -> torch.Tensor:
@@ -169,8 +178,9 @@ def _recipe_loss(logits: torch.Tensor, targets: torch.Tensor, counted: torch.Ten
     return local_sum * size / count if int(count) > 0 else local_sum * 0.0
 
 
-def _next_token_targets(labels: torch.Tensor, keep: torch.Tensor, where: TokenPositions, gather_rows
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def _next_token_targets(
+    labels: torch.Tensor, keep: torch.Tensor, where: TokenPositions, gather_rows
+) -> tuple[torch.Tensor, torch.Tensor]:
     """HF shifted targets on any layout: the label and keep flag at global position ``p+1`` for each local token.
 
     ``labels``/``keep [B,L]`` local; ``gather_rows``: ``[B,L]`` to ``[B,N*L]`` in rank order (no autograd).
@@ -186,8 +196,9 @@ def _next_token_targets(labels: torch.Tensor, keep: torch.Tensor, where: TokenPo
     return targets, next_kept
 
 
-def inkling2_cp_forward(impl, params: dict[str, torch.Tensor], config, batch: dict[str, Any], mesh, *,
-                        num_chunks: int = 1) -> CPModelOutput:
+def inkling2_cp_forward(
+    impl, params: dict[str, torch.Tensor], config, batch: dict[str, Any], mesh, *, num_chunks: int = 1
+) -> CPModelOutput:
     """Inkling2-mini on one CP rank. ``batch`` is the global batch (every rank gets the same); it is normalised in place as the hooks document."""
     ink = impl.inkling2
     caller = dict(batch)
@@ -203,7 +214,7 @@ def inkling2_cp_forward(impl, params: dict[str, torch.Tensor], config, batch: di
         W = config.conv_width
         if where.contiguous:
             history = ink.convolution_history(x, mesh, W)  # [B, L + W - 1, D]
-            tap = lambda k: history[:, W - 1 - k: W - 1 - k + L]  # noqa: E731 - input at global position p - k
+            tap = lambda k: history[:, W - 1 - k : W - 1 - k + L]  # noqa: E731 - input at global position p - k
         else:  # the halo of each local token from the whole sequence, gathered in global order
             x_global = where.global_order(ink.gather_sequence(x, mesh, True))
             tap = lambda k: x_global.index_select(1, (where.local - k).clamp(min=0))  # noqa: E731
@@ -214,8 +225,12 @@ def inkling2_cp_forward(impl, params: dict[str, torch.Tensor], config, batch: di
         x = x + F.silu(conv) @ params["conv_out"]
 
         a = oracle_models.rms_norm(x, params["norm1"])
-        q = rotary_embedding((a @ params["wq"]).unflatten(-1, (config.num_heads, config.head_dim)), positions, config.rope_base)
-        k = rotary_embedding((a @ params["wk"]).unflatten(-1, (config.num_kv_heads, config.head_dim)), positions, config.rope_base)
+        q = rotary_embedding(
+            (a @ params["wq"]).unflatten(-1, (config.num_heads, config.head_dim)), positions, config.rope_base
+        )
+        k = rotary_embedding(
+            (a @ params["wk"]).unflatten(-1, (config.num_kv_heads, config.head_dim)), positions, config.rope_base
+        )
         v = (a @ params["wv"]).unflatten(-1, (config.num_kv_heads, config.head_dim))
         k_all, v_all = _gather_kv(lambda t: ink.gather_sequence(t, mesh, True), k, v)
         attn = _local_attention(q, k_all, v_all, keep, positions, where)
@@ -235,8 +250,16 @@ def _gather_tokens_bshd(gather_tokens, value: torch.Tensor, mesh, differentiable
     return gather_tokens(value.transpose(0, 1).contiguous(), mesh, differentiable).transpose(0, 1)
 
 
-def mistral_large4_cp_forward(impl, params: dict[str, torch.Tensor], config, batch: dict[str, Any], mesh, *,
-                              num_chunks: int = 1, shard_primary: bool = True) -> CPModelOutput:
+def mistral_large4_cp_forward(
+    impl,
+    params: dict[str, torch.Tensor],
+    config,
+    batch: dict[str, Any],
+    mesh,
+    *,
+    num_chunks: int = 1,
+    shard_primary: bool = True,
+) -> CPModelOutput:
     """MistralLarge4-mini on one CP rank; packed batches go through the same hook (it dispatches to the packed path)."""
     ml = impl.mistral_large4
     caller = dict(batch)
@@ -267,8 +290,14 @@ def mistral_large4_cp_forward(impl, params: dict[str, torch.Tensor], config, bat
         for i in range(2):
             p = f"blocks.{i}."
             a = oracle_models.rms_norm(x, params[p + "norm"])
-            q = rotary_embedding((a @ params[p + "wq"]).unflatten(-1, (config.num_heads, config.head_dim)), positions, config.rope_base)
-            k = rotary_embedding((a @ params[p + "wk"]).unflatten(-1, (config.num_kv_heads, config.head_dim)), positions, config.rope_base)
+            q = rotary_embedding(
+                (a @ params[p + "wq"]).unflatten(-1, (config.num_heads, config.head_dim)), positions, config.rope_base
+            )
+            k = rotary_embedding(
+                (a @ params[p + "wk"]).unflatten(-1, (config.num_kv_heads, config.head_dim)),
+                positions,
+                config.rope_base,
+            )
             v = (a @ params[p + "wv"]).unflatten(-1, (config.num_kv_heads, config.head_dim))
             k_all, v_all = _gather_kv(lambda t: _gather_tokens_bshd(ml.gather_tokens, t, mesh, True), k, v)
             window = None if i == 0 else config.sliding_window

@@ -81,12 +81,22 @@ def make_batch(spec: types.ModuleType, description: dict) -> dict:
 
 
 def _row_order(batch: dict, order: list[int]) -> dict:
-    return {k: (v[order] if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == len(order) else v)
-            for k, v in batch.items()}
+    return {
+        k: (v[order] if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == len(order) else v)
+        for k, v in batch.items()
+    }
 
 
-def step(spec: types.ModuleType, model: torch.nn.Module, mesh: Any, batch: dict, *, split: int = 1,
-         reverse: bool = False, backward: bool = True) -> dict[str, Any]:
+def step(
+    spec: types.ModuleType,
+    model: torch.nn.Module,
+    mesh: Any,
+    batch: dict,
+    *,
+    split: int = 1,
+    reverse: bool = False,
+    backward: bool = True,
+) -> dict[str, Any]:
     """One forward and backward; ``{"logits" [B, S, V] global, "loss" [], "grads" {name: tensor}}`` (detached).
 
     With ``mesh`` every rank of the mesh calls this with the same global ``batch`` and gets the same result.
@@ -103,7 +113,7 @@ def step(spec: types.ModuleType, model: torch.nn.Module, mesh: Any, batch: dict,
     ctx_factory, local, sharder = spec.shard(model, mesh, batch)
     # Without a backward the forward runs without autograd too: a kernel without a backward (FlexAttention on the
     # CPU) refuses inputs that require grad.
-    with ctx_factory(), (contextlib.nullcontext() if backward else torch.no_grad()):
+    with ctx_factory(), contextlib.nullcontext() if backward else torch.no_grad():
         logits = spec.forward(model, local)
         labels = spec.local_labels(local) if hasattr(spec, "local_labels") else local["labels"]
         value = spec.loss(logits, labels, count)
@@ -118,8 +128,9 @@ def step(spec: types.ModuleType, model: torch.nn.Module, mesh: Any, batch: dict,
             # What every backward through the logits adds whatever the upstream gradient (an auxiliary loss injected
             # in the backward, e.g. a router's load-balancing loss): counted once, as in the plain run, not per chunk.
             params = [p for p in model.parameters() if p.requires_grad]
-            constant = torch.autograd.grad(logits, params, grad_outputs=torch.zeros_like(logits), retain_graph=True,
-                                           allow_unused=True)
+            constant = torch.autograd.grad(
+                logits, params, grad_outputs=torch.zeros_like(logits), retain_graph=True, allow_unused=True
+            )
             for i, (a, b) in enumerate(parts):
                 chunk = torch.zeros_like(upstream)
                 chunk[:, a:b] = upstream[:, a:b]
@@ -148,6 +159,7 @@ def step(spec: types.ModuleType, model: torch.nn.Module, mesh: Any, batch: dict,
 
 # ---- the judge: CP against one rank, bound c x reference spread + floor, normwise -----------------------------
 
+
 def ulp_unit(dtype: str) -> float:
     """The unit of every error of a ``dtype`` model: its machine epsilon (one ULP at 1)."""
     return float(torch.finfo(DTYPES[dtype]).eps)
@@ -164,9 +176,17 @@ def normwise(actual: np.ndarray, expected: np.ndarray, scale: float, unit: float
     return float(ulp_errors(actual, expected, unit, scale).max()), diff
 
 
-def judge_tensor(cp: np.ndarray, ref: np.ndarray, other: np.ndarray, dtype: str, c: float, floor: float,
-                 mask: np.ndarray | None = None, spread: float | None = None,
-                 scale_floor: float = 0.0) -> dict[str, Any]:
+def judge_tensor(
+    cp: np.ndarray,
+    ref: np.ndarray,
+    other: np.ndarray,
+    dtype: str,
+    c: float,
+    floor: float,
+    mask: np.ndarray | None = None,
+    spread: float | None = None,
+    scale_floor: float = 0.0,
+) -> dict[str, Any]:
     """CP ``cp`` against the one-device ``ref``; ``other`` is the reordered one-device run (the spread).
 
     ``mask`` (broadcast over trailing dimensions) selects the compared elements. Returns the errors in ULPs
@@ -191,44 +211,57 @@ def judge_tensor(cp: np.ndarray, ref: np.ndarray, other: np.ndarray, dtype: str,
     above = int((diff > bound * scale * unit).sum()) if scale > 0 else int((diff > 0).sum())
     flat = int(diff.argmax()) if diff.size else 0
     worst = tuple(int(i) for i in np.unravel_index(flat, diff.shape)) if diff.size else ()
-    return {"ok": bool(ok), "error": error, "spread": spread, "own_spread": own_spread, "bound": bound, "scale": scale,
-            "max_abs": float(diff.max()) if diff.size else 0.0, "above": above, "worst_index": worst,
-            "worst_actual": float(cp[worst]) if diff.size else 0.0,
-            "worst_expected": float(ref[worst]) if diff.size else 0.0}
+    return {
+        "ok": bool(ok),
+        "error": error,
+        "spread": spread,
+        "own_spread": own_spread,
+        "bound": bound,
+        "scale": scale,
+        "max_abs": float(diff.max()) if diff.size else 0.0,
+        "above": above,
+        "worst_index": worst,
+        "worst_actual": float(cp[worst]) if diff.size else 0.0,
+        "worst_expected": float(ref[worst]) if diff.size else 0.0,
+    }
 
 
-def padding_repro_command(spec_name: str, dtype: str, seed: int, overrides: dict, batch: dict,
-                          padded_len: int) -> str:
+def padding_repro_command(spec_name: str, dtype: str, seed: int, overrides: dict, batch: dict, padded_len: int) -> str:
     """A one-process command (no harness, no ranks) that prints how much appending masked pad tokens up to
     ``padded_len`` changes the model's logits at the real positions."""
-    code = (f"import torch, importlib; s = importlib.import_module({spec_name!r}); "
-            f"m = s.build(torch.{dtype}, {int(seed)}, **{overrides!r}).eval(); "
-            f"b = s.make_batch(**{dict(batch)!r}); p = s.pad_batch(b, {padded_len}); "
-            f"f = lambda x: s.forward(m, s.shard(m, None, x)[1]).detach(); S = b['input_ids'].shape[1]; "
-            f"d = (f(b) - f(p)[:, :S]).abs().amax(-1); "
-            f"print('max |logit change| from padding:', float(d.max()), 'at [row, position]', "
-            f"[int(i) for i in torch.unravel_index(d.argmax(), d.shape)])")
+    code = (
+        f"import torch, importlib; s = importlib.import_module({spec_name!r}); "
+        f"m = s.build(torch.{dtype}, {int(seed)}, **{overrides!r}).eval(); "
+        f"b = s.make_batch(**{dict(batch)!r}); p = s.pad_batch(b, {padded_len}); "
+        f"f = lambda x: s.forward(m, s.shard(m, None, x)[1]).detach(); S = b['input_ids'].shape[1]; "
+        f"d = (f(b) - f(p)[:, :S]).abs().amax(-1); "
+        f"print('max |logit change| from padding:', float(d.max()), 'at [row, position]', "
+        f"[int(i) for i in torch.unravel_index(d.argmax(), d.shape)])"
+    )
     return f'HF_HUB_OFFLINE=1 PYTHONPATH=. python -c "{code}"'
 
 
-def kernel_repro_command(spec_name: str, dtype: str, seed: int, overrides: dict, batch: dict,
-                         padded_len: int | None = None) -> str:
+def kernel_repro_command(
+    spec_name: str, dtype: str, seed: int, overrides: dict, batch: dict, padded_len: int | None = None
+) -> str:
     """A one-process command (no harness, no ranks) that prints how much the CP path's kernels
     (``spec.cp_kernels``) change the model's one-device logits ``[B, S, V]`` at the valid positions: the largest
     absolute change, the same in ULPs of ``dtype`` at the largest plain logit (the harness's unit), and where.
     With ``padded_len`` the kernel run is on the batch right-padded to that length (``spec.pad_batch``), cut
     back to ``S``. Without autograd (FlexAttention has no CPU backward)."""
     other = f"s.pad_batch(b, {int(padded_len)})" if padded_len else "b"
-    code = (f"import torch, importlib; torch.set_grad_enabled(False); s = importlib.import_module({spec_name!r}); "
-            f"m = s.build(torch.{dtype}, {int(seed)}, **{overrides!r}); "
-            f"b = s.make_batch(**{dict(batch)!r}); p = {other}; S = b['input_ids'].shape[1]; "
-            f"f = lambda x: s.forward(m, s.shard(m, None, x)[1]).float()[:, :S]; a = f(b); "
-            f"k = s.cp_kernels(m); what = k.__enter__(); c = f(p); k.__exit__(None, None, None); "
-            f"v = s.valid_positions(b).bool()[..., None]; d = ((c - a).abs() * v).amax(-1); "
-            f"u = float(d.max() / ((a.abs() * v).max() * torch.finfo(torch.{dtype}).eps)); "
-            f"print('max |logit change| from the CP kernels (' + str(what) + '):', float(d.max()), '=', round(u, 1), "
-            f"'ULP of {dtype} at the largest logit, at [row, position]', "
-            f"[int(i) for i in torch.unravel_index(d.argmax(), d.shape)])")
+    code = (
+        f"import torch, importlib; torch.set_grad_enabled(False); s = importlib.import_module({spec_name!r}); "
+        f"m = s.build(torch.{dtype}, {int(seed)}, **{overrides!r}); "
+        f"b = s.make_batch(**{dict(batch)!r}); p = {other}; S = b['input_ids'].shape[1]; "
+        f"f = lambda x: s.forward(m, s.shard(m, None, x)[1]).float()[:, :S]; a = f(b); "
+        f"k = s.cp_kernels(m); what = k.__enter__(); c = f(p); k.__exit__(None, None, None); "
+        f"v = s.valid_positions(b).bool()[..., None]; d = ((c - a).abs() * v).amax(-1); "
+        f"u = float(d.max() / ((a.abs() * v).max() * torch.finfo(torch.{dtype}).eps)); "
+        f"print('max |logit change| from the CP kernels (' + str(what) + '):', float(d.max()), '=', round(u, 1), "
+        f"'ULP of {dtype} at the largest logit, at [row, position]', "
+        f"[int(i) for i in torch.unravel_index(d.argmax(), d.shape)])"
+    )
     return f'HF_HUB_OFFLINE=1 PYTHONPATH=. python -c "{code}"'
 
 

@@ -56,20 +56,28 @@ def resolve_sharder(returned: Any, mesh: Any, *, padding_token_id: int = PAD_ID,
     """
     for attr in ("shard_batch", "local_token_global_indices"):
         if not hasattr(returned, attr):
-            raise TypeError(f"the hook's cp_sharder ({type(returned).__name__}) has no {attr!r}: it must follow the "
-                            "ContextParallelSharder contract (shard_batch, local_token_global_indices, shard, "
-                            "shard_token_tensor, gather_token_tensor)")
-    resolved = type(returned)(device_mesh=world_mesh_of(mesh), shard_batch=returned.shard_batch,
-                              local_token_global_indices=returned.local_token_global_indices,
-                              padding_token_id=padding_token_id, loss_mask=loss_mask)
+            raise TypeError(
+                f"the hook's cp_sharder ({type(returned).__name__}) has no {attr!r}: it must follow the "
+                "ContextParallelSharder contract (shard_batch, local_token_global_indices, shard, "
+                "shard_token_tensor, gather_token_tensor)"
+            )
+    resolved = type(returned)(
+        device_mesh=world_mesh_of(mesh),
+        shard_batch=returned.shard_batch,
+        local_token_global_indices=returned.local_token_global_indices,
+        padding_token_id=padding_token_id,
+        loss_mask=loss_mask,
+    )
     return coverage.RecordingSharder(resolved)
 
 
 def hook_sharder(hook_result: Any, mesh: Any, **kwargs: Any):
     """``resolve_sharder(hook_result["cp_sharder"], mesh)``, with a clear error when the hook returned something else."""
     if not isinstance(hook_result, dict) or "cp_sharder" not in hook_result:
-        raise TypeError(f"prepare_cp_inputs must return {{'cp_sharder': sharder}}, got {type(hook_result).__name__}"
-                        + (f" with keys {sorted(hook_result)}" if isinstance(hook_result, dict) else ""))
+        raise TypeError(
+            f"prepare_cp_inputs must return {{'cp_sharder': sharder}}, got {type(hook_result).__name__}"
+            + (f" with keys {sorted(hook_result)}" if isinstance(hook_result, dict) else "")
+        )
     return resolve_sharder(hook_result["cp_sharder"], mesh, **kwargs)
 
 
@@ -85,8 +93,10 @@ class Sharded:
 
 def _describe_change(key: str, tensor: torch.Tensor, shape: tuple[int, ...], saved: torch.Tensor) -> str | None:
     if tuple(tensor.shape) != shape:
-        return (f"shard() resized the caller's {key} in place from {list(shape)} to {list(tensor.shape)} (the "
-                "caller's own tensor, not a copy: a sharder must leave the caller's tensors unchanged)")
+        return (
+            f"shard() resized the caller's {key} in place from {list(shape)} to {list(tensor.shape)} (the "
+            "caller's own tensor, not a copy: a sharder must leave the caller's tensors unchanged)"
+        )
     if tensor.dtype != saved.dtype or not torch.equal(tensor, saved):
         return f"shard() overwrote the caller's {key} in place (a sharder must leave the caller's tensors unchanged)"
     return None
@@ -142,13 +152,16 @@ def local_token_indices(sharder: Any, mesh: Any, local_len: int, device: Any = N
         return captured.reshape(-1).to(device=device, dtype=torch.long)
     index_map = getattr(sharder, "local_token_global_indices", None)
     if index_map is None:
-        raise TypeError("the sharder reports no index map: neither shard_layout.local_token_global_indices nor "
-                        "local_token_global_indices(cp_mesh, padded_seq_len, device)")
+        raise TypeError(
+            "the sharder reports no index map: neither shard_layout.local_token_global_indices nor "
+            "local_token_global_indices(cp_mesh, padded_seq_len, device)"
+        )
     return index_map(mesh, padded_seq_len(sharder, mesh, local_len), device).to(dtype=torch.long)
 
 
-def layout_report(sharder: Any, mesh: Any, local_len: int, seq_len: int, device: Any = None
-                  ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def layout_report(
+    sharder: Any, mesh: Any, local_len: int, seq_len: int, device: Any = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """What a rank reports about the layout it was sharded with, for the judge.
 
     ``info``: the ``ShardLayout``'s ``original_seq_len`` / ``padded_seq_len``
@@ -158,8 +171,10 @@ def layout_report(sharder: Any, mesh: Any, local_len: int, seq_len: int, device:
     ``-1``), so that the judge can see that the verb and the index map agree.
     """
     layout = getattr(sharder, "shard_layout", None)
-    info = {"original_seq_len": getattr(layout, "original_seq_len", None),
-            "padded_seq_len": getattr(layout, "padded_seq_len", None)}
+    info = {
+        "original_seq_len": getattr(layout, "original_seq_len", None),
+        "padded_seq_len": getattr(layout, "padded_seq_len", None),
+    }
     indices = local_token_indices(sharder, mesh, local_len, device)
     marker = sharder.shard_token_tensor(torch.arange(seq_len, device=device)[None], seq_dim=1, fill=-1)[0]
     return info, {"token_indices": indices, "token_marker": marker}

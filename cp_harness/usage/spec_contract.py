@@ -82,8 +82,16 @@ class ModelSpec(Protocol):
         """An example global batch of ``kind`` (one of ``BATCH_KINDS``) and ``seq_len`` tokens per row."""
 
 
-REQUIRED_FUNCTIONS: dict[str, int] = {"build": 2, "shard": 3, "forward": 2, "gather_logits": 2, "loss": 3,
-                                      "num_label_tokens": 1, "valid_positions": 1, "make_batch": 2}
+REQUIRED_FUNCTIONS: dict[str, int] = {
+    "build": 2,
+    "shard": 3,
+    "forward": 2,
+    "gather_logits": 2,
+    "loss": 3,
+    "num_label_tokens": 1,
+    "valid_positions": 1,
+    "make_batch": 2,
+}
 # Optional functions, with the positional arguments the harness calls them with:
 # ``local_labels(local_batch)`` this rank's labels; ``pad_batch(batch, length)`` and
 # ``cp_padded_length(model, seq_len, cp_size)`` the padding check; ``cp_kernels(model)`` the kernel check: a
@@ -105,6 +113,7 @@ class SpecTraits:
     def rows_for(self, kind: str) -> tuple[int, ...]:
         """The batch sizes a ``kind`` batch may have."""
         return tuple(self.batch_rows.get(kind, (1, 2)))
+
     covers: Mapping[str, str] = dataclasses.field(default_factory=dict)
     forward_only_on: Mapping[str, str] = dataclasses.field(default_factory=dict)
     requires: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -159,8 +168,10 @@ def _check_function(module: types.ModuleType, name: str, arity: int, problems: l
     except (TypeError, ValueError):
         return  # a builtin or C function: its signature cannot be read, trust it
     if least > arity or (most is not None and most < arity):
-        problems.append(f"{name}: takes {least}..{'any' if most is None else most} positional argument(s); the "
-                        f"contract calls it with {arity}")
+        problems.append(
+            f"{name}: takes {least}..{'any' if most is None else most} positional argument(s); the "
+            f"contract calls it with {arity}"
+        )
 
 
 def _str_map(value: Any) -> bool:
@@ -182,15 +193,20 @@ def check_spec(name: str, module: types.ModuleType) -> SpecTraits:
         problems.append("DTYPES: give a non-empty tuple of torch.float32 / torch.bfloat16")
         dtypes = ()
     sizes = getattr(module, "WORLD_SIZES", None)
-    if sizes is not None and (not isinstance(sizes, tuple) or not sizes or
-                              any(not isinstance(n, int) or n < 1 for n in sizes)):
+    if sizes is not None and (
+        not isinstance(sizes, tuple) or not sizes or any(not isinstance(n, int) or n < 1 for n in sizes)
+    ):
         problems.append(f"WORLD_SIZES: {sizes!r}; give a tuple of positive CP sizes, e.g. (1, 2, 3, 4)")
     declared_rows = getattr(module, "BATCH_ROWS", (1, 2))
     by_kind = declared_rows if isinstance(declared_rows, Mapping) else {k: declared_rows for k in BATCH_KINDS}
-    if not all(k in BATCH_KINDS and isinstance(v, tuple) and v and all(isinstance(n, int) and n >= 1 for n in v)
-               for k, v in by_kind.items()):
-        problems.append(f"BATCH_ROWS: {declared_rows!r}; give a tuple of positive batch sizes, e.g. (1,), or a dict "
-                        f"kind -> tuple, e.g. {{'packed': (1,)}}")
+    if not all(
+        k in BATCH_KINDS and isinstance(v, tuple) and v and all(isinstance(n, int) and n >= 1 for n in v)
+        for k, v in by_kind.items()
+    ):
+        problems.append(
+            f"BATCH_ROWS: {declared_rows!r}; give a tuple of positive batch sizes, e.g. (1,), or a dict "
+            f"kind -> tuple, e.g. {{'packed': (1,)}}"
+        )
         by_kind = {}
     rows = {k: tuple(v) for k, v in by_kind.items()}
     kinds = getattr(module, "BATCH_KINDS", BATCH_KINDS)
@@ -207,10 +223,18 @@ def check_spec(name: str, module: types.ModuleType) -> SpecTraits:
         problems.append(f"STANDINS: {declared!r}; give a tuple of registered stand-in names, among {sorted(known)}")
         declared = ()
     if problems:
-        raise SpecError(f"model spec {name!r} does not meet the spec contract "
-                        f"(cp_harness.usage.spec_contract.ModelSpec, docs/extending.md):\n  " + "\n  ".join(problems))
-    return SpecTraits(name=name, world_sizes=sizes, batch_kinds=kinds, batch_rows=rows,
-                      covers=dict(getattr(module, "COVERS", {})),
-                      forward_only_on=dict(getattr(module, "FORWARD_ONLY_ON", {})),
-                      requires=dict(getattr(module, "REQUIRES", {})), dtypes=tuple(names[d] for d in dtypes),
-                      standins=declared)
+        raise SpecError(
+            f"model spec {name!r} does not meet the spec contract "
+            f"(cp_harness.usage.spec_contract.ModelSpec, docs/extending.md):\n  " + "\n  ".join(problems)
+        )
+    return SpecTraits(
+        name=name,
+        world_sizes=sizes,
+        batch_kinds=kinds,
+        batch_rows=rows,
+        covers=dict(getattr(module, "COVERS", {})),
+        forward_only_on=dict(getattr(module, "FORWARD_ONLY_ON", {})),
+        requires=dict(getattr(module, "REQUIRES", {})),
+        dtypes=tuple(names[d] for d in dtypes),
+        standins=declared,
+    )

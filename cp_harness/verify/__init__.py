@@ -31,5 +31,18 @@ from cp_harness.verify.rows import Row, RowFailure, RowTally, default_rows, sele
 from cp_harness.verify.run import run_verify
 from cp_harness.verify.search import run_row
 
-__all__ = ["Progress", "Row", "RowFailure", "RowTally", "SHRINK_SECONDS", "VerifyResult", "VerifySettings",
-           "default_rows", "format_table", "result_text", "run_row", "run_verify", "select_rows"]
+__all__ = [
+    "Progress",
+    "Row",
+    "RowFailure",
+    "RowTally",
+    "SHRINK_SECONDS",
+    "VerifyResult",
+    "VerifySettings",
+    "default_rows",
+    "format_table",
+    "result_text",
+    "run_row",
+    "run_verify",
+    "select_rows",
+]

@@ -108,25 +108,31 @@ class VerifyResult:
 
         s = self.settings
         examples, failed = self.dtype_totals()
-        return json_safe({
-            "format": 1,
-            "ok": not self.failed_rows,
-            "impl": s.impl, "model": list(s.model), "backend": s.backend, "world_sizes": list(s.world_sizes),
-            "seed": s.seed, "precision_policy": s.policy.name,
-            "nodes": dict(s.pool, nnodes=int(s.pool.get("nnodes", 1))),
-            "examples_per_row": s.examples,
-            "examples": sum(r.tally.examples for r in self.rows),
-            "seconds": round(self.seconds, 3),
-            "examples_per_world_size": {str(k): v for k, v in sorted(self.examples_per_world_size.items())},
-            "examples_per_dtype": examples,
-            "failed_per_dtype": failed,
-            "versions": {"python": platform.python_version(), "torch": torch.__version__},
-            "columns": COLUMNS,
-            "table": format_table(self.rows),
-            "failed_rows": [r.name for r in self.failed_rows],
-            "rows": [r.as_dict() for r in self.rows],
-            "error_map_dir": self.error_map_dir,
-        })
+        return json_safe(
+            {
+                "format": 1,
+                "ok": not self.failed_rows,
+                "impl": s.impl,
+                "model": list(s.model),
+                "backend": s.backend,
+                "world_sizes": list(s.world_sizes),
+                "seed": s.seed,
+                "precision_policy": s.policy.name,
+                "nodes": dict(s.pool, nnodes=int(s.pool.get("nnodes", 1))),
+                "examples_per_row": s.examples,
+                "examples": sum(r.tally.examples for r in self.rows),
+                "seconds": round(self.seconds, 3),
+                "examples_per_world_size": {str(k): v for k, v in sorted(self.examples_per_world_size.items())},
+                "examples_per_dtype": examples,
+                "failed_per_dtype": failed,
+                "versions": {"python": platform.python_version(), "torch": torch.__version__},
+                "columns": COLUMNS,
+                "table": format_table(self.rows),
+                "failed_rows": [r.name for r in self.failed_rows],
+                "rows": [r.as_dict() for r in self.rows],
+                "error_map_dir": self.error_map_dir,
+            }
+        )
 
 
 COLUMNS = {
@@ -134,16 +140,16 @@ COLUMNS = {
     "passed": "cases that passed",
     "max_ulp": "largest error of any arithmetic comparison, in ULPs of the compared dtype",
     "max_excess": "largest CP excess: CP error / (error of the same implementation on one rank + "
-                  "floor / c); a tensor fails above c (cp_harness.judging.excess); null: not judged",
+    "floor / c); a tensor fails above c (cp_harness.judging.excess); null: not judged",
     "examples_by_dtype": "cases run per payload dtype (layout: no floating payload)",
     "comparison": "exact (data movement, bit for bit) or ulp (arithmetic within cp_harness.judging.budgets)",
     "comm_ratio": "payload bytes sent / analytic minimum (cp_harness.judging.comm_minimum); null: no closed "
-                  "form, or unaccounted_ops is not empty",
+    "form, or unaccounted_ops is not empty",
     "unaccounted_ops": "communication ops the meter could not attribute (no byte rule, or a group "
-                       "it could not size); the table then says 'unaccounted' instead of a ratio",
+    "it could not size); the table then says 'unaccounted' instead of a ratio",
     "not_judged": "what the row's cases could not judge where they ran (e.g. gradients on CPU), and why",
     "standins": "kernel stand-ins some of the row's cases computed with instead of a device kernel (name -> what "
-                "ran instead, cp_harness.standins); {}: none",
+    "ran instead, cp_harness.standins); {}: none",
     "skipped": "why the row did not run here at all (e.g. every model spec it draws needs CUDA); null: it ran",
 }
 
@@ -151,16 +157,27 @@ COLUMNS = {
 def format_table(rows: list[Row]) -> str:
     """The report table: one line per row, ``FAILED`` at the end of a failing one."""
     width = max([48] + [len(r.name) for r in rows])
-    header = (f"{TABLE_HEADER[0]:<{width}} {TABLE_HEADER[1]:>8} {TABLE_HEADER[2]:>7} {TABLE_HEADER[3]:>9} "
-              f"{TABLE_HEADER[4]:>9} {TABLE_HEADER[5]:>15}")
+    header = (
+        f"{TABLE_HEADER[0]:<{width}} {TABLE_HEADER[1]:>8} {TABLE_HEADER[2]:>7} {TABLE_HEADER[3]:>9} "
+        f"{TABLE_HEADER[4]:>9} {TABLE_HEADER[5]:>15}"
+    )
     lines = [header, "-" * len(header)]
     for row in rows:
         ratio = row.comm_ratio
         ratio_text = "unaccounted" if row.tally.unaccounted_ops else "-" if ratio is None else f"{ratio:.2f}"
-        mark = ("   FAILED" if not row.ok else "   skipped" if row.tally.skipped else
-                "   stand-in" if row.tally.standins else "")
-        lines.append(f"{row.name:<{width}} {row.tally.examples:>8} {row.tally.passed:>7} {row.ulp_text():>9} "
-                     f"{row.excess_text():>9} {ratio_text:>15}" + mark)
+        mark = (
+            "   FAILED"
+            if not row.ok
+            else "   skipped"
+            if row.tally.skipped
+            else "   stand-in"
+            if row.tally.standins
+            else ""
+        )
+        lines.append(
+            f"{row.name:<{width}} {row.tally.examples:>8} {row.tally.passed:>7} {row.ulp_text():>9} "
+            f"{row.excess_text():>9} {ratio_text:>15}" + mark
+        )
     return "\n".join(lines)
 
 
@@ -174,16 +191,22 @@ def result_text(result: VerifyResult) -> str:
     subject = f"model spec(s) {', '.join(s.model)}" if s.model else f"implementation {s.impl!r}"
     nodes = int(s.pool.get("nnodes", 1))
     where = f", {nodes} nodes (rank order {s.pool.get('rank_order', 'blocked')})" if nodes > 1 else ""
-    lines = [f"cp_harness verify: {subject}, backend {s.backend}, world sizes {list(s.world_sizes)}{where}, "
-             f"seed {s.seed}, {s.examples} examples per row, precision policy {s.policy.name}",
-             format_table(result.rows)]
+    lines = [
+        f"cp_harness verify: {subject}, backend {s.backend}, world sizes {list(s.world_sizes)}{where}, "
+        f"seed {s.seed}, {s.examples} examples per row, precision policy {s.policy.name}",
+        format_table(result.rows),
+    ]
     total = sum(r.tally.examples for r in result.rows)
     sizes = result.examples_per_world_size
-    lines.append(f"{total} examples in {result.seconds:.1f} s; examples per world size: "
-                 + ", ".join(f"N={n}: {sizes[n]}" for n in sorted(sizes)))
+    lines.append(
+        f"{total} examples in {result.seconds:.1f} s; examples per world size: "
+        + ", ".join(f"N={n}: {sizes[n]}" for n in sorted(sizes))
+    )
     per_dtype, failed_dtype = result.dtype_totals()
-    lines.append(f"examples per dtype: {_by_dtype(per_dtype)}; failed per dtype: {_by_dtype(failed_dtype)}; "
-                 f"one-rank baseline runs: {result.baseline_runs}")
+    lines.append(
+        f"examples per dtype: {_by_dtype(per_dtype)}; failed per dtype: {_by_dtype(failed_dtype)}; "
+        f"one-rank baseline runs: {result.baseline_runs}"
+    )
     for row in result.rows:
         if row.tally.skipped:
             lines.append(f"skipped {row.name}: {row.tally.skipped}")
@@ -213,6 +236,8 @@ def result_text(result: VerifyResult) -> str:
         lines.append(f"\n{len(failed)} of {len(result.rows)} rows FAILED: {', '.join(r.name for r in failed)}")
     else:
         ran = [r for r in result.rows if not r.tally.skipped]
-        lines.append(f"all {len(ran)} rows passed" + (f" ({len(result.rows) - len(ran)} skipped)"
-                                                      if len(ran) < len(result.rows) else ""))
+        lines.append(
+            f"all {len(ran)} rows passed"
+            + (f" ({len(result.rows) - len(ran)} skipped)" if len(ran) < len(result.rows) else "")
+        )
     return "\n".join(lines)

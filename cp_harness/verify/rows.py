@@ -120,23 +120,42 @@ class Row:
         t, f = self.tally, self.failure
         report = f.report if f is not None else None
         data: dict[str, Any] = {
-            "id": self.id, "name": self.name, "examples": t.examples, "passed": t.passed, "failed": t.failed,
-            "max_ulp": t.max_ulp, "max_excess": t.max_excess, "examples_by_dtype": t.examples_by_dtype,
-            "failed_by_dtype": t.failed_by_dtype, "arithmetic": t.arithmetic, "moved_bytes": t.moved_bytes,
-            "minimum_bytes": t.minimum_bytes, "unaccounted_ops": t.unaccounted_ops,
-            "not_judged": t.not_judged, "standins": t.standins, "skipped": t.skipped,
-            "failure": f.text if f is not None else None, "failing_case": f.case if f is not None else None,
-            "reproduce": f.reproduce if f is not None else None, "error_maps": f.error_maps if f is not None else [],
+            "id": self.id,
+            "name": self.name,
+            "examples": t.examples,
+            "passed": t.passed,
+            "failed": t.failed,
+            "max_ulp": t.max_ulp,
+            "max_excess": t.max_excess,
+            "examples_by_dtype": t.examples_by_dtype,
+            "failed_by_dtype": t.failed_by_dtype,
+            "arithmetic": t.arithmetic,
+            "moved_bytes": t.moved_bytes,
+            "minimum_bytes": t.minimum_bytes,
+            "unaccounted_ops": t.unaccounted_ops,
+            "not_judged": t.not_judged,
+            "standins": t.standins,
+            "skipped": t.skipped,
+            "failure": f.text if f is not None else None,
+            "failing_case": f.case if f is not None else None,
+            "reproduce": f.reproduce if f is not None else None,
+            "error_maps": f.error_maps if f is not None else [],
             "repro_script": f.repro.path if f is not None and f.repro is not None else None,
             "repro_script_note": (f.repro.why or f.repro.note) if f is not None and f.repro is not None else None,
-            "functions": list(self.spec.functions), "dtypes": list(self.spec.dtypes), "called": sorted(t.called),
+            "functions": list(self.spec.functions),
+            "dtypes": list(self.spec.dtypes),
+            "called": sorted(t.called),
             "claimed_but_never_called": coverage.covered(self.spec.functions, t.called),
             "failing_tensors": [c.as_dict() for c in report.failures()] if report is not None else [],
             "problems": [p.as_dict() for p in report.problems] if report is not None else [],
-            "ok": self.ok, "comparison": "ulp" if t.arithmetic else "exact", "comm_ratio": self.comm_ratio}
+            "ok": self.ok,
+            "comparison": "ulp" if t.arithmetic else "exact",
+            "comm_ratio": self.comm_ratio,
+        }
         if report is None and f is not None:  # the row failed without a verdict (a crash, a claim never run)
-            data["problems"] = [{"message": f.text.strip().splitlines()[0], "detail": "", "rank": None,
-                                 "kind": ProblemKind.ROW}]
+            data["problems"] = [
+                {"message": f.text.strip().splitlines()[0], "detail": "", "rank": None, "kind": ProblemKind.ROW}
+            ]
         return data
 
 

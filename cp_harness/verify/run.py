@@ -28,8 +28,12 @@ def _naming_impl(row: Row, impl: str) -> Row:
         return case if "impl" in case else {**case, "impl": primary}
 
     spec = row.spec
-    return dataclasses.replace(row, spec=dataclasses.replace(spec, cases=lambda space: spec.cases(space).map(name),
-                                                             explicit=tuple(name(c) for c in spec.explicit)))
+    return dataclasses.replace(
+        row,
+        spec=dataclasses.replace(
+            spec, cases=lambda space: spec.cases(space).map(name), explicit=tuple(name(c) for c in spec.explicit)
+        ),
+    )
 
 
 def _preflight(impl: str, backend: str, world_size: int) -> str | None:
@@ -46,8 +50,10 @@ def _preflight(impl: str, backend: str, world_size: int) -> str | None:
         try:
             load_impl(name)
         except Exception as exc:  # noqa: BLE001 - any import failure is reported as such
-            return (f"implementation {name!r} does not import here: {type(exc).__name__}: {exc}\n"
-                    f"(is it installed, or on PYTHONPATH? sys.path[0] is {sys.path[0]!r})")
+            return (
+                f"implementation {name!r} does not import here: {type(exc).__name__}: {exc}\n"
+                f"(is it installed, or on PYTHONPATH? sys.path[0] is {sys.path[0]!r})"
+            )
     return None
 
 
@@ -63,8 +69,9 @@ def _preflight_models(models: tuple[str, ...]) -> str | None:
     return None
 
 
-def run_verify(settings: VerifySettings, *, rows: list[Row] | None = None, pool: RankPool | None = None,
-               progress_stream=None) -> VerifyResult:
+def run_verify(
+    settings: VerifySettings, *, rows: list[Row] | None = None, pool: RankPool | None = None, progress_stream=None
+) -> VerifyResult:
     """Run every row ``settings`` selects (``rows``: instead of the declared ones) and return what was found.
 
     ``pool``: run on this warm pool (its ranks load ``settings.impl`` on first use; it needs
@@ -74,16 +81,20 @@ def run_verify(settings: VerifySettings, *, rows: list[Row] | None = None, pool:
     """
     s = settings
     result = VerifyResult(settings=s, error_map_dir=os.path.abspath(error_map_dir(s.error_dir)))
-    chosen = [r for r in (rows or default_rows()) if r.spec.needs_model == bool(s.model)
-              and (not s.model or r.spec.step == s.step)]
+    chosen = [
+        r
+        for r in (rows or default_rows())
+        if r.spec.needs_model == bool(s.model) and (not s.model or r.spec.step == s.step)
+    ]
     chosen = select_rows(chosen, dtypes=s.dtypes, names=s.rows)
     if not chosen:
         result.cannot_run = f"no row matches --dtypes {s.dtypes} / --rows {list(s.rows)}"
         return result
     ranks = max(s.world_sizes)
     if pool is not None and pool.config.world_size < ranks:
-        result.cannot_run = (f"the given pool has {pool.config.world_size} ranks, world sizes {list(s.world_sizes)} "
-                             f"need {ranks}")
+        result.cannot_run = (
+            f"the given pool has {pool.config.world_size} ranks, world sizes {list(s.world_sizes)} need {ranks}"
+        )
         return result
     # Each node gives its own ranks their GPUs (nccl): this machine needs one node's share.
     here = ranks // int(s.pool.get("nnodes", 1)) if s.pool.get("launcher", s.launcher) != "external" else 0
@@ -91,16 +102,29 @@ def run_verify(settings: VerifySettings, *, rows: list[Row] | None = None, pool:
     if problem:
         result.cannot_run = problem
         return result
-    drawn = ((tuple(d for d in s.dtypes if d != "layout") or FLOAT_DTYPES) if s.dtypes is not None
-             else FLOAT_DTYPES + VALUE_DTYPES)
-    space = CaseSpace(world_sizes=tuple(s.world_sizes), dtypes=drawn, impls=impl_names(s.impl), models=s.model,
-                      pool_size=pool.config.world_size if pool is not None else ranks)
+    drawn = (
+        (tuple(d for d in s.dtypes if d != "layout") or FLOAT_DTYPES)
+        if s.dtypes is not None
+        else FLOAT_DTYPES + VALUE_DTYPES
+    )
+    space = CaseSpace(
+        world_sizes=tuple(s.world_sizes),
+        dtypes=drawn,
+        impls=impl_names(s.impl),
+        models=s.model,
+        pool_size=pool.config.world_size if pool is not None else ranks,
+    )
     if pool is None:
         try:
-            config = PoolConfig(world_size=ranks, backend=s.backend, impl=s.impl, launcher=s.launcher,
-                                preload=s.model,
-                                **{**s.pool, "case_timeout": s.resolved_case_timeout},
-                                collective_timeout=max(30.0, s.resolved_case_timeout / 2))
+            config = PoolConfig(
+                world_size=ranks,
+                backend=s.backend,
+                impl=s.impl,
+                launcher=s.launcher,
+                preload=s.model,
+                **{**s.pool, "case_timeout": s.resolved_case_timeout},
+                collective_timeout=max(30.0, s.resolved_case_timeout / 2),
+            )
         except ValueError as exc:  # a node layout that cannot be: nothing started
             result.cannot_run = str(exc)
             return result
@@ -114,8 +138,9 @@ def run_verify(settings: VerifySettings, *, rows: list[Row] | None = None, pool:
     try:
         config = runner.pool.config
         nodes = f" on {config.nnodes} nodes" if config.nnodes > 1 else ""
-        progress.note(f"cp_harness verify: starting {ranks} ranks ({s.backend}){nodes} for implementation "
-                      f"{s.impl!r} ...")
+        progress.note(
+            f"cp_harness verify: starting {ranks} ranks ({s.backend}){nodes} for implementation {s.impl!r} ..."
+        )
         try:
             for node, command in runner.pool.remote_commands().items():
                 progress.note(f"cp_harness verify: start node {node} with: {command}")
@@ -123,16 +148,28 @@ def run_verify(settings: VerifySettings, *, rows: list[Row] | None = None, pool:
         except Exception as exc:  # noqa: BLE001
             result.cannot_run = f"the rank pool did not start: {exc}"
             return result
-        progress.note(f"cp_harness verify: pool up in {time.perf_counter() - started:.1f} s; "
-                      f"{s.examples} examples per row, {len(chosen)} rows")
+        progress.note(
+            f"cp_harness verify: pool up in {time.perf_counter() - started:.1f} s; "
+            f"{s.examples} examples per row, {len(chosen)} rows"
+        )
         for row in chosen:
             skip = row.spec.skip(space) if row.spec.skip is not None else None
             if skip is not None:
                 row.tally.skipped = skip
                 progress.note(f"cp_harness verify: skipped {row.name}: {skip}")
                 continue
-            run_row(row, runner, space, s.examples, s.seed, progress, s.backend, result.error_map_dir,
-                    s.shrink_seconds, s.export_repros)
+            run_row(
+                row,
+                runner,
+                space,
+                s.examples,
+                s.seed,
+                progress,
+                s.backend,
+                result.error_map_dir,
+                s.shrink_seconds,
+                s.export_repros,
+            )
     finally:
         progress.finish()
         runner.close()

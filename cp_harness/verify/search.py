@@ -45,8 +45,18 @@ def _built_for_but_not_run(never: list[str], explicit: tuple[dict, ...], fitting
     return [f for f in never if f in built and f not in ran]
 
 
-def run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed: int, progress: Progress,
-            backend: str, error_dir: str | None, shrink_seconds: float, repro_dir: str | None = None) -> None:
+def run_row(
+    row: Row,
+    runner: CaseRunner,
+    space: CaseSpace,
+    examples: int,
+    seed: int,
+    progress: Progress,
+    backend: str,
+    error_dir: str | None,
+    shrink_seconds: float,
+    repro_dir: str | None = None,
+) -> None:
     """Draw, run and judge ``examples`` cases of ``row`` (its explicit cases first) into its tally; on a failure
     record the smallest failing case (``row.failure``), its reproduction command, its error maps and, with
     ``repro_dir``, its standalone repro written there (``CaseRunner.export_repro``)."""
@@ -75,10 +85,17 @@ def run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed:
                 return
             if not shrink_started:
                 shrink_started.append(time.perf_counter())
-                first = (report.problems[0].message if report.problems
-                         else comparison_summary(report.failures()[0]) if report.failures() else "failed")
-                progress.note(f"FAILED {row.name}: {first[:160]}\n  case: {key}\n"
-                              f"  (shrinking it for up to {shrink_seconds:g} s; the smallest failure is printed at the end)")
+                first = (
+                    report.problems[0].message
+                    if report.problems
+                    else comparison_summary(report.failures()[0])
+                    if report.failures()
+                    else "failed"
+                )
+                progress.note(
+                    f"FAILED {row.name}: {first[:160]}\n  case: {key}\n"
+                    f"  (shrinking it for up to {shrink_seconds:g} s; the smallest failure is printed at the end)"
+                )
             failing[key] = report
         last_failure["case"], last_failure["report"] = case, report
         raise AssertionError(report_text(report))  # one raise site: Hypothesis tells failures apart by where they rise
@@ -93,14 +110,16 @@ def run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed:
         for function in unreachable:
             tally.not_judged[f"the claim {function}"] = (
                 f"not reached: none of its {tally.examples} cases called it, and the row's cases built to reach it "
-                f"need more ranks than this run's {space.pool_ranks}")
+                f"need more ranks than this run's {space.pool_ranks}"
+            )
         never = [f for f in never if f not in unreachable]
         if never and row.failure is None and tally.examples:
             tally.failed = max(tally.failed, 1)
             row.failure = RowFailure(
                 f"  PROBLEM: the row claims {', '.join(never)}, but none of its {tally.examples} cases called "
                 f"{'it' if len(never) == 1 else 'them'} through the documented API (called: "
-                f"{', '.join(sorted(tally.called)) or 'nothing'})")
+                f"{', '.join(sorted(tally.called)) or 'nothing'})"
+            )
     except AssertionError:
         if "report" not in last_failure:  # Hypothesis itself complained (e.g. a flaky failure)
             tally.failed = max(tally.failed, 1)
@@ -108,8 +127,13 @@ def run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed:
             return
         # Hypothesis replays the smallest failing example last: that is the one to report.
         case, report = last_failure["case"], last_failure["report"]
-        row.failure = RowFailure(report_text(report), case=case, reproduce=repro_command(case, runner.impl, backend),
-                                 report=report, error_maps=write_error_maps(report, error_dir))
+        row.failure = RowFailure(
+            report_text(report),
+            case=case,
+            reproduce=repro_command(case, runner.impl, backend),
+            report=report,
+            error_maps=write_error_maps(report, error_dir),
+        )
         if repro_dir is not None:
             row.failure.repro = runner.export_repro(case, report, repro_dir)
     except Exception:  # noqa: BLE001 - a harness or Hypothesis error fails this row, the others still run
@@ -118,6 +142,8 @@ def run_row(row: Row, runner: CaseRunner, space: CaseSpace, examples: int, seed:
             tally.examples += 1  # the crashed case counts as run and failed, never as passed
         tally.failed = max(tally.failed, 1)
         at = crashed if crashed is not None else last_failure.get("case")
-        row.failure = RowFailure("  PROBLEM: the harness crashed on this case (no verdict on the implementation):\n"
-                                 + _traceback_head(), case=at,
-                                 reproduce=repro_command(at, runner.impl, backend) if at is not None else None)
+        row.failure = RowFailure(
+            "  PROBLEM: the harness crashed on this case (no verdict on the implementation):\n" + _traceback_head(),
+            case=at,
+            reproduce=repro_command(at, runner.impl, backend) if at is not None else None,
+        )

@@ -32,6 +32,7 @@ def _relayout_hook(hook: Callable[..., dict[str, Any]], layout_name: str) -> Cal
     def prepare(*args: Any, **kwargs: Any) -> dict[str, Any]:
         result = hook(*args, **kwargs)
         return {**result, "cp_sharder": _strategy.relayout(result["cp_sharder"], LAYOUTS[layout_name])}
+
     return prepare
 
 

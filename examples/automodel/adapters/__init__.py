@@ -31,22 +31,27 @@ here and one more entry in ``ADAPTERS``; ``NOT_ADAPTED`` says why a framework ca
 does not import the framework; each adapter module does. Findings: ``docs/real_clients.md``.
 """
 
-ADAPTERS = ("kimi_linear_gather", "deepseek_v41_gather", "blockdiag_gather", "qwen3_8_flash_next_halo",
-            "shard_batch_contiguous", "framework_sharder", "shard_batch_load_balanced", "shard_batch_aux_only",
-            "shard_batch_identity", "round_robin_from_functions", "shard_cp_batch_packed")
+ADAPTERS = (
+    "kimi_linear_gather",
+    "deepseek_v41_gather",
+    "blockdiag_gather",
+    "qwen3_8_flash_next_halo",
+    "shard_batch_contiguous",
+    "framework_sharder",
+    "shard_batch_load_balanced",
+    "shard_batch_aux_only",
+    "shard_batch_identity",
+    "round_robin_from_functions",
+    "shard_cp_batch_packed",
+)
 
 # Framework CP callables looked at and not adapted, and why (the coverage table's "not judged" reasons).
 _FW = "nemo_automodel.components"
 NOT_ADAPTED = {
-    f"{_FW}.distributed.blockdiag_cp.exchange._LeftHaloExchange":
-        "one neighbour only, rank 0 receives the last rank's block for its caller to discard: mapping it onto "
-        "convolution_history needs the caller's logic, which an adapter must not add",
-    f"{_FW}.models.deepseek_v4.cp.dsv4_cp_all_gather":
-        "the same torch call as DeepSeek V4.1's gather (D1): covered by gather_permuted_grad.py --function all",
-    f"{_FW}.models.glm_moe_dsa.cp.glm_dsa_cp_all_gather":
-        "the same torch call as DeepSeek V4.1's gather (D1): covered by gather_permuted_grad.py --function all",
-    f"{_FW}.distributed.context_parallel.magi.make_magi_attn_func":
-        "an attention kernel (magi), no documented function of ours; needs the magi package and a GPU",
-    f"{_FW}.distributed.context_parallel.mamba.MambaContextParallel":
-        "a head all-to-all inside the Mamba mixer: judged through a model (nemotron_v3_mamba, GPU only)",
+    f"{_FW}.distributed.blockdiag_cp.exchange._LeftHaloExchange": "one neighbour only, rank 0 receives the last rank's block for its caller to discard: mapping it onto "
+    "convolution_history needs the caller's logic, which an adapter must not add",
+    f"{_FW}.models.deepseek_v4.cp.dsv4_cp_all_gather": "the same torch call as DeepSeek V4.1's gather (D1): covered by gather_permuted_grad.py --function all",
+    f"{_FW}.models.glm_moe_dsa.cp.glm_dsa_cp_all_gather": "the same torch call as DeepSeek V4.1's gather (D1): covered by gather_permuted_grad.py --function all",
+    f"{_FW}.distributed.context_parallel.magi.make_magi_attn_func": "an attention kernel (magi), no documented function of ours; needs the magi package and a GPU",
+    f"{_FW}.distributed.context_parallel.mamba.MambaContextParallel": "a head all-to-all inside the Mamba mixer: judged through a model (nemotron_v3_mamba, GPU only)",
 }

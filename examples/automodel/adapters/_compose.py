@@ -31,11 +31,17 @@ def _copy(source: types.ModuleType, name: str, overrides: Mapping[str, Callable[
     return module
 
 
-def compose(adapter: str, *, inkling2: Mapping[str, Callable[..., Any]] | None = None,
-            mistral_large4: Mapping[str, Callable[..., Any]] | None = None) -> tuple[types.ModuleType, types.ModuleType]:
+def compose(
+    adapter: str,
+    *,
+    inkling2: Mapping[str, Callable[..., Any]] | None = None,
+    mistral_large4: Mapping[str, Callable[..., Any]] | None = None,
+) -> tuple[types.ModuleType, types.ModuleType]:
     """``(inkling2, mistral_large4)`` modules: ``cp_impl``'s, with the given functions replaced."""
-    return (_copy(cp_impl.inkling2, f"{adapter}.inkling2", inkling2 or {}),
-            _copy(cp_impl.mistral_large4, f"{adapter}.mistral_large4", mistral_large4 or {}))
+    return (
+        _copy(cp_impl.inkling2, f"{adapter}.inkling2", inkling2 or {}),
+        _copy(cp_impl.mistral_large4, f"{adapter}.mistral_large4", mistral_large4 or {}),
+    )
 
 
 def cp_group(mesh: Any):

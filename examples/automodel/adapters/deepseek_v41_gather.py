@@ -49,5 +49,6 @@ def gather_sequence(value: torch.Tensor, mesh, differentiable: bool) -> torch.Te
         return FRAMEWORK_FUNCTION(value, group)
 
 
-inkling2, mistral_large4 = compose(__name__, inkling2={"gather_sequence": gather_sequence},
-                                   mistral_large4={"gather_tokens": gather_tokens})
+inkling2, mistral_large4 = compose(
+    __name__, inkling2={"gather_sequence": gather_sequence}, mistral_large4={"gather_tokens": gather_tokens}
+)

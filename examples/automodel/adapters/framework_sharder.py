@@ -23,15 +23,22 @@ from examples.automodel.adapters._compose import compose
 FRAMEWORK_FUNCTION = ContextParallelSharder
 _CLASS = "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder"
 # The hooks' returned sharder (class, constructor, shard, verbs) is the framework's.
-SERVES = {"inkling2.prepare_cp_inputs": _CLASS, "mistral_large4.prepare_cp_inputs": _CLASS,
-          "mistral_large4.prepare_packed_cp_inputs": _CLASS}
+SERVES = {
+    "inkling2.prepare_cp_inputs": _CLASS,
+    "mistral_large4.prepare_cp_inputs": _CLASS,
+    "mistral_large4.prepare_packed_cp_inputs": _CLASS,
+}
 
 
 def _framework_class(hook: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
     def prepare(*args: Any, **kwargs: Any) -> dict[str, Any]:
         ours = hook(*args, **kwargs)["cp_sharder"]
-        return {"cp_sharder": ContextParallelSharder(shard_batch=ours.shard_batch,
-                                                     local_token_global_indices=ours.local_token_global_indices)}
+        return {
+            "cp_sharder": ContextParallelSharder(
+                shard_batch=ours.shard_batch, local_token_global_indices=ours.local_token_global_indices
+            )
+        }
+
     prepare.__name__, prepare.__doc__ = hook.__name__, hook.__doc__
     return prepare
 
@@ -39,5 +46,8 @@ def _framework_class(hook: Callable[..., dict[str, Any]]) -> Callable[..., dict[
 inkling2, mistral_large4 = compose(
     __name__,
     inkling2={"prepare_cp_inputs": _framework_class(cp_impl.inkling2.prepare_cp_inputs)},
-    mistral_large4={"prepare_cp_inputs": _framework_class(cp_impl.mistral_large4.prepare_cp_inputs),
-                    "prepare_packed_cp_inputs": _framework_class(cp_impl.mistral_large4.prepare_packed_cp_inputs)})
+    mistral_large4={
+        "prepare_cp_inputs": _framework_class(cp_impl.mistral_large4.prepare_cp_inputs),
+        "prepare_packed_cp_inputs": _framework_class(cp_impl.mistral_large4.prepare_packed_cp_inputs),
+    },
+)

@@ -68,10 +68,17 @@ def _local_indices(cp_mesh, padded_seq_len: int, device=None):
 class AuxOnlySharder(ContextParallelSharder):
     """The framework's sharder; its primary-stream shard is the model side's ``shard_sequence_for_cp_round_robin``."""
 
-    def shard_token_tensor(self, tensor: torch.Tensor, seq_dim: int = 1, fill: float | int | None = None) -> torch.Tensor:
+    def shard_token_tensor(
+        self, tensor: torch.Tensor, seq_dim: int = 1, fill: float | int | None = None
+    ) -> torch.Tensor:
         layout = self.shard_layout
-        if (_active(self._cp_mesh) and fill is not None and layout is not None
-                and layout.original_seq_len is not None and tensor.shape[seq_dim] == layout.original_seq_len):
+        if (
+            _active(self._cp_mesh)
+            and fill is not None
+            and layout is not None
+            and layout.original_seq_len is not None
+            and tensor.shape[seq_dim] == layout.original_seq_len
+        ):
             local, _, _ = shard_sequence_for_cp_round_robin(self._cp_mesh, tensor, seq_dim=seq_dim, pad_value=fill)
             return local
         return super().shard_token_tensor(tensor, seq_dim=seq_dim, fill=fill)
@@ -83,6 +90,7 @@ def _aux_only(hook: Callable[..., dict[str, Any]], keeps_primary: Callable[..., 
         if "document_ids" in batch or not keeps_primary(*args, **kwargs):  # packs; shard_primary=True: cp_impl's
             return ours
         return {"cp_sharder": AuxOnlySharder(shard_batch=_shard_batch, local_token_global_indices=_local_indices)}
+
     prepare.__name__, prepare.__doc__ = hook.__name__, hook.__doc__
     return prepare
 
@@ -94,4 +102,5 @@ def _mistral_keeps_primary(num_chunks: int = 1, shard_primary: bool = True) -> b
 inkling2, mistral_large4 = compose(
     __name__,
     inkling2={"prepare_cp_inputs": _aux_only(cp_impl.inkling2.prepare_cp_inputs, lambda *a, **k: True)},
-    mistral_large4={"prepare_cp_inputs": _aux_only(cp_impl.mistral_large4.prepare_cp_inputs, _mistral_keeps_primary)})
+    mistral_large4={"prepare_cp_inputs": _aux_only(cp_impl.mistral_large4.prepare_cp_inputs, _mistral_keeps_primary)},
+)

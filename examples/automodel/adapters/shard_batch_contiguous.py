@@ -65,6 +65,7 @@ def _framework_strategy(hook: Callable[..., dict[str, Any]], shard_primary: Call
             return {"cp_sharder": ours}
         strategy = functools.partial(_shard_batch, shard_primary=shard_primary(*args, **kwargs))
         return {"cp_sharder": ContextParallelSharder(shard_batch=strategy, local_token_global_indices=_local_indices)}
+
     prepare.__name__, prepare.__doc__ = hook.__name__, hook.__doc__
     return prepare
 
@@ -76,5 +77,7 @@ def _mistral_shard_primary(num_chunks: int = 1, shard_primary: bool = True) -> b
 inkling2, mistral_large4 = compose(
     __name__,
     inkling2={"prepare_cp_inputs": _framework_strategy(cp_impl.inkling2.prepare_cp_inputs, lambda *a, **k: False)},
-    mistral_large4={"prepare_cp_inputs": _framework_strategy(cp_impl.mistral_large4.prepare_cp_inputs,
-                                                             _mistral_shard_primary)})
+    mistral_large4={
+        "prepare_cp_inputs": _framework_strategy(cp_impl.mistral_large4.prepare_cp_inputs, _mistral_shard_primary)
+    },
+)

@@ -42,8 +42,12 @@ def _identity(hook: Callable[..., dict[str, Any]]):
         ours = hook(batch, *args, **kwargs)  # cp_impl's normalisation of the batch (positions, padding_mask)
         if "document_ids" in batch:  # a normalised pack: no document semantics in the identity sharder
             return ours
-        return {"cp_sharder": ContextParallelSharder(shard_batch=shard_batch_identity,
-                                                     local_token_global_indices=identity_local_indices)}
+        return {
+            "cp_sharder": ContextParallelSharder(
+                shard_batch=shard_batch_identity, local_token_global_indices=identity_local_indices
+            )
+        }
+
     prepare.__name__, prepare.__doc__ = hook.__name__, hook.__doc__
     return prepare
 
@@ -51,4 +55,5 @@ def _identity(hook: Callable[..., dict[str, Any]]):
 inkling2, mistral_large4 = compose(
     __name__,
     inkling2={"prepare_cp_inputs": _identity(cp_impl.inkling2.prepare_cp_inputs)},
-    mistral_large4={"prepare_cp_inputs": _identity(cp_impl.mistral_large4.prepare_cp_inputs)})
+    mistral_large4={"prepare_cp_inputs": _identity(cp_impl.mistral_large4.prepare_cp_inputs)},
+)

@@ -34,7 +34,9 @@ from examples.automodel.adapters._compose import compose
 
 FRAMEWORK_FUNCTION = shard_cp_batch
 ALIGNMENT = 4  # a document starts at a multiple of 4: the re-pad moves tokens whenever a document is not
-ROWS = ("sharder_verbs",)  # the packed re-pad's layout contract differs (per-document pre-shifted labels, packed_seq_ids)
+ROWS = (
+    "sharder_verbs",
+)  # the packed re-pad's layout contract differs (per-document pre-shifted labels, packed_seq_ids)
 SERVES = {"mistral_large4.prepare_packed_cp_inputs": "nemo_automodel.components.models.deepseek_v41.cp.shard_cp_batch"}
 
 

@@ -29,8 +29,13 @@ def _declares_own_name(path: Path) -> bool:
 
 # The model specs ``scripts/real_clients`` gates (those whose ``REQUIRES`` is unmet here are skipped, with it, and run
 # by the nightly GPU job).
-SPECS: tuple[str, ...] = tuple(sorted(path.stem for path in Path(__file__).parent.glob("*.py")
-                                      if not path.stem.startswith("_") and _declares_own_name(path)))
+SPECS: tuple[str, ...] = tuple(
+    sorted(
+        path.stem
+        for path in Path(__file__).parent.glob("*.py")
+        if not path.stem.startswith("_") and _declares_own_name(path)
+    )
+)
 
 
 def needs_cuda(name: str) -> bool:

@@ -107,8 +107,9 @@ def nonzero_parameters(model: torch.nn.Module) -> None:
                 parameter.normal_(std=0.1)
 
 
-def build_seeded(construct: Callable[[], Any], dtype: torch.dtype, seed: int, *,
-                 nonzero: bool = False) -> torch.nn.Module:
+def build_seeded(
+    construct: Callable[[], Any], dtype: torch.dtype, seed: int, *, nonzero: bool = False
+) -> torch.nn.Module:
     """``construct()`` then the framework's ``initialize_weights`` on the CPU in ``dtype``, all under ``seed``.
 
     Returns the model in ``train()`` mode, the same on every rank for the same arguments; with ``nonzero`` the
@@ -142,8 +143,9 @@ def batch_to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     place (``resize_``/``copy_``) and does not restore ``input_ids`` and ``labels``, so sharding the caller's own
     tensors would change the batch the one-device reference then reads.
     """
-    return {key: (value.to(device, copy=True) if isinstance(value, torch.Tensor) else value)
-            for key, value in batch.items()}
+    return {
+        key: (value.to(device, copy=True) if isinstance(value, torch.Tensor) else value) for key, value in batch.items()
+    }
 
 
 def unmet_requirements(requires: dict[str, str]) -> dict[str, str]:
@@ -160,8 +162,12 @@ def unmet_requirements(requires: dict[str, str]) -> dict[str, str]:
 
 
 # ---- CP the framework's way ----------------------------------------------------------------------------------
-def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_token_id: int = 0,
-          ) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
+def shard(
+    model: torch.nn.Module,
+    mesh: Any,
+    batch: dict[str, Any],
+    padding_token_id: int = 0,
+) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
     """``ContextParallelSharder(model, mesh, batch)`` then ``shard``; ``mesh`` 1-D ``("cp",)`` or ``None`` (the
     identity sharder); ``batch`` not mutated. Returns ``(ctx_factory, local_batch, sharder)``, ``[B, S_local]``."""
     batch = dict(batch)
@@ -209,8 +215,11 @@ def pad_batch(batch: dict[str, Any], length: int, pad_id: int = 0) -> dict[str, 
     extra = length - batch["input_ids"].shape[1]
     mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
     pad = lambda t, v: torch.nn.functional.pad(t, (0, extra), value=v)  # noqa: E731
-    return {"input_ids": pad(batch["input_ids"], pad_id), "labels": pad(batch["labels"], IGNORE_INDEX),
-            "attention_mask": pad(mask, 0)}
+    return {
+        "input_ids": pad(batch["input_ids"], pad_id),
+        "labels": pad(batch["labels"], IGNORE_INDEX),
+        "attention_mask": pad(mask, 0),
+    }
 
 
 def local_labels(local_batch: dict[str, Any]) -> torch.Tensor:
@@ -226,7 +235,8 @@ def num_label_tokens(batch: dict[str, Any]) -> int:
 def loss(logits: torch.Tensor, labels: torch.Tensor, num_label_tokens: int) -> torch.Tensor:
     """Summed masked cross entropy / the *global* label count; ``logits [B, s, V]``, ``labels [B, s]``."""
     return MaskedCrossEntropy(ignore_index=IGNORE_INDEX, reduction="sum")(
-        logits, labels, num_label_tokens=num_label_tokens)
+        logits, labels, num_label_tokens=num_label_tokens
+    )
 
 
 def valid_positions(batch: dict[str, Any]) -> torch.Tensor:
@@ -241,7 +251,7 @@ def valid_positions(batch: dict[str, Any]) -> torch.Tensor:
             for length, span in zip(lengths[row].tolist(), spans[row].tolist()):
                 if length in (0, -1000):
                     continue
-                valid[row, start:start + length] = True
+                valid[row, start : start + length] = True
                 start += span
         return valid
     if batch.get("attention_mask") is not None:
@@ -249,8 +259,17 @@ def valid_positions(batch: dict[str, Any]) -> torch.Tensor:
     return torch.ones_like(input_ids, dtype=torch.bool)
 
 
-def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, vocab: int = 64,
-               documents: list[list[int]] | None = None, pad: int = 0, pad_id: int = 0) -> dict[str, Any]:
+def make_batch(
+    kind: str,
+    seq_len: int,
+    *,
+    batch_size: int = 1,
+    seed: int = 0,
+    vocab: int = 64,
+    documents: list[list[int]] | None = None,
+    pad: int = 0,
+    pad_id: int = 0,
+) -> dict[str, Any]:
     """An example batch with shifted labels.
 
     Args:
@@ -266,7 +285,7 @@ def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, v
         if not 0 < real <= seq_len:
             raise ValueError(f"pad={pad} leaves no real token in {seq_len}")
         input_ids[:, real:] = pad_id
-        labels[:, :real - 1] = input_ids[:, 1:real]
+        labels[:, : real - 1] = input_ids[:, 1:real]
         batch = {"input_ids": input_ids, "labels": labels}
         if kind == "right_padded":
             mask = torch.zeros_like(input_ids)
@@ -281,10 +300,10 @@ def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, v
         for row, lengths in enumerate(documents):
             if sum(lengths) > seq_len:
                 raise ValueError(f"documents {lengths} exceed the row of {seq_len}")
-            seq_lens[row, :len(lengths)] = torch.tensor(lengths)
+            seq_lens[row, : len(lengths)] = torch.tensor(lengths)
             start = 0
             for length in lengths:
-                labels[row, start:start + length - 1] = input_ids[row, start + 1:start + length]
+                labels[row, start : start + length - 1] = input_ids[row, start + 1 : start + length]
                 start += length
             input_ids[row, start:] = pad_id
         return {"input_ids": input_ids, "labels": labels, "seq_lens": seq_lens}

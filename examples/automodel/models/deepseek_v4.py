@@ -64,12 +64,33 @@ NAME = "deepseek_v4"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.deepseek_v4.model.DeepseekV4ForCausalLM"
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64, hidden_size=16, moe_intermediate_size=8, num_hidden_layers=4, num_attention_heads=2,
-    num_key_value_heads=1, head_dim=8, qk_rope_head_dim=4, q_lora_rank=8, o_lora_rank=8, o_groups=2,
-    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, compress_ratios=[0, 4, 4, 0],
-    sliding_window=4, num_hash_layers=1, hc_mult=2, hc_sinkhorn_iters=4, index_head_dim=8, index_n_heads=2,
-    index_topk=64, num_nextn_predict_layers=0, vision_n_layers=0, initializer_range=0.2,
-    max_position_embeddings=4096, pad_token_id=0,
+    vocab_size=64,
+    hidden_size=16,
+    moe_intermediate_size=8,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    qk_rope_head_dim=4,
+    q_lora_rank=8,
+    o_lora_rank=8,
+    o_groups=2,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    compress_ratios=[0, 4, 4, 0],
+    sliding_window=4,
+    num_hash_layers=1,
+    hc_mult=2,
+    hc_sinkhorn_iters=4,
+    index_head_dim=8,
+    index_n_heads=2,
+    index_topk=64,
+    num_nextn_predict_layers=0,
+    vision_n_layers=0,
+    initializer_range=0.2,
+    max_position_embeddings=4096,
+    pad_token_id=0,
 )
 
 
@@ -78,12 +99,14 @@ def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> DeepseekV4Co
 
 
 def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    return build_seeded(lambda: DeepseekV4ForCausalLM(config(dtype, **overrides), backend=BackendConfig(**BACKEND)),
-                        dtype, seed)
+    return build_seeded(
+        lambda: DeepseekV4ForCausalLM(config(dtype, **overrides), backend=BackendConfig(**BACKEND)), dtype, seed
+    )
 
 
 def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
     from nemo_automodel.components.models.deepseek_v4.cp import dsv4_cp_local_seq_multiple  # noqa: PLC0415
+
     if cp_size <= 1:
         return seq_len
     divisor = cp_size * max(dsv4_cp_local_seq_multiple(model.config), 2)
@@ -95,28 +118,17 @@ BATCH_KINDS: tuple[str, ...] = ("plain", "right_padded", "packed")
 # Framework CP callables this spec's CP path runs: each was seen running (a temporary counting wrapper around it
 # during a CP step) at CP 2 in float32; "packed" / "unpacked" name the only batches that reach it.
 COVERS: dict[str, str] = {
-    "nemo_automodel.components.models.deepseek_v4.model.DeepseekV4ForCausalLM.prepare_model_inputs_for_cp":
-        "the model's CP hook: its contiguous sharder with the compress-ratio pad multiple",
-    "nemo_automodel.components.models.deepseek_v4.cp.make_dsv4_contiguous_shard_cp_batch_and_ctx":
-        "the sharder: packed rows repadded, then contiguous slices, the CP group handed to the forward",
-    "nemo_automodel.components.models.deepseek_v4.cp._repad_dsv4_packed_batch":
-        "packed: every document padded to the per-rank multiple (window-aligned), the position map",
-    "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_contiguous":
-        "pads to CP x multiple and keeps one contiguous slice per rank",
-    "nemo_automodel.components.distributed.context_parallel.sharder.contiguous_local_indices":
-        "this rank's global positions (the sharder's index map)",
-    "nemo_automodel.components.models.deepseek_v4.cp.dsv4_cp_all_gather":
-        "K/V, compressed keys and indexer keys all-gathered (differentiable)",
-    "nemo_automodel.components.models.deepseek_v4.cp.dsv4_cp_all_gather_metadata":
-        "positions, document ids, padding and window metadata all-gathered",
-    "nemo_automodel.components.models.deepseek_v4.cp.build_dsv4_cp_packed_causal_padding_mask":
-        "packed: local-query / global-key mask by document, position, padding and window",
-    "nemo_automodel.components.models.deepseek_v4.cp.build_dsv4_cp_causal_padding_mask":
-        "unpacked: local-query / global-key causal, padding and sliding-window mask",
-    "nemo_automodel.components.models.deepseek_v4.layers._overlap_transform_with_cp":
-        "the ratio-4 compressor's previous-window overlap across rank boundaries",
-    "nemo_automodel.components.distributed.context_parallel.sharder.gather_token_tensor_by_indices":
-        "gather_logits: the logits back to global order (differentiable all-gather)",
+    "nemo_automodel.components.models.deepseek_v4.model.DeepseekV4ForCausalLM.prepare_model_inputs_for_cp": "the model's CP hook: its contiguous sharder with the compress-ratio pad multiple",
+    "nemo_automodel.components.models.deepseek_v4.cp.make_dsv4_contiguous_shard_cp_batch_and_ctx": "the sharder: packed rows repadded, then contiguous slices, the CP group handed to the forward",
+    "nemo_automodel.components.models.deepseek_v4.cp._repad_dsv4_packed_batch": "packed: every document padded to the per-rank multiple (window-aligned), the position map",
+    "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_contiguous": "pads to CP x multiple and keeps one contiguous slice per rank",
+    "nemo_automodel.components.distributed.context_parallel.sharder.contiguous_local_indices": "this rank's global positions (the sharder's index map)",
+    "nemo_automodel.components.models.deepseek_v4.cp.dsv4_cp_all_gather": "K/V, compressed keys and indexer keys all-gathered (differentiable)",
+    "nemo_automodel.components.models.deepseek_v4.cp.dsv4_cp_all_gather_metadata": "positions, document ids, padding and window metadata all-gathered",
+    "nemo_automodel.components.models.deepseek_v4.cp.build_dsv4_cp_packed_causal_padding_mask": "packed: local-query / global-key mask by document, position, padding and window",
+    "nemo_automodel.components.models.deepseek_v4.cp.build_dsv4_cp_causal_padding_mask": "unpacked: local-query / global-key causal, padding and sliding-window mask",
+    "nemo_automodel.components.models.deepseek_v4.layers._overlap_transform_with_cp": "the ratio-4 compressor's previous-window overlap across rank boundaries",
+    "nemo_automodel.components.distributed.context_parallel.sharder.gather_token_tensor_by_indices": "gather_logits: the logits back to global order (differentiable all-gather)",
 }
 
 BATCH_KEYS: dict[str, dict[str, str]] = {
@@ -124,11 +136,11 @@ BATCH_KEYS: dict[str, dict[str, str]] = {
     "optional": {
         **_base.BATCH_KEYS["optional"],
         "position_ids": "[B, S] int64; unpacked rows 0..S-1; packed rows restart at 0 per document and count on "
-                        "through the trailing pack padding (the THD packer's layout)",
+        "through the trailing pack padding (the THD packer's layout)",
         "seq_lens_padded": "[B, D] int64 physical span per packed document; the last one includes the row's "
-                           "trailing padding (-1000: absent)",
+        "trailing padding (-1000: absent)",
         "qkv_format": '"thd" on packed batches (the THD collator\'s marker; the one-device path reads '
-                      "seq_lens_padded only when it is set)",
+        "seq_lens_padded only when it is set)",
     },
     "produced_by_sharder": _base.BATCH_KEYS["produced_by_sharder"],
 }
@@ -147,8 +159,17 @@ def gather_logits(sharder, local_logits: torch.Tensor) -> torch.Tensor:
     return _base.gather_logits(sharder, local_logits)
 
 
-def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, vocab: int = 64,
-               documents: list[list[int]] | None = None, pad: int = 0, pad_id: int = 0) -> dict[str, Any]:
+def make_batch(
+    kind: str,
+    seq_len: int,
+    *,
+    batch_size: int = 1,
+    seed: int = 0,
+    vocab: int = 64,
+    documents: list[list[int]] | None = None,
+    pad: int = 0,
+    pad_id: int = 0,
+) -> dict[str, Any]:
     """An example batch with shifted labels; unpacked kinds are ``_base.make_batch``'s.
 
     ``"packed"``: what the framework's default THD packing feeds the model (``packed_sequence.packing_strategy:
@@ -172,7 +193,7 @@ def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, v
             raise ValueError(f"documents {lengths} do not fit a row of {seq_len}")
         features, start = [], 0
         for length in lengths:
-            ids = tokens[row, start:start + length].tolist()
+            ids = tokens[row, start : start + length].tolist()
             features.append({"input_ids": ids, "labels": ids[1:] + [IGNORE_INDEX]})
             start += length
         record = pack_features_for_thd(features)

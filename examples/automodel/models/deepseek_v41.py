@@ -52,17 +52,48 @@ FRAMEWORK_CLASS = "nemo_automodel.components.models.deepseek_v41.model.DeepseekV
 BACKEND = dict(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64, hidden_size=16, moe_intermediate_size=8, num_hidden_layers=6, num_attention_heads=2,
-    num_key_value_heads=1, head_dim=8, qk_rope_head_dim=4, q_lora_rank=8, o_lora_rank=8, o_groups=2,
-    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, sliding_window=4,
-    compress_ratios=[0, 2, 2, 1, 1, 1], kv_source_layer_ids=[1, 3], index_source_layer_ids=[1, 3, 4],
-    index_n_heads=2, index_head_dim=8, index_topk=64, candidate_source_layer_id=3, candidate_topk_blocks=64,
-    candidate_block_size=2, hc_mult=2, hc_sinkhorn_iters=4, rms_norm_eps=1e-6, engram_layer_ids=[],
-    engram_num_embeddings=[], num_nextn_predict_layers=0, dspark_target_layer_ids=[], initializer_range=0.2,
+    vocab_size=64,
+    hidden_size=16,
+    moe_intermediate_size=8,
+    num_hidden_layers=6,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    qk_rope_head_dim=4,
+    q_lora_rank=8,
+    o_lora_rank=8,
+    o_groups=2,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    sliding_window=4,
+    compress_ratios=[0, 2, 2, 1, 1, 1],
+    kv_source_layer_ids=[1, 3],
+    index_source_layer_ids=[1, 3, 4],
+    index_n_heads=2,
+    index_head_dim=8,
+    index_topk=64,
+    candidate_source_layer_id=3,
+    candidate_topk_blocks=64,
+    candidate_block_size=2,
+    hc_mult=2,
+    hc_sinkhorn_iters=4,
+    rms_norm_eps=1e-6,
+    engram_layer_ids=[],
+    engram_num_embeddings=[],
+    num_nextn_predict_layers=0,
+    dspark_target_layer_ids=[],
+    initializer_range=0.2,
     max_position_embeddings=4096,
-    rope_scaling={"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
-                  "original_max_position_embeddings": 256},
-    dspark_noise_token_id=63, pad_token_id=0,
+    rope_scaling={
+        "rope_type": "yarn",
+        "factor": 16,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "original_max_position_embeddings": 256,
+    },
+    dspark_noise_token_id=63,
+    pad_token_id=0,
 )
 
 
@@ -70,15 +101,17 @@ def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> DeepseekV41C
     """The framework's config for the tiny model (``TINY`` with ``overrides``) in ``dtype``."""
     name = dtype_name(NAME, dtype)
     text = {**tiny(TINY, overrides), "dtype": name}
-    return DeepseekV41Config(text_config=text, vision_config={"num_hidden_layers": 0}, dtype=name,
-                             pad_token_id=text["pad_token_id"])
+    return DeepseekV41Config(
+        text_config=text, vision_config={"num_hidden_layers": 0}, dtype=name, pad_token_id=text["pad_token_id"]
+    )
 
 
 def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """``DeepseekV41ForCausalLM`` on CPU in train mode, seeded; all-zero sinks and router bias redrawn."""
     cfg = config(dtype, **overrides)
-    return build_seeded(lambda: DeepseekV41ForCausalLM(cfg, backend=BackendConfig(**BACKEND)), dtype, seed,
-                        nonzero=True)
+    return build_seeded(
+        lambda: DeepseekV41ForCausalLM(cfg, backend=BackendConfig(**BACKEND)), dtype, seed, nonzero=True
+    )
 
 
 def cp_padded_length(model: Any, seq_len: int, cp_size: int) -> int:

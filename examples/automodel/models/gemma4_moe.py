@@ -84,46 +84,31 @@ BATCH_KINDS = ("plain", "right_padded", "packed")
 
 FORWARD_ONLY_ON = {
     "cpu": "torch 2.13 has no FlexAttention backward on CPU: in a training step the ring's forward already raises "
-           "'RuntimeError: Gemma4 CP ring requires FlexAttention for local-query/ring-KV attention. FlexAttention "
-           "failed for Q=(1, 2, 8, 8) K=(1, 1, 8, 8) V=(1, 1, 8, 8) cp_rank=0 seq_local=8 kv_global_start=0.' from "
-           "'NotImplementedError: FlexAttention does not support backward on CPU. Please set the input "
-           "requires_grad to False or use another device.' (torch/nn/attention/flex_attention.py "
-           "_validate_device); without grad the compiled kernel raises 'torch.compile on CPU only supports "
-           "inference and `return_lse` is not supported yet', so on CPU the forward runs under torch.no_grad() "
-           "with FlexAttention uncompiled",
+    "'RuntimeError: Gemma4 CP ring requires FlexAttention for local-query/ring-KV attention. FlexAttention "
+    "failed for Q=(1, 2, 8, 8) K=(1, 1, 8, 8) V=(1, 1, 8, 8) cp_rank=0 seq_local=8 kv_global_start=0.' from "
+    "'NotImplementedError: FlexAttention does not support backward on CPU. Please set the input "
+    "requires_grad to False or use another device.' (torch/nn/attention/flex_attention.py "
+    "_validate_device); without grad the compiled kernel raises 'torch.compile on CPU only supports "
+    "inference and `return_lse` is not supported yet', so on CPU the forward runs under torch.no_grad() "
+    "with FlexAttention uncompiled",
 }
 
 COVERS: dict[str, str] = {
-    "nemo_automodel.components.moe.parallelizer.apply_cp":
-        "sets the CP flags and mesh, calls every attention module's setup_cp_attention",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._install_gemma4_cp_ring_sdpa":
-        "installs the pre/post hooks that swap F.scaled_dot_product_attention for the ring per attention call",
-    "nemo_automodel.components.models.gemma4_moe.model.Gemma4ForConditionalGeneration.prepare_model_inputs_for_cp":
-        "returns the model-owned contiguous sharder",
-    "nemo_automodel.components.models.gemma4_moe.model.Gemma4ForConditionalGeneration._cp_shard_batch_aux_only":
-        "the sharder's shard_batch: records cp_mesh, shards the auxiliary streams",
-    "nemo_automodel.components.models.gemma4_moe.cp_batch.make_contiguous_aux_only_shard_cp_batch_and_ctx":
-        "attention_mask -> padding_mask, synthesizes _packed_seq_ids for unpacked rows",
-    "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_contiguous":
-        "pads to 2 x cp, slices labels / position_ids / padding_mask / _packed_seq_ids per rank",
-    "nemo_automodel.components.models.gemma4_moe.model.Gemma4ForConditionalGeneration._cp_sunk_prepare_inputs":
-        "embeds the full row, slices embeddings and mm_token_type_ids / vision-group ids per rank",
-    "nemo_automodel.components.distributed.context_parallel.sharder.shard_sequence_for_cp_contiguous":
-        "pads and slices the embeddings (differentiable index_select)",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._gemma4_cp_manual_attention":
-        "builds the ring context from the captured metadata",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._Gemma4FlexRingAttention.forward":
-        "the ring's autograd function (forward)",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._collect_ring_kv_chunks":
-        "rotates K/V and metadata around the ring",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._direct_exchange":
-        "batch_isend_irecv to cp_rank + 1, from cp_rank - 1",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._run_gemma4_flex_chunk":
-        "one chunk: local-query/global-key block mask, FlexAttention with LSE",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._merge_flex_chunk":
-        "log-sum-exp merge of the chunk outputs",
-    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor":
-        "logits back to global order (differentiable all_gather), CP padding trimmed",
+    "nemo_automodel.components.moe.parallelizer.apply_cp": "sets the CP flags and mesh, calls every attention module's setup_cp_attention",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._install_gemma4_cp_ring_sdpa": "installs the pre/post hooks that swap F.scaled_dot_product_attention for the ring per attention call",
+    "nemo_automodel.components.models.gemma4_moe.model.Gemma4ForConditionalGeneration.prepare_model_inputs_for_cp": "returns the model-owned contiguous sharder",
+    "nemo_automodel.components.models.gemma4_moe.model.Gemma4ForConditionalGeneration._cp_shard_batch_aux_only": "the sharder's shard_batch: records cp_mesh, shards the auxiliary streams",
+    "nemo_automodel.components.models.gemma4_moe.cp_batch.make_contiguous_aux_only_shard_cp_batch_and_ctx": "attention_mask -> padding_mask, synthesizes _packed_seq_ids for unpacked rows",
+    "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_contiguous": "pads to 2 x cp, slices labels / position_ids / padding_mask / _packed_seq_ids per rank",
+    "nemo_automodel.components.models.gemma4_moe.model.Gemma4ForConditionalGeneration._cp_sunk_prepare_inputs": "embeds the full row, slices embeddings and mm_token_type_ids / vision-group ids per rank",
+    "nemo_automodel.components.distributed.context_parallel.sharder.shard_sequence_for_cp_contiguous": "pads and slices the embeddings (differentiable index_select)",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._gemma4_cp_manual_attention": "builds the ring context from the captured metadata",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._Gemma4FlexRingAttention.forward": "the ring's autograd function (forward)",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._collect_ring_kv_chunks": "rotates K/V and metadata around the ring",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._direct_exchange": "batch_isend_irecv to cp_rank + 1, from cp_rank - 1",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._run_gemma4_flex_chunk": "one chunk: local-query/global-key block mask, FlexAttention with LSE",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._merge_flex_chunk": "log-sum-exp merge of the chunk outputs",
+    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor": "logits back to global order (differentiable all_gather), CP padding trimmed",
 }
 
 BATCH_KEYS: dict[str, dict[str, str]] = {
@@ -140,17 +125,42 @@ BATCH_KEYS: dict[str, dict[str, str]] = {
     },
 }
 
-BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch", experts="torch", dispatcher="torch",
-               fake_balanced_gate=False, enable_hf_state_dict_adapter=False)
+BACKEND = dict(
+    attn="sdpa",
+    linear="torch",
+    rms_norm="torch",
+    experts="torch",
+    dispatcher="torch",
+    fake_balanced_gate=False,
+    enable_hf_state_dict_adapter=False,
+)
 ONE_DEVICE_ATTENTION = "eager"
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=4,
-    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"], sliding_window=4,
-    num_attention_heads=2, num_key_value_heads=1, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
-    attention_k_eq_v=True, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=8,
-    hidden_size_per_layer_input=0, vocab_size_per_layer_input=64, use_bidirectional_attention="vision",
-    final_logit_softcapping=30.0, max_position_embeddings=256, rms_norm_eps=1e-6, pad_token_id=0, use_cache=False,
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=16,
+    num_hidden_layers=4,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    sliding_window=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    global_head_dim=16,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    enable_moe_block=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=8,
+    hidden_size_per_layer_input=0,
+    vocab_size_per_layer_input=64,
+    use_bidirectional_attention="vision",
+    final_logit_softcapping=30.0,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    pad_token_id=0,
+    use_cache=False,
 )
 
 
@@ -173,8 +183,9 @@ def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> Gemma4Config
 def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """The tiny model on CPU in ``train()`` mode with seeded random weights (same on every rank)."""
     cfg = config(dtype, **overrides)
-    return _base.build_seeded(lambda: Gemma4ForConditionalGeneration(cfg, backend=BackendConfig(**BACKEND)),
-                              dtype, seed)
+    return _base.build_seeded(
+        lambda: Gemma4ForConditionalGeneration(cfg, backend=BackendConfig(**BACKEND)), dtype, seed
+    )
 
 
 def _enter_cp(twin: torch.nn.Module, cp_mesh: Any) -> None:
@@ -200,15 +211,20 @@ def one_device_batch(batch: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_token_id: int = 0,
-          ) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
+def shard(
+    model: torch.nn.Module,
+    mesh: Any,
+    batch: dict[str, Any],
+    padding_token_id: int = 0,
+) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
     """``ContextParallelSharder(model, mesh, batch)`` then ``shard``, on the CP twin when ``mesh`` has > 1 rank.
 
     Returns ``(ctx_factory, local_batch, sharder)``; under CP ``local_batch`` holds ``[B, S_local]`` auxiliary
     streams, the full ``[B, S]`` ``input_ids`` and, under ``"_spec_cp_model"``, the twin ``forward`` runs.
     """
-    return model_owned_cp.shard_on_twin(model, mesh, batch, padding_token_id, enter=_enter_cp,
-                                        one_device=one_device_batch)
+    return model_owned_cp.shard_on_twin(
+        model, mesh, batch, padding_token_id, enter=_enter_cp, one_device=one_device_batch
+    )
 
 
 forward = model_owned_cp.twin_forward  # logits [B, S_local, V] in the model dtype, soft-capped
@@ -221,13 +237,21 @@ def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
     return seq_len + (-seq_len) % (2 * cp_size)
 
 
-def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, vocab: int = 64,
-               documents: list[list[int]] | None = None, pad: int = 0, pad_id: int = 0) -> dict[str, Any]:
+def make_batch(
+    kind: str,
+    seq_len: int,
+    *,
+    batch_size: int = 1,
+    seed: int = 0,
+    vocab: int = 64,
+    documents: list[list[int]] | None = None,
+    pad: int = 0,
+    pad_id: int = 0,
+) -> dict[str, Any]:
     """An example batch: ``"plain"`` and ``"right_padded"`` as ``_base``; ``"packed"`` as the VLM
     neat-packing collater emits it for CP (see the module docstring for its keys)."""
     if kind != "packed":
-        return _base.make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad,
-                               pad_id=pad_id)
+        return _base.make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad, pad_id=pad_id)
     if documents is None or len(documents) != batch_size:
         raise ValueError("packed batches need one list of document lengths per row")
     generator = torch.Generator().manual_seed(seed)
@@ -240,10 +264,16 @@ def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, v
             raise ValueError(f"documents {lengths} exceed the row of {seq_len}")
         start = 0
         for index, length in enumerate(lengths, start=1):
-            labels[row, start:start + length - 1] = input_ids[row, start + 1:start + length]
-            doc_ids[row, start:start + length] = index
-            position_ids[row, start:start + length] = torch.arange(length)
+            labels[row, start : start + length - 1] = input_ids[row, start + 1 : start + length]
+            doc_ids[row, start : start + length] = index
+            position_ids[row, start : start + length] = torch.arange(length)
             start += length
         input_ids[row, start:] = pad_id
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": doc_ids, "position_ids": position_ids,
-            "mm_token_type_ids": torch.zeros_like(input_ids), "_packed_seq_ids": doc_ids.clone()}
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "attention_mask": doc_ids,
+        "position_ids": position_ids,
+        "mm_token_type_ids": torch.zeros_like(input_ids),
+        "_packed_seq_ids": doc_ids.clone(),
+    }

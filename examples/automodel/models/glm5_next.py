@@ -75,15 +75,14 @@ BATCH_KINDS = ("plain", "right_padded", "packed")
 _CP = "nemo_automodel.components.models.glm5_next.cp."
 _LAYERS = "nemo_automodel.components.models.glm5_next.layers."
 COVERS: dict[str, str] = {
-    _CP + "shard_batch_for_glm5_next_cp":
-        "the model-owned aux-only sharder: document map, pad to a multiple of cp, contiguous labels/positions/"
-        "padding_mask, input_ids left global",
-    _CP + "all_gather_sequence":
-        "DSA gathers the row's hidden states (forward all-gather; backward all-reduce and local slice)",
-    _CP + "all_gather_backward_anchor":
-        "zero-valued edge that keeps every rank in the gather's backward all-reduce",
-    _LAYERS + "Glm5NextSparseAttention._forward_document":
-        "per document with local queries: latent K/V and KPool pools recomputed from the gathered states",
+    _CP
+    + "shard_batch_for_glm5_next_cp": "the model-owned aux-only sharder: document map, pad to a multiple of cp, contiguous labels/positions/"
+    "padding_mask, input_ids left global",
+    _CP
+    + "all_gather_sequence": "DSA gathers the row's hidden states (forward all-gather; backward all-reduce and local slice)",
+    _CP + "all_gather_backward_anchor": "zero-valued edge that keeps every rank in the gather's backward all-reduce",
+    _LAYERS
+    + "Glm5NextSparseAttention._forward_document": "per document with local queries: latent K/V and KPool pools recomputed from the gathered states",
 }
 
 BATCH_KEYS: dict[str, dict[str, str]] = {
@@ -104,35 +103,77 @@ BATCH_KEYS: dict[str, dict[str, str]] = {
     },
 }
 
-BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch",
-               enable_hf_state_dict_adapter=False)
+BACKEND = dict(
+    attn="sdpa",
+    linear="torch",
+    rms_norm="torch_fp32",
+    experts="torch",
+    dispatcher="torch",
+    enable_hf_state_dict_adapter=False,
+)
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64, hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=2,
-    layer_types=["deepseek_sparse_attention", "deepseek_sparse_attention"], mlp_layer_types=["dense", "sparse"],
-    num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
-    n_group=1, topk_group=1, kv_lora_rank=8, q_lora_rank=8, qk_nope_head_dim=8, v_head_dim=8, index_topk=4,
-    index_kpool=2, index_head_dim=8, index_n_heads=2, hc_mult=2, hc_sinkhorn_iters=4, initializer_range=0.2,
-    rms_norm_eps=1e-6, num_nextn_predict_layers=0, max_position_embeddings=4096, pad_token_id=0,
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=16,
+    moe_intermediate_size=8,
+    num_hidden_layers=2,
+    layer_types=["deepseek_sparse_attention", "deepseek_sparse_attention"],
+    mlp_layer_types=["dense", "sparse"],
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    n_shared_experts=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    kv_lora_rank=8,
+    q_lora_rank=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    index_topk=4,
+    index_kpool=2,
+    index_head_dim=8,
+    index_n_heads=2,
+    hc_mult=2,
+    hc_sinkhorn_iters=4,
+    initializer_range=0.2,
+    rms_norm_eps=1e-6,
+    num_nextn_predict_layers=0,
+    max_position_embeddings=4096,
+    pad_token_id=0,
 )
-VISION: dict[str, Any] = dict(depth=1, hidden_size=8, num_heads=1, intermediate_size=8, out_hidden_size=16,
-                              projection_intermediate_size=8, patch_size=2, image_size=4, spatial_merge_size=1)
+VISION: dict[str, Any] = dict(
+    depth=1,
+    hidden_size=8,
+    num_heads=1,
+    intermediate_size=8,
+    out_hidden_size=16,
+    projection_intermediate_size=8,
+    patch_size=2,
+    image_size=4,
+    spatial_merge_size=1,
+)
 
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> Glm5NextConfig:
     """The framework's config for the tiny model (``TINY`` with ``overrides``) in ``dtype``."""
     name = dtype_name(NAME, dtype)
-    return Glm5NextConfig(text_config={**tiny(TINY, overrides), "torch_dtype": name},
-                          vision_config={**VISION, "torch_dtype": name})
+    return Glm5NextConfig(
+        text_config={**tiny(TINY, overrides), "torch_dtype": name}, vision_config={**VISION, "torch_dtype": name}
+    )
 
 
 def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """``Glm5NextForConditionalGeneration`` on CPU in train mode, seeded, all-zero trainable parameters redrawn;
     parameters in ``dtype`` except the ones the framework keeps in float32 (mHC base/scale, router correction bias).
     """
-    return build_seeded(lambda: Glm5NextForConditionalGeneration(config(dtype, **overrides),
-                                                                 backend=BackendConfig(**BACKEND)),
-                        dtype, seed, nonzero=True)
+    return build_seeded(
+        lambda: Glm5NextForConditionalGeneration(config(dtype, **overrides), backend=BackendConfig(**BACKEND)),
+        dtype,
+        seed,
+        nonzero=True,
+    )
 
 
 def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:

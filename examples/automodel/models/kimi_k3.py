@@ -56,39 +56,60 @@ FRAMEWORK_CLASS = "nemo_automodel.components.models.kimi_k3.model.KimiK3ForCausa
 FORWARD_ONLY_ON = {"cpu": no_cpu_backward(NAME)}
 
 COVERS: dict[str, str] = {
-    "nemo_automodel.components.moe.parallelizer.apply_cp":
-        "sets model.cp_mesh (which K3's CP hook requires) and each MoE module's cp_mesh",
-    "nemo_automodel.components.models.kimi_k3.model.KimiK3ForCausalLM.prepare_model_inputs_for_cp":
-        "hands the CP mesh to every MLA module, returns the model-owned contiguous sharder",
-    "nemo_automodel.components.models.kimi_k3.model.KimiMLAAttention.setup_cp_attention":
-        "stores the CP mesh the latent all-gather uses",
-    "nemo_automodel.components.models.kimi_k3.cp.shard_batch_for_kimi_cp":
-        "global document map, pads to a multiple of cp, contiguous slices, kimi_packed_* batch fields",
-    "nemo_automodel.components.models.kimi_k3.cp._global_doc_ids_from_batch":
-        "document ids from _packed_seq_ids / attention_mask / seq_lens(_padded) / padding_mask",
-    "nemo_automodel.components.models.kimi_k3.model.KimiMLAAttention._forward_with_cp":
-        "local queries (query LoRA), gathered latent expanded to global K/V, output gate",
-    "nemo_automodel.components.models.kimi_k3.cp.all_gather_sequence":
-        "all-gathers the compressed latent along the sequence (autograd: all-reduce + slice)",
-    "nemo_automodel.components.models.kimi_k3.cp.document_causal_flex_attention":
-        "FlexAttention of local queries against global keys, causal per document",
-    "nemo_automodel.components.models.kimi_k3.cp._document_causal_block_mask":
-        "the block mask (global query offset = the shard start)",
-    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor":
-        "logits back to global order (differentiable all_gather), CP padding trimmed",
+    "nemo_automodel.components.moe.parallelizer.apply_cp": "sets model.cp_mesh (which K3's CP hook requires) and each MoE module's cp_mesh",
+    "nemo_automodel.components.models.kimi_k3.model.KimiK3ForCausalLM.prepare_model_inputs_for_cp": "hands the CP mesh to every MLA module, returns the model-owned contiguous sharder",
+    "nemo_automodel.components.models.kimi_k3.model.KimiMLAAttention.setup_cp_attention": "stores the CP mesh the latent all-gather uses",
+    "nemo_automodel.components.models.kimi_k3.cp.shard_batch_for_kimi_cp": "global document map, pads to a multiple of cp, contiguous slices, kimi_packed_* batch fields",
+    "nemo_automodel.components.models.kimi_k3.cp._global_doc_ids_from_batch": "document ids from _packed_seq_ids / attention_mask / seq_lens(_padded) / padding_mask",
+    "nemo_automodel.components.models.kimi_k3.model.KimiMLAAttention._forward_with_cp": "local queries (query LoRA), gathered latent expanded to global K/V, output gate",
+    "nemo_automodel.components.models.kimi_k3.cp.all_gather_sequence": "all-gathers the compressed latent along the sequence (autograd: all-reduce + slice)",
+    "nemo_automodel.components.models.kimi_k3.cp.document_causal_flex_attention": "FlexAttention of local queries against global keys, causal per document",
+    "nemo_automodel.components.models.kimi_k3.cp._document_causal_block_mask": "the block mask (global query offset = the shard start)",
+    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor": "logits back to global order (differentiable all_gather), CP padding trimmed",
 }
 
-BACKEND = dict(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch",
-               fake_balanced_gate=False, enable_hf_state_dict_adapter=False)
+BACKEND = dict(
+    attn="eager",
+    linear="torch",
+    rms_norm="torch_fp32",
+    experts="torch",
+    dispatcher="torch",
+    fake_balanced_gate=False,
+    enable_hf_state_dict_adapter=False,
+)
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
-    num_key_value_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-    mla_use_nope=True, mla_use_output_gate=True, num_experts=4, num_experts_per_token=2, num_shared_experts=1,
-    moe_intermediate_size=8, routed_expert_hidden_size=8, first_k_dense_replace=1,
-    linear_attn_config={"kda_layers": [], "full_attn_layers": [1, 2, 3], "short_conv_kernel_size": 4, "head_dim": 8,
-                        "num_heads": 2},
-    attn_res_block_size=2, initializer_range=0.2, max_position_embeddings=256, pad_token_id=0, use_cache=False,
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    q_lora_rank=8,
+    kv_lora_rank=8,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    mla_use_nope=True,
+    mla_use_output_gate=True,
+    num_experts=4,
+    num_experts_per_token=2,
+    num_shared_experts=1,
+    moe_intermediate_size=8,
+    routed_expert_hidden_size=8,
+    first_k_dense_replace=1,
+    linear_attn_config={
+        "kda_layers": [],
+        "full_attn_layers": [1, 2, 3],
+        "short_conv_kernel_size": 4,
+        "head_dim": 8,
+        "num_heads": 2,
+    },
+    attn_res_block_size=2,
+    initializer_range=0.2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    use_cache=False,
 )
 
 
@@ -100,8 +121,9 @@ def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> KimiK3TextCo
 def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """The tiny model on CPU in ``train()`` mode, seeded; zero-initialised score-correction bias and gates redrawn."""
     cfg = config(dtype, **overrides)
-    return _base.build_seeded(lambda: KimiK3ForCausalLM(cfg, backend=BackendConfig(**BACKEND)), dtype, seed,
-                              nonzero=True)
+    return _base.build_seeded(
+        lambda: KimiK3ForCausalLM(cfg, backend=BackendConfig(**BACKEND)), dtype, seed, nonzero=True
+    )
 
 
 def forward(model: torch.nn.Module, local_batch: dict[str, Any]) -> torch.Tensor:
@@ -109,8 +131,10 @@ def forward(model: torch.nn.Module, local_batch: dict[str, Any]) -> torch.Tensor
     return _kimi_forward(model, local_batch, flex_cache=k3_cp._COMPILED_FLEX_ATTENTION)
 
 
-CP_KERNELS = ("MLA attention by FlexAttention (kimi_k3/cp.py document_causal_flex_attention) instead of "
-              "matmul + float32 softmax + matmul")
+CP_KERNELS = (
+    "MLA attention by FlexAttention (kimi_k3/cp.py document_causal_flex_attention) instead of "
+    "matmul + float32 softmax + matmul"
+)
 
 
 def cp_kernels(model: torch.nn.Module) -> contextlib.AbstractContextManager[str]:

@@ -87,38 +87,30 @@ BATCH_KINDS = ("plain", "right_padded", "packed")
 def no_cpu_backward(model: str) -> str:
     """Why the CP step of ``model`` (``kimi_linear``, ``kimi_k3``: the same Kimi CP code) is judged forward only on
     CPU: its MLA layers' FlexAttention."""
-    return ("torch 2.13 has no FlexAttention backward on CPU: in a training step the CP forward of every MLA layer "
-            f"({model}/cp.py document_causal_flex_attention) raises 'NotImplementedError: FlexAttention does not "
-            "support backward on CPU. Please set the input requires_grad to False or use another device.' "
-            "(torch/nn/attention/flex_attention.py _validate_device); without grad the compiled kernel fails to "
-            "build ('torch._inductor.exc.InductorError: CppCompileError: C++ compile error ... error: "
-            "'cur_qSplitSize7' was not declared in this scope'), so on CPU the forward runs under torch.no_grad() "
-            "with FlexAttention uncompiled")
+    return (
+        "torch 2.13 has no FlexAttention backward on CPU: in a training step the CP forward of every MLA layer "
+        f"({model}/cp.py document_causal_flex_attention) raises 'NotImplementedError: FlexAttention does not "
+        "support backward on CPU. Please set the input requires_grad to False or use another device.' "
+        "(torch/nn/attention/flex_attention.py _validate_device); without grad the compiled kernel fails to "
+        "build ('torch._inductor.exc.InductorError: CppCompileError: C++ compile error ... error: "
+        "'cur_qSplitSize7' was not declared in this scope'), so on CPU the forward runs under torch.no_grad() "
+        "with FlexAttention uncompiled"
+    )
 
 
 FORWARD_ONLY_ON = {"cpu": no_cpu_backward(NAME)}
 
 COVERS: dict[str, str] = {
-    "nemo_automodel.components.moe.parallelizer.apply_cp":
-        "hands the CP mesh to every MLA module (setup_cp_attention) and MoE module",
-    "nemo_automodel.components.models.kimi_linear.model.KimiMLAAttention.setup_cp_attention":
-        "stores the CP mesh the latent all-gather uses",
-    "nemo_automodel.components.models.kimi_linear.model.KimiLinear48BForCausalLM.prepare_model_inputs_for_cp":
-        "returns the model-owned contiguous sharder",
-    "nemo_automodel.components.models.kimi_linear.cp.shard_batch_for_kimi_cp":
-        "global document map, pads to a multiple of cp, contiguous slices, KimiPackedContext",
-    "nemo_automodel.components.models.kimi_linear.cp._global_doc_ids_from_batch":
-        "document ids from _packed_seq_ids / attention_mask / seq_lens(_padded) / padding_mask",
-    "nemo_automodel.components.models.kimi_linear.model.KimiMLAAttention._forward_with_cp":
-        "local queries, gathered latent expanded to global K/V",
-    "nemo_automodel.components.models.kimi_linear.cp.all_gather_sequence":
-        "all-gathers the compressed latent along the sequence (autograd: all-reduce + slice)",
-    "nemo_automodel.components.models.kimi_linear.cp.document_causal_flex_attention":
-        "FlexAttention of local queries against global keys, causal per document",
-    "nemo_automodel.components.models.kimi_linear.cp._document_causal_block_mask":
-        "the block mask (global query offset = the shard start)",
-    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor":
-        "logits back to global order (differentiable all_gather), CP padding trimmed",
+    "nemo_automodel.components.moe.parallelizer.apply_cp": "hands the CP mesh to every MLA module (setup_cp_attention) and MoE module",
+    "nemo_automodel.components.models.kimi_linear.model.KimiMLAAttention.setup_cp_attention": "stores the CP mesh the latent all-gather uses",
+    "nemo_automodel.components.models.kimi_linear.model.KimiLinear48BForCausalLM.prepare_model_inputs_for_cp": "returns the model-owned contiguous sharder",
+    "nemo_automodel.components.models.kimi_linear.cp.shard_batch_for_kimi_cp": "global document map, pads to a multiple of cp, contiguous slices, KimiPackedContext",
+    "nemo_automodel.components.models.kimi_linear.cp._global_doc_ids_from_batch": "document ids from _packed_seq_ids / attention_mask / seq_lens(_padded) / padding_mask",
+    "nemo_automodel.components.models.kimi_linear.model.KimiMLAAttention._forward_with_cp": "local queries, gathered latent expanded to global K/V",
+    "nemo_automodel.components.models.kimi_linear.cp.all_gather_sequence": "all-gathers the compressed latent along the sequence (autograd: all-reduce + slice)",
+    "nemo_automodel.components.models.kimi_linear.cp.document_causal_flex_attention": "FlexAttention of local queries against global keys, causal per document",
+    "nemo_automodel.components.models.kimi_linear.cp._document_causal_block_mask": "the block mask (global query offset = the shard start)",
+    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor": "logits back to global order (differentiable all_gather), CP padding trimmed",
 }
 
 BATCH_KEYS: dict[str, dict[str, str]] = {
@@ -140,18 +132,52 @@ BATCH_KEYS: dict[str, dict[str, str]] = {
     },
 }
 
-BACKEND = dict(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch",
-               fake_balanced_gate=False, enable_hf_state_dict_adapter=False)
+BACKEND = dict(
+    attn="eager",
+    linear="torch",
+    rms_norm="torch_fp32",
+    experts="torch",
+    dispatcher="torch",
+    fake_balanced_gate=False,
+    enable_hf_state_dict_adapter=False,
+)
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
-    num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-    mla_use_nope=True, num_experts=4, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=8,
-    first_k_dense_replace=1, moe_layer_freq=1, use_grouped_topk=True, num_expert_group=1, topk_group=1,
-    moe_router_activation_func="sigmoid", moe_renormalize=True, routed_scaling_factor=2.446,
-    linear_attn_config={"kda_layers": [], "full_attn_layers": [1, 2, 3], "short_conv_kernel_size": 4, "head_dim": 8,
-                        "num_heads": 2},
-    initializer_range=0.2, rms_norm_eps=1e-6, pad_token_id=0, use_cache=False,
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    q_lora_rank=None,
+    kv_lora_rank=8,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    mla_use_nope=True,
+    num_experts=4,
+    num_experts_per_token=2,
+    num_shared_experts=1,
+    moe_intermediate_size=8,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    use_grouped_topk=True,
+    num_expert_group=1,
+    topk_group=1,
+    moe_router_activation_func="sigmoid",
+    moe_renormalize=True,
+    routed_scaling_factor=2.446,
+    linear_attn_config={
+        "kda_layers": [],
+        "full_attn_layers": [1, 2, 3],
+        "short_conv_kernel_size": 4,
+        "head_dim": 8,
+        "num_heads": 2,
+    },
+    initializer_range=0.2,
+    rms_norm_eps=1e-6,
+    pad_token_id=0,
+    use_cache=False,
 )
 
 
@@ -167,8 +193,9 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
     non-zero so that its effect on routing is exercised).
     """
     cfg = config(dtype, **overrides)
-    return _base.build_seeded(lambda: KimiLinear48BForCausalLM(cfg, backend=BackendConfig(**BACKEND)), dtype, seed,
-                              nonzero=True)
+    return _base.build_seeded(
+        lambda: KimiLinear48BForCausalLM(cfg, backend=BackendConfig(**BACKEND)), dtype, seed, nonzero=True
+    )
 
 
 shard = model_owned_cp.shard_on_twin  # the framework's apply_cp on the CP twin; local_batch holds kimi_packed_context
@@ -189,8 +216,9 @@ def flex_attention_for(model: torch.nn.Module, cache: list) -> Iterator[None]:
         cache[0] = saved
 
 
-def forward(model: torch.nn.Module, local_batch: dict[str, Any], *,
-            flex_cache: list = kimi_cp._COMPILED_FLEX_ATTENTION) -> torch.Tensor:
+def forward(
+    model: torch.nn.Module, local_batch: dict[str, Any], *, flex_cache: list = kimi_cp._COMPILED_FLEX_ATTENTION
+) -> torch.Tensor:
     """``model_owned_cp.twin_forward`` with the uncompiled FlexAttention on CPU; logits ``[B, S_local, V]``."""
     with flex_attention_for(local_batch.get(model_owned_cp.TWIN_KEY, model), flex_cache):
         return model_owned_cp.twin_forward(model, local_batch)
@@ -218,19 +246,26 @@ def _gather_over_one_rank(gather: Callable[..., torch.Tensor]) -> Callable[..., 
     return all_gather_sequence
 
 
-def _mla_forward_with_cp_kernels(layer: Any, framework_module: Any,
-                                 packed_context_class: type, hidden_states: torch.Tensor,
-                                 attention_mask: torch.Tensor | None = None, packed_context: Any = None,
-                                 **kwargs: Any) -> torch.Tensor:
+def _mla_forward_with_cp_kernels(
+    layer: Any,
+    framework_module: Any,
+    packed_context_class: type,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    packed_context: Any = None,
+    **kwargs: Any,
+) -> torch.Tensor:
     """One MLA layer's forward ``[B, S, hidden] -> [B, S, hidden]`` through its CP forward on one rank."""
     if packed_context is not None and packed_context.cp_enabled:  # a real CP batch: the layer's own forward
-        return type(layer).forward(layer, hidden_states, attention_mask=attention_mask,
-                                   packed_context=packed_context, **kwargs)
+        return type(layer).forward(
+            layer, hidden_states, attention_mask=attention_mask, packed_context=packed_context, **kwargs
+        )
     if packed_context is None:  # the model derives no document map for rows of one unpadded document each;
         # the CP sharder's map for such rows is all ones (cp._global_doc_ids_from_batch)
         rows, length = hidden_states.shape[:2]
         packed_context = packed_context_class(
-            doc_ids=torch.ones((rows, length), dtype=torch.int32, device=hidden_states.device))
+            doc_ids=torch.ones((rows, length), dtype=torch.int32, device=hidden_states.device)
+        )
     saved = framework_module.all_gather_sequence
     framework_module.all_gather_sequence = _gather_over_one_rank(saved)
     try:
@@ -240,8 +275,9 @@ def _mla_forward_with_cp_kernels(layer: Any, framework_module: Any,
 
 
 @contextlib.contextmanager
-def mla_cp_kernels(model: torch.nn.Module, attention_class: type, framework_module: Any,
-                   packed_context_class: type, description: str) -> Iterator[str]:
+def mla_cp_kernels(
+    model: torch.nn.Module, attention_class: type, framework_module: Any, packed_context_class: type, description: str
+) -> Iterator[str]:
     """Inside: every ``attention_class`` (MLA) module of ``model`` computes its one-device forward with the CP
     path's attention kernel; ``description`` is the context's value. Shared by ``kimi_linear`` and
     ``kimi_k3`` (their MLA modules, model modules and ``KimiPackedContext`` classes are distinct copies).
@@ -269,8 +305,9 @@ def mla_cp_kernels(model: torch.nn.Module, attention_class: type, framework_modu
     saved = [(layer, layer._cp_mesh) for layer in layers]
     try:
         for layer in layers:
-            layer.forward = functools.partial(_mla_forward_with_cp_kernels, layer, framework_module,
-                                              packed_context_class)
+            layer.forward = functools.partial(
+                _mla_forward_with_cp_kernels, layer, framework_module, packed_context_class
+            )
             layer._cp_mesh = _ONE_RANK
         yield description
     finally:
@@ -279,8 +316,10 @@ def mla_cp_kernels(model: torch.nn.Module, attention_class: type, framework_modu
             layer._cp_mesh = mesh
 
 
-CP_KERNELS = ("MLA attention by FlexAttention (kimi_linear/cp.py document_causal_flex_attention) instead of "
-              "matmul + float32 softmax + matmul")
+CP_KERNELS = (
+    "MLA attention by FlexAttention (kimi_linear/cp.py document_causal_flex_attention) instead of "
+    "matmul + float32 softmax + matmul"
+)
 
 
 def cp_kernels(model: torch.nn.Module) -> contextlib.AbstractContextManager[str]:
@@ -300,18 +339,27 @@ def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
 
 _NEAT = PackingCapabilities(  # the contract the model declares (the same for Kimi K3)
     packed_mask_type=KimiLinear48BForCausalLM.packed_mask_type,
-    requires_packed_sequence_metadata=KimiLinear48BForCausalLM.requires_packed_sequence_metadata)
+    requires_packed_sequence_metadata=KimiLinear48BForCausalLM.requires_packed_sequence_metadata,
+)
 
 
-def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, vocab: int = 64,
-               documents: list[list[int]] | None = None, pad: int = 0, pad_id: int = 0,
-               packing: str = "neat") -> dict[str, Any]:
+def make_batch(
+    kind: str,
+    seq_len: int,
+    *,
+    batch_size: int = 1,
+    seed: int = 0,
+    vocab: int = 64,
+    documents: list[list[int]] | None = None,
+    pad: int = 0,
+    pad_id: int = 0,
+    packing: str = "neat",
+) -> dict[str, Any]:
     """An example batch: ``"plain"`` and ``"right_padded"`` as ``_base``; ``"packed"`` collated by the
     framework's ``neat_packed_collater`` (``packing="neat"``) or ``packed_sequence_thd_collater``
     (``packing="thd"``) from per-row packs laid out as its packers do (module docstring)."""
     if kind != "packed":
-        return _base.make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad,
-                               pad_id=pad_id)
+        return _base.make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad, pad_id=pad_id)
     if documents is None or len(documents) != batch_size:
         raise ValueError("packed batches need one list of document lengths per row")
     if packing not in ("neat", "thd"):
@@ -327,18 +375,31 @@ def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, v
         ids[used:] = [pad_id] * (seq_len - used)
         labels, doc_ids, positions, start = [IGNORE_INDEX] * seq_len, [0] * seq_len, [0] * seq_len, 0
         for index, length in enumerate(lengths, start=1):
-            labels[start:start + length - 1] = ids[start + 1:start + length]
-            doc_ids[start:start + length] = [index] * length
-            positions[start:start + length] = range(length)
+            labels[start : start + length - 1] = ids[start + 1 : start + length]
+            doc_ids[start : start + length] = [index] * length
+            positions[start : start + length] = range(length)
             start += length
         if packing == "neat":  # neat_packing._build_packed_sample: indexed mask, positions 0 on padding
-            rows.append({"input_ids": torch.tensor(ids), "labels": torch.tensor(labels),
-                         "attention_mask": torch.tensor(doc_ids), "position_ids": torch.tensor(positions)})
+            rows.append(
+                {
+                    "input_ids": torch.tensor(ids),
+                    "labels": torch.tensor(labels),
+                    "attention_mask": torch.tensor(doc_ids),
+                    "position_ids": torch.tensor(positions),
+                }
+            )
         else:  # packed_sequence._pad_pack at cp_size 1: trailing padding joins the last span, positions continue
             pad_len = seq_len - used
             positions[used:] = [min(positions[used - 1] + 1 + i, seq_len - 1) for i in range(pad_len)]
-            rows.append({"input_ids": ids, "labels": labels, "position_ids": positions, "seq_lens": list(lengths),
-                         "seq_lens_padded": list(lengths[:-1]) + [lengths[-1] + pad_len]})
+            rows.append(
+                {
+                    "input_ids": ids,
+                    "labels": labels,
+                    "position_ids": positions,
+                    "seq_lens": list(lengths),
+                    "seq_lens_padded": list(lengths[:-1]) + [lengths[-1] + pad_len],
+                }
+            )
     if packing == "neat":
         return neat_packed_collater(rows, packing=_NEAT)
     return packed_sequence_thd_collater(rows)

@@ -82,51 +82,68 @@ FRAMEWORK_CLASS = "nemo_automodel.components.models.kimi_linear.model.KimiLinear
 WORLD_SIZES = (1, 2, 3, 4, 8)  # contiguous shards of a row padded to a multiple of cp_size: any size
 BATCH_KINDS = ("plain", "right_padded")
 
-BUILD_ERROR_WITHOUT_FLA = ("UnavailableError: Kimi Linear requires the flash-linear-attention/fla extra. Install "
-                           "with `uv sync --extra fla`.")
+BUILD_ERROR_WITHOUT_FLA = (
+    "UnavailableError: Kimi Linear requires the flash-linear-attention/fla extra. Install with `uv sync --extra fla`."
+)
 FORWARD_ERROR_ON_CPU = "RuntimeError: 0 active drivers ([]). There should only be one."
 REQUIRES: dict[str, str] = {
     "fla": "the KDA layer is built from fla modules and runs fla's KDA kernels (chunk_kda, fused_kda_gate; under CP "
-           "chunk_kda(cp_context=...) and fla.ops.cp.build_cp_context); without fla, build fails with: "
-           + BUILD_ERROR_WITHOUT_FLA,
+    "chunk_kda(cp_context=...) and fla.ops.cp.build_cp_context); without fla, build fails with: "
+    + BUILD_ERROR_WITHOUT_FLA,
     "cuda": "fla's KDA kernels are Triton GPU kernels and the framework has no torch path for KDA: the one-device "
-            "forward needs CUDA too (CPU, fla 0.6.0 and triton 3.9.0 importable: build works, the one-device "
-            "forward fails in triton/runtime/driver.py with: " + FORWARD_ERROR_ON_CPU + ")",
+    "forward needs CUDA too (CPU, fla 0.6.0 and triton 3.9.0 importable: build works, the one-device "
+    "forward fails in triton/runtime/driver.py with: " + FORWARD_ERROR_ON_CPU + ")",
     "transformer_engine": "the framework's CP setup apply_cp (components/moe/parallelizer.py) imports "
-                          "transformer_engine.pytorch.attention.DotProductAttention before anything else, for "
-                          "every model (Kimi uses no TE attention)",
+    "transformer_engine.pytorch.attention.DotProductAttention before anything else, for "
+    "every model (Kimi uses no TE attention)",
 }
 COVERS: dict[str, str] = {
-    "nemo_automodel.components.moe.parallelizer.apply_cp":
-        "setup_cp_attention(cp_mesh) on every KDA and MLA block, MoE cp_mesh (model setup)",
-    "nemo_automodel.components.models.kimi_linear.model.KimiLinear48BForCausalLM.prepare_model_inputs_for_cp":
-        "hands the dispatch the model-owned contiguous sharder",
-    "nemo_automodel.components.models.kimi_linear.cp.shard_batch_for_kimi_cp":
-        "document ids, right padding to a multiple of cp_size, contiguous slices, KimiPackedContext",
-    "nemo_automodel.components.distributed.context_parallel.sharder.contiguous_local_indices":
-        "the index map the logits gather uses (rank r: [r L, (r+1) L))",
-    "nemo_automodel.components.models.kimi_linear.cp.build_fla_cp_context":
-        "by reading: fla.ops.cp.build_cp_context per row (global cu_seqlens, CP group, conv kernel size)",
-    "nemo_automodel.components.models.kimi_linear.model.KimiDeltaAttention._forward_with_cp":
-        "by reading: chunk_kda(cp_context=...) and the CP short convolutions, one row at a time",
-    "nemo_automodel.components.models.kimi_linear.cp.all_gather_sequence":
-        "by reading: MLA's compressed KV latent all-gathered (backward: all_reduce, own slice)",
-    "nemo_automodel.components.models.kimi_linear.cp.document_causal_flex_attention":
-        "by reading: local queries against the full-sequence keys, causal per-document block mask",
-    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor":
-        "differentiable all_gather of the logits, global order, CP padding trimmed",
+    "nemo_automodel.components.moe.parallelizer.apply_cp": "setup_cp_attention(cp_mesh) on every KDA and MLA block, MoE cp_mesh (model setup)",
+    "nemo_automodel.components.models.kimi_linear.model.KimiLinear48BForCausalLM.prepare_model_inputs_for_cp": "hands the dispatch the model-owned contiguous sharder",
+    "nemo_automodel.components.models.kimi_linear.cp.shard_batch_for_kimi_cp": "document ids, right padding to a multiple of cp_size, contiguous slices, KimiPackedContext",
+    "nemo_automodel.components.distributed.context_parallel.sharder.contiguous_local_indices": "the index map the logits gather uses (rank r: [r L, (r+1) L))",
+    "nemo_automodel.components.models.kimi_linear.cp.build_fla_cp_context": "by reading: fla.ops.cp.build_cp_context per row (global cu_seqlens, CP group, conv kernel size)",
+    "nemo_automodel.components.models.kimi_linear.model.KimiDeltaAttention._forward_with_cp": "by reading: chunk_kda(cp_context=...) and the CP short convolutions, one row at a time",
+    "nemo_automodel.components.models.kimi_linear.cp.all_gather_sequence": "by reading: MLA's compressed KV latent all-gathered (backward: all_reduce, own slice)",
+    "nemo_automodel.components.models.kimi_linear.cp.document_causal_flex_attention": "by reading: local queries against the full-sequence keys, causal per-document block mask",
+    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor": "differentiable all_gather of the logits, global order, CP padding trimmed",
 }
 
 BACKEND = dict(linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
-    num_key_value_heads=2, rms_norm_eps=1e-6, initializer_range=0.2, pad_token_id=0, tie_word_embeddings=False,
-    use_cache=False, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-    mla_use_nope=True, num_experts=4, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=16,
-    moe_router_activation_func="sigmoid", first_k_dense_replace=1, num_expert_group=1, topk_group=1,
-    linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2, 4], "head_dim": 32, "num_heads": 2,
-                        "short_conv_kernel_size": 4},
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+    use_cache=False,
+    q_lora_rank=None,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    mla_use_nope=True,
+    num_experts=4,
+    num_experts_per_token=2,
+    num_shared_experts=1,
+    moe_intermediate_size=16,
+    moe_router_activation_func="sigmoid",
+    first_k_dense_replace=1,
+    num_expert_group=1,
+    topk_group=1,
+    linear_attn_config={
+        "kda_layers": [1, 3],
+        "full_attn_layers": [2, 4],
+        "head_dim": 32,
+        "num_heads": 2,
+        "short_conv_kernel_size": 4,
+    },
     kda_mode="chunk",
 )
 
@@ -145,8 +162,9 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
     from nemo_automodel.components.models.kimi_linear.model import KimiLinear48BForCausalLM
 
     cfg = config(dtype, **overrides)
-    return build_seeded(lambda: KimiLinear48BForCausalLM(cfg, backend=BackendConfig(**BACKEND)), dtype,
-                        seed).to(rank_device())
+    return build_seeded(lambda: KimiLinear48BForCausalLM(cfg, backend=BackendConfig(**BACKEND)), dtype, seed).to(
+        rank_device()
+    )
 
 
 def _apply_cp_once(model: torch.nn.Module, mesh: Any) -> None:
@@ -159,8 +177,12 @@ def _apply_cp_once(model: torch.nn.Module, mesh: Any) -> None:
     model._cp_harness_cp_mesh = mesh
 
 
-def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_token_id: int = 0,
-          ) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
+def shard(
+    model: torch.nn.Module,
+    mesh: Any,
+    batch: dict[str, Any],
+    padding_token_id: int = 0,
+) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
     """Enter CP the framework's way (``apply_cp`` at a new CP mesh, then the recipe's sharder on a device copy).
 
     Returns:

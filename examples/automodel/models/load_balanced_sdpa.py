@@ -105,47 +105,52 @@ BATCH_KINDS = ("plain", "right_padded")
 ROTATE_METHOD: str | None = None  # None: the framework's own choice ("allgather"); see load_balanced_sdpa_alltoall
 
 # Reproduced with run-case at CP 2 (gloo, torch 2.13.0+cpu), raised in the first layer's SDPA of the CP forward.
-CPU_ERROR = ("NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a "
-             "sharding strategy registered.")
+CPU_ERROR = (
+    "NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a "
+    "sharding strategy registered."
+)
 REQUIRES: dict[str, str] = {
     "cuda": "torch context_parallel's ring SDPA has DTensor handlers for the CUDA flash / memory-efficient / cuDNN "
-            "SDPA kernels only; on the CPU (gloo, torch 2.13) the forward fails with: " + CPU_ERROR,
+    "SDPA kernels only; on the CPU (gloo, torch 2.13) the forward fails with: " + CPU_ERROR,
 }
 # The "cuda" above is for the ring's per-step kernel only: on the CPU the harness runs torch's own ring with
 # the CPU flash kernel as that op (cp_harness.standins.ring_sdpa_cpu); on a GPU the real kernel runs.
 STANDINS = ("ring_sdpa_cpu",)
 COVERS: dict[str, str] = {
-    "nemo_automodel.components.distributed.context_parallel.utils.attach_context_parallel_hooks":
-        "self_attn pre-hooks: attention_mask -> None, is_causal=True (model setup at cp_size > 1)",
-    "nemo_automodel.components.distributed.context_parallel.utils._prepare_cp_sharder":
-        "resolves the generic sharder (no model hook, no TE, no magi)",
-    "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_load_balanced":
-        "pops attention_mask, adds position_ids, pads to 2 * cp_size, builds the CP context",
-    "nemo_automodel.components.distributed.context_parallel.sharder._pad_cp_buffers_to_divisor":
-        "right-pads input_ids 0, labels -100, position_ids 0",
-    "nemo_automodel.components.distributed.context_parallel.utils.create_context_parallel_ctx":
-        "set_rotate_method('allgather'), torch context_parallel(buffers, seq dims, no-restore set)",
-    "nemo_automodel.components.distributed.context_parallel.utils.get_train_context":
-        "sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION]) around the CP context",
-    "nemo_automodel.components.distributed.context_parallel.sharder.round_robin_local_indices":
-        "the index map the gather of the logits uses (head chunk r, tail chunk 2N-1-r)",
-    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor":
-        "differentiable all_gather of the logits, reordered to global order, CP padding trimmed",
-    "torch.distributed.tensor.experimental._context_parallel._attention.context_parallel":
-        "shards the buffers in place (head-tail load balancer), patches F.scaled_dot_product_attention",
-    "torch.distributed.tensor.experimental._context_parallel._attention._templated_ring_attention":
-        "ring forward: K/V all-gathered once (allgather rotater), partial outputs merged by log-sum-exp",
-    "torch.distributed.tensor.experimental._context_parallel._attention._templated_ring_attention_backward":
-        "ring backward: K/V by the rotate method, dK/dV passed rank to rank by all-to-all (permute_tensor)",
+    "nemo_automodel.components.distributed.context_parallel.utils.attach_context_parallel_hooks": "self_attn pre-hooks: attention_mask -> None, is_causal=True (model setup at cp_size > 1)",
+    "nemo_automodel.components.distributed.context_parallel.utils._prepare_cp_sharder": "resolves the generic sharder (no model hook, no TE, no magi)",
+    "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_load_balanced": "pops attention_mask, adds position_ids, pads to 2 * cp_size, builds the CP context",
+    "nemo_automodel.components.distributed.context_parallel.sharder._pad_cp_buffers_to_divisor": "right-pads input_ids 0, labels -100, position_ids 0",
+    "nemo_automodel.components.distributed.context_parallel.utils.create_context_parallel_ctx": "set_rotate_method('allgather'), torch context_parallel(buffers, seq dims, no-restore set)",
+    "nemo_automodel.components.distributed.context_parallel.utils.get_train_context": "sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION]) around the CP context",
+    "nemo_automodel.components.distributed.context_parallel.sharder.round_robin_local_indices": "the index map the gather of the logits uses (head chunk r, tail chunk 2N-1-r)",
+    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor": "differentiable all_gather of the logits, reordered to global order, CP padding trimmed",
+    "torch.distributed.tensor.experimental._context_parallel._attention.context_parallel": "shards the buffers in place (head-tail load balancer), patches F.scaled_dot_product_attention",
+    "torch.distributed.tensor.experimental._context_parallel._attention._templated_ring_attention": "ring forward: K/V all-gathered once (allgather rotater), partial outputs merged by log-sum-exp",
+    "torch.distributed.tensor.experimental._context_parallel._attention._templated_ring_attention_backward": "ring backward: K/V by the rotate method, dK/dV passed rank to rank by all-to-all (permute_tensor)",
 }
 
 BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch_fp32", rope_fusion=False)
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-    num_key_value_heads=2, head_dim=8, hidden_act="silu", max_position_embeddings=256, rms_norm_eps=1e-6,
-    rope_theta=10000.0, initializer_range=0.2, attention_bias=False, attention_dropout=0.0, mlp_bias=False,
-    tie_word_embeddings=False, use_cache=False, pad_token_id=0,
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=8,
+    hidden_act="silu",
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    initializer_range=0.2,
+    attention_bias=False,
+    attention_dropout=0.0,
+    mlp_bias=False,
+    tie_word_embeddings=False,
+    use_cache=False,
+    pad_token_id=0,
 )
 
 
@@ -172,6 +177,7 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
 @contextlib.contextmanager
 def _context_parallel_hooks(model: torch.nn.Module):
     """``attach_context_parallel_hooks(model)`` for the duration of the block, then the hooks it added removed."""
+
     def attention_modules():
         return [m for name, m in model.named_modules() if name.endswith("self_attn")]
 
@@ -203,8 +209,12 @@ def _rotate_method(method: str | None):
         _cp_options.rotate_method = previous
 
 
-def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_token_id: int = 0,
-          ) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
+def shard(
+    model: torch.nn.Module,
+    mesh: Any,
+    batch: dict[str, Any],
+    padding_token_id: int = 0,
+) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
     """Enter CP the framework's way: the batch on the model's device, ``ContextParallelSharder(model, mesh, batch)``,
     ``shard``; with a CP mesh, ``ctx_factory()`` also holds the CP hooks (and ``ROTATE_METHOD``, when set).
 
@@ -215,13 +225,17 @@ def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_toke
     Returns:
         ``(ctx_factory, local_batch, sharder)``; ``local_batch`` tensors are ``[B, S_local]`` inside ``ctx_factory()``.
     """
-    return shard_with_rotate_method(model, mesh, batch, padding_token_id=padding_token_id,
-                                    rotate_method=ROTATE_METHOD)
+    return shard_with_rotate_method(model, mesh, batch, padding_token_id=padding_token_id, rotate_method=ROTATE_METHOD)
 
 
-def shard_with_rotate_method(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], *, padding_token_id: int = 0,
-                             rotate_method: str | None = None,
-                             ) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
+def shard_with_rotate_method(
+    model: torch.nn.Module,
+    mesh: Any,
+    batch: dict[str, Any],
+    *,
+    padding_token_id: int = 0,
+    rotate_method: str | None = None,
+) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
     """``shard`` with torch's ``set_rotate_method(rotate_method)`` inside ``ctx_factory()`` (``None``: the
     framework's own, ``"allgather"``)."""
     batch = batch_to(batch, model_device(model))

@@ -47,17 +47,15 @@ ROTATE_METHOD = "alltoall"
 
 COVERS: dict[str, str] = {
     **_base.COVERS,
-    "torch.distributed.tensor.experimental._context_parallel._attention.set_rotate_method":
-        "'alltoall', called by the spec after the framework's 'allgather' (not selectable in 0.7.0)",
-    "torch.distributed.tensor.experimental._context_parallel._attention._templated_ring_attention":
-        "ring forward: K/V passed to the next rank by all-to-all (permute_tensor) at every step, merged by LSE",
-    "torch.distributed.tensor.experimental._context_parallel._attention._templated_ring_attention_backward":
-        "ring backward: K/V and dK/dV passed rank to rank by all-to-all",
+    "torch.distributed.tensor.experimental._context_parallel._attention.set_rotate_method": "'alltoall', called by the spec after the framework's 'allgather' (not selectable in 0.7.0)",
+    "torch.distributed.tensor.experimental._context_parallel._attention._templated_ring_attention": "ring forward: K/V passed to the next rank by all-to-all (permute_tensor) at every step, merged by LSE",
+    "torch.distributed.tensor.experimental._context_parallel._attention._templated_ring_attention_backward": "ring backward: K/V and dK/dV passed rank to rank by all-to-all",
 }
 
 
 def shard(model, mesh, batch, padding_token_id: int = 0):
     """``load_balanced_sdpa.shard`` with torch's ``"alltoall"`` rotate method inside ``ctx_factory()``; shapes as
     there (``local_batch`` tensors ``[B, S_local]`` inside ``ctx_factory()``)."""
-    return _base.shard_with_rotate_method(model, mesh, batch, padding_token_id=padding_token_id,
-                                          rotate_method=ROTATE_METHOD)
+    return _base.shard_with_rotate_method(
+        model, mesh, batch, padding_token_id=padding_token_id, rotate_method=ROTATE_METHOD
+    )

@@ -78,44 +78,54 @@ SEQ_LENS_PADDING = -1000  # the framework's sentinel for an absent document in s
 BUILD_ERROR_WITHOUT_TE = "ModuleNotFoundError: No module named 'transformer_engine'"
 REQUIRES: dict[str, str] = {
     "transformer_engine": "backend.attn='te' builds a TE DotProductAttention per layer (MiMo CP accepts no other "
-                          "backend) and the THD partition is transformer_engine_torch.thd_get_partitioned_indices; "
-                          "without TE, build fails in nemo_automodel/components/attention/utils.py with: "
-                          + BUILD_ERROR_WITHOUT_TE,
+    "backend) and the THD partition is transformer_engine_torch.thd_get_partitioned_indices; "
+    "without TE, build fails in nemo_automodel/components/attention/utils.py with: " + BUILD_ERROR_WITHOUT_TE,
     "cuda": "TE's fused attention and its THD context parallelism run on CUDA only; the one-device reference "
-            "(TE attention on THD) needs CUDA too",
+    "(TE attention on THD) needs CUDA too",
 }
 COVERS: dict[str, str] = {
-    "nemo_automodel.components.models.mimo_v2_flash.model.MiMoV2FlashForCausalLM.prepare_model_inputs_for_cp":
-        "requires attn='te' and qkv_format='thd', returns MiMo's TE THD sharder",
-    "nemo_automodel.components.models.mimo_v2_flash.cp.shard_batch_for_mimo_te":
-        "media masks, TE's local index map, then the framework's make_cp_batch_for_te",
-    "nemo_automodel.components.models.mimo_v2_flash.parallelization.ensure_mimo_te_context_parallel":
-        "by reading: setup_cp_attention on every self_attn, once per CP group (TE a2a)",
-    "nemo_automodel.components.models.mimo_v2_flash.model.MiMoV2FlashAttention.setup_cp_attention":
-        "by reading: head divisibility, TE set_context_parallel_group(cp_comm_type='a2a')",
-    "nemo_automodel.components.distributed.context_parallel.utils.make_cp_batch_for_te":
-        "split_batch_into_thd_chunks, then per-rank index_select of the token tensors",
-    "nemo_automodel.components.distributed.thd_utils.split_batch_into_thd_chunks":
-        "rows flattened to one THD stream, cu_seqlens / cu_seqlens_padded, padding_mask",
-    "nemo_automodel.components.distributed.context_parallel.utils._shard_thd_chunk_for_te":
-        "by reading: thd_get_partitioned_indices (per document, chunks r and 2N-1-r)",
-    "nemo_automodel.components.models.mimo_v2_flash.model.MiMoV2FlashAttention._forward_te":
-        "by reading: TE THD attention (a2a: all-to-all heads <-> sequence around the kernel)",
-    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor":
-        "differentiable all_gather over TE's reported partition, unflattened to the laid-out rows",
+    "nemo_automodel.components.models.mimo_v2_flash.model.MiMoV2FlashForCausalLM.prepare_model_inputs_for_cp": "requires attn='te' and qkv_format='thd', returns MiMo's TE THD sharder",
+    "nemo_automodel.components.models.mimo_v2_flash.cp.shard_batch_for_mimo_te": "media masks, TE's local index map, then the framework's make_cp_batch_for_te",
+    "nemo_automodel.components.models.mimo_v2_flash.parallelization.ensure_mimo_te_context_parallel": "by reading: setup_cp_attention on every self_attn, once per CP group (TE a2a)",
+    "nemo_automodel.components.models.mimo_v2_flash.model.MiMoV2FlashAttention.setup_cp_attention": "by reading: head divisibility, TE set_context_parallel_group(cp_comm_type='a2a')",
+    "nemo_automodel.components.distributed.context_parallel.utils.make_cp_batch_for_te": "split_batch_into_thd_chunks, then per-rank index_select of the token tensors",
+    "nemo_automodel.components.distributed.thd_utils.split_batch_into_thd_chunks": "rows flattened to one THD stream, cu_seqlens / cu_seqlens_padded, padding_mask",
+    "nemo_automodel.components.distributed.context_parallel.utils._shard_thd_chunk_for_te": "by reading: thd_get_partitioned_indices (per document, chunks r and 2N-1-r)",
+    "nemo_automodel.components.models.mimo_v2_flash.model.MiMoV2FlashAttention._forward_te": "by reading: TE THD attention (a2a: all-to-all heads <-> sequence around the kernel)",
+    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor": "differentiable all_gather over TE's reported partition, unflattened to the laid-out rows",
 }
 
-BACKEND = dict(attn="te", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch",
-               rope_fusion=False)
+BACKEND = dict(attn="te", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch", rope_fusion=False)
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-    num_attention_heads=8, num_key_value_heads=8, head_dim=16, v_head_dim=16, swa_num_attention_heads=8,
-    swa_num_key_value_heads=8, swa_head_dim=16, swa_v_head_dim=16, hybrid_layer_pattern=[0, 1],
-    moe_layer_freq=[0, 1], sliding_window=4, attention_chunk_size=None, partial_rotary_factor=0.5,
-    add_full_attention_sink_bias=False, add_swa_attention_sink_bias=True, n_routed_experts=4, num_experts_per_tok=2,
-    n_shared_experts=None, max_position_embeddings=4096, initializer_range=0.2, tie_word_embeddings=False,
-    use_cache=False, pad_token_id=0,
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=16,
+    v_head_dim=16,
+    swa_num_attention_heads=8,
+    swa_num_key_value_heads=8,
+    swa_head_dim=16,
+    swa_v_head_dim=16,
+    hybrid_layer_pattern=[0, 1],
+    moe_layer_freq=[0, 1],
+    sliding_window=4,
+    attention_chunk_size=None,
+    partial_rotary_factor=0.5,
+    add_full_attention_sink_bias=False,
+    add_swa_attention_sink_bias=True,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=None,
+    max_position_embeddings=4096,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+    use_cache=False,
+    pad_token_id=0,
 )
 
 
@@ -132,8 +142,9 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
     from nemo_automodel.components.models.mimo_v2_flash.model import MiMoV2FlashForCausalLM
 
     cfg = config(dtype, **overrides)
-    return build_seeded(lambda: MiMoV2FlashForCausalLM(cfg, backend=BackendConfig(**BACKEND)), dtype,
-                        seed).to(rank_device())
+    return build_seeded(lambda: MiMoV2FlashForCausalLM(cfg, backend=BackendConfig(**BACKEND)), dtype, seed).to(
+        rank_device()
+    )
 
 
 def _documents(batch: dict[str, Any]) -> list[list[tuple[int, int]]]:
@@ -182,23 +193,33 @@ def thd_batch(batch: dict[str, Any], cp_size: int) -> tuple[dict[str, Any], torc
     for row, docs in enumerate(documents):
         column = 0
         for index, ((start, length), span) in enumerate(zip(docs, spans[row])):
-            out_ids[row, column:column + length] = input_ids[row, start:start + length]
-            out_labels[row, column:column + length] = labels[row, start:start + length]
-            out_positions[row, column:column + span] = torch.arange(span)
-            position_map[row, start:start + length] = torch.arange(column, column + length)
+            out_ids[row, column : column + length] = input_ids[row, start : start + length]
+            out_labels[row, column : column + length] = labels[row, start : start + length]
+            out_positions[row, column : column + span] = torch.arange(span)
+            position_map[row, start : start + length] = torch.arange(column, column + length)
             seq_lens[row, index], seq_lens_padded[row, index] = length, span
             column += span
         if column < width:  # the row's trailing pack padding belongs to its last document's padded span
             seq_lens_padded[row, len(docs) - 1] += width - column
             start = int(out_positions[row, column - 1]) + 1
             out_positions[row, column:] = torch.arange(start, start + width - column)
-    laid_out = {"input_ids": out_ids, "labels": out_labels, "position_ids": out_positions, "seq_lens": seq_lens,
-                "seq_lens_padded": seq_lens_padded, "qkv_format": "thd"}
+    laid_out = {
+        "input_ids": out_ids,
+        "labels": out_labels,
+        "position_ids": out_positions,
+        "seq_lens": seq_lens,
+        "seq_lens_padded": seq_lens_padded,
+        "qkv_format": "thd",
+    }
     return laid_out, position_map
 
 
-def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_token_id: int = 0,
-          ) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
+def shard(
+    model: torch.nn.Module,
+    mesh: Any,
+    batch: dict[str, Any],
+    padding_token_id: int = 0,
+) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
     """The loader's THD layout for the mesh's CP size, on the model's device, then the recipe's sharder."""
     cp_size = mesh.size() if mesh is not None else 1
     laid_out, position_map = thd_batch(batch, cp_size)

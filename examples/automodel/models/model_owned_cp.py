@@ -64,8 +64,7 @@ def apply_moe_cp(model: torch.nn.Module, cp_mesh: Any) -> None:
         apply_cp(model, cp_mesh)
 
 
-_TWINS: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, tuple[Any, torch.nn.Module]]] = (
-    weakref.WeakKeyDictionary())
+_TWINS: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, tuple[Any, torch.nn.Module]]] = weakref.WeakKeyDictionary()
 
 
 def cp_twin(model: torch.nn.Module, cp_mesh: Any, enter: Callable[[torch.nn.Module, Any], None]) -> torch.nn.Module:
@@ -102,10 +101,15 @@ def flex_attention_eager() -> Callable[..., Any]:
 TWIN_KEY = "_spec_cp_model"  # the local batch's entry that carries the CP twin from ``shard`` to ``forward``
 
 
-def shard_on_twin(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_token_id: int = 0, *,
-                  enter: Callable[[torch.nn.Module, Any], None] = apply_moe_cp,
-                  one_device: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-                  ) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
+def shard_on_twin(
+    model: torch.nn.Module,
+    mesh: Any,
+    batch: dict[str, Any],
+    padding_token_id: int = 0,
+    *,
+    enter: Callable[[torch.nn.Module, Any], None] = apply_moe_cp,
+    one_device: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
     """``ContextParallelSharder(target, mesh, batch)`` then ``shard`` (the recipe's step), where ``target`` is the
     model's CP twin (``enter`` installs CP on it) when ``mesh`` has more than one rank, else ``model`` itself on the
     batch ``one_device(batch)`` (unchanged when ``None``). ``model`` and ``batch`` are never modified.

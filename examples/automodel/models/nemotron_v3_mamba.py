@@ -74,37 +74,48 @@ BATCH_KINDS = ("plain", "right_padded")
 FORWARD_ERROR_WITHOUT_MAMBA = "ModuleNotFoundError: No module named 'mamba_ssm'"
 REQUIRES: dict[str, str] = {
     "mamba_ssm": "the Mamba2 mixer's training forward is mamba_ssm's fused Triton kernel "
-                 "(mamba_split_conv1d_scan_combined) and its gated RMSNorm mamba_ssm's rmsnorm_fn; no torch path "
-                 "(CPU: build works; the one-device forward fails in nemotron_v3/layers.py with: "
-                 + FORWARD_ERROR_WITHOUT_MAMBA + ")",
+    "(mamba_split_conv1d_scan_combined) and its gated RMSNorm mamba_ssm's rmsnorm_fn; no torch path "
+    "(CPU: build works; the one-device forward fails in nemotron_v3/layers.py with: "
+    + FORWARD_ERROR_WITHOUT_MAMBA
+    + ")",
     "cuda": "mamba_ssm's Triton kernels and torch's ring SDPA (attention layers under CP) run on CUDA only; the "
-            "one-device forward needs CUDA too",
+    "one-device forward needs CUDA too",
 }
 COVERS: dict[str, str] = {
-    "nemo_automodel.components.distributed.context_parallel.mamba.MambaContextParallel":
-        "per Mamba layer: head / group split over the CP ranks (model setup, as the Nemotron-H parallelizer does)",
-    "nemo_automodel.components.distributed.context_parallel.mamba.MambaContextParallel.pre_conv_ssm":
-        "by reading: undo the head-tail layout, all-to-all [B, S/N, D] -> [B, S, D/N]",
-    "nemo_automodel.components.distributed.context_parallel.mamba.MambaContextParallel.post_conv_ssm":
-        "by reading: all-to-all back [B, S, D/N] -> [B, S/N, D], redo the head-tail layout",
-    "nemo_automodel.components.distributed.context_parallel.mamba._AllToAll":
-        "by reading: all_to_all_single forward and backward",
-    "nemo_automodel.components.distributed.context_parallel.utils.attach_context_parallel_hooks":
-        "self_attn pre-hooks (model setup at cp_size > 1; Nemotron's attention is registered as 'mixer')",
-    "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_load_balanced":
-        "pops attention_mask, adds position_ids, pads to 2 * cp_size, builds the ring SDPA context",
-    "torch.distributed.tensor.experimental._context_parallel._attention._templated_ring_attention":
-        "by reading: ring SDPA of the attention layers (allgather rotater)",
-    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor":
-        "differentiable all_gather of the logits, round-robin order undone, CP padding trimmed",
+    "nemo_automodel.components.distributed.context_parallel.mamba.MambaContextParallel": "per Mamba layer: head / group split over the CP ranks (model setup, as the Nemotron-H parallelizer does)",
+    "nemo_automodel.components.distributed.context_parallel.mamba.MambaContextParallel.pre_conv_ssm": "by reading: undo the head-tail layout, all-to-all [B, S/N, D] -> [B, S, D/N]",
+    "nemo_automodel.components.distributed.context_parallel.mamba.MambaContextParallel.post_conv_ssm": "by reading: all-to-all back [B, S, D/N] -> [B, S/N, D], redo the head-tail layout",
+    "nemo_automodel.components.distributed.context_parallel.mamba._AllToAll": "by reading: all_to_all_single forward and backward",
+    "nemo_automodel.components.distributed.context_parallel.utils.attach_context_parallel_hooks": "self_attn pre-hooks (model setup at cp_size > 1; Nemotron's attention is registered as 'mixer')",
+    "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_load_balanced": "pops attention_mask, adds position_ids, pads to 2 * cp_size, builds the ring SDPA context",
+    "torch.distributed.tensor.experimental._context_parallel._attention._templated_ring_attention": "by reading: ring SDPA of the attention layers (allgather rotater)",
+    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor": "differentiable all_gather of the logits, round-robin order undone, CP padding trimmed",
 }
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64, hidden_size=32, layers_block_type=["mamba", "attention", "mamba", "mlp"], num_attention_heads=2,
-    num_key_value_heads=2, head_dim=16, intermediate_size=32, mlp_hidden_act="relu2", ssm_state_size=16,
-    mamba_num_heads=8, mamba_head_dim=8, n_groups=8, conv_kernel=4, chunk_size=16, use_conv_bias=True,
-    mamba_hidden_act="silu", max_position_embeddings=4096, initializer_range=0.2, layer_norm_epsilon=1e-5,
-    tie_word_embeddings=False, use_cache=False, pad_token_id=0, num_nextn_predict_layers=0,
+    vocab_size=64,
+    hidden_size=32,
+    layers_block_type=["mamba", "attention", "mamba", "mlp"],
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=32,
+    mlp_hidden_act="relu2",
+    ssm_state_size=16,
+    mamba_num_heads=8,
+    mamba_head_dim=8,
+    n_groups=8,
+    conv_kernel=4,
+    chunk_size=16,
+    use_conv_bias=True,
+    mamba_hidden_act="silu",
+    max_position_embeddings=4096,
+    initializer_range=0.2,
+    layer_norm_epsilon=1e-5,
+    tie_word_embeddings=False,
+    use_cache=False,
+    pad_token_id=0,
+    num_nextn_predict_layers=0,
 )
 
 
@@ -121,8 +132,9 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
     from nemo_automodel.components.models.nemotron_v3.model import NemotronHForCausalLM
 
     cfg = config(dtype, **overrides)
-    return build_seeded(lambda: NemotronHForCausalLM(cfg, backend=BackendConfig(**BACKEND)), dtype,
-                        seed).to(rank_device())
+    return build_seeded(lambda: NemotronHForCausalLM(cfg, backend=BackendConfig(**BACKEND)), dtype, seed).to(
+        rank_device()
+    )
 
 
 def _mamba_cp_once(model: Any, mesh: Any) -> None:
@@ -136,8 +148,14 @@ def _mamba_cp_once(model: Any, mesh: Any) -> None:
     for layer in model.model.layers.values():
         if getattr(layer, "block_type", None) == "mamba":
             mixer = layer.mixer
-            mixer.cp = MambaContextParallel(cp_group=cp_group, num_heads=mixer.num_heads, head_dim=mixer.head_dim,
-                                            n_groups=mixer.n_groups, d_state=mixer.ssm_state_size, mixer=mixer)
+            mixer.cp = MambaContextParallel(
+                cp_group=cp_group,
+                num_heads=mixer.num_heads,
+                head_dim=mixer.head_dim,
+                n_groups=mixer.n_groups,
+                d_state=mixer.ssm_state_size,
+                mixer=mixer,
+            )
     model._cp_harness_cp_mesh = mesh
 
 
@@ -155,8 +173,12 @@ def _mamba_cp_off(model: Any):
             mixer.cp = cp
 
 
-def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_token_id: int = 0,
-          ) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
+def shard(
+    model: torch.nn.Module,
+    mesh: Any,
+    batch: dict[str, Any],
+    padding_token_id: int = 0,
+) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
     """Mamba CP at a new CP mesh, then the recipe's sharder on a device copy; ``ctx_factory()`` adds the CP hooks.
 
     Returns:
@@ -166,10 +188,12 @@ def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_toke
     sharder = ContextParallelSharder(model, mesh, batch, padding_token_id=padding_token_id)
     train_ctx, local_batch = sharder.shard(batch)
     if mesh is None or mesh.size() <= 1:
+
         @contextlib.contextmanager
         def one_device():
             with _mamba_cp_off(model), train_ctx():
                 yield
+
         return one_device, local_batch, sharder
     _mamba_cp_once(model, mesh)
 
@@ -179,5 +203,3 @@ def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_toke
             yield
 
     return ctx_factory, local_batch, sharder
-
-

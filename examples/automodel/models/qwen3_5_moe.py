@@ -106,38 +106,27 @@ BATCH_ROWS: tuple[int, ...] = (1,)  # block-diagonal CP needs local_batch_size=1
 # Framework CP callables this spec's CP path runs: each was seen running (a temporary counting wrapper around it
 # during a CP step) at CP 2 in float32 and bfloat16 and at CP 3 in float32.
 COVERS: dict[str, str] = {
-    "nemo_automodel.components.moe.parallelizer.apply_cp":
-        "the recipe's CP parallelization step: model.cp_mesh, _cp_enabled, the MoE blocks' cp_mesh",
-    "nemo_automodel.components.models.qwen3_5_moe.model.Qwen3_5MoeForConditionalGeneration.prepare_model_inputs_for_cp":
-        "the model's CP hook: selects the block-diagonal sharder for packed batches",
-    "nemo_automodel.components.distributed.blockdiag_cp.batch.make_cp_blockdiag_batch_and_ctx":
-        "pads to 2 x CP, slices every sequence tensor but input_ids contiguously, publishes the step state",
-    "nemo_automodel.components.distributed.blockdiag_cp.kernels.precompute_blockdiag_varlen_meta":
-        "this rank's varlen segmentation (computed; the varlen kernel is unavailable on CPU)",
-    "nemo_automodel.components.distributed.context_parallel.sharder.shard_sequence_for_cp_contiguous":
-        "in the forward: pads the embedded full sequence and keeps this rank's slice",
-    "nemo_automodel.components.distributed.context_parallel.sharder.contiguous_local_indices":
-        "this rank's global positions (the sharder's index map)",
-    "nemo_automodel.components.distributed.blockdiag_cp.runtime.cp_blockdiag_sdpa":
-        "every full-attention layer: K/V exchange and per-document attention",
-    "nemo_automodel.components.distributed.blockdiag_cp.kernels._cp_blockdiag_varlen":
-        "asked first (attn_backend flash), reports itself unavailable on CPU",
-    "nemo_automodel.components.distributed.blockdiag_cp.exchange._AllGatherSeqDiff":
-        "one all-gather of stacked K and V per layer; backward a reduce-scatter",
-    "nemo_automodel.components.distributed.blockdiag_cp.kernels._cp_blockdiag_mask":
-        "the dense per-document causal mask of the local queries against all keys",
-    "nemo_automodel.components.distributed.context_parallel.sharder.gather_token_tensor_by_indices":
-        "gather_logits: the logits back to global order (differentiable all-gather)",
+    "nemo_automodel.components.moe.parallelizer.apply_cp": "the recipe's CP parallelization step: model.cp_mesh, _cp_enabled, the MoE blocks' cp_mesh",
+    "nemo_automodel.components.models.qwen3_5_moe.model.Qwen3_5MoeForConditionalGeneration.prepare_model_inputs_for_cp": "the model's CP hook: selects the block-diagonal sharder for packed batches",
+    "nemo_automodel.components.distributed.blockdiag_cp.batch.make_cp_blockdiag_batch_and_ctx": "pads to 2 x CP, slices every sequence tensor but input_ids contiguously, publishes the step state",
+    "nemo_automodel.components.distributed.blockdiag_cp.kernels.precompute_blockdiag_varlen_meta": "this rank's varlen segmentation (computed; the varlen kernel is unavailable on CPU)",
+    "nemo_automodel.components.distributed.context_parallel.sharder.shard_sequence_for_cp_contiguous": "in the forward: pads the embedded full sequence and keeps this rank's slice",
+    "nemo_automodel.components.distributed.context_parallel.sharder.contiguous_local_indices": "this rank's global positions (the sharder's index map)",
+    "nemo_automodel.components.distributed.blockdiag_cp.runtime.cp_blockdiag_sdpa": "every full-attention layer: K/V exchange and per-document attention",
+    "nemo_automodel.components.distributed.blockdiag_cp.kernels._cp_blockdiag_varlen": "asked first (attn_backend flash), reports itself unavailable on CPU",
+    "nemo_automodel.components.distributed.blockdiag_cp.exchange._AllGatherSeqDiff": "one all-gather of stacked K and V per layer; backward a reduce-scatter",
+    "nemo_automodel.components.distributed.blockdiag_cp.kernels._cp_blockdiag_mask": "the dense per-document causal mask of the local queries against all keys",
+    "nemo_automodel.components.distributed.context_parallel.sharder.gather_token_tensor_by_indices": "gather_logits: the logits back to global order (differentiable all-gather)",
 }
 
 BATCH_KEYS: dict[str, dict[str, str]] = {
     "required": _base.BATCH_KEYS["required"],
     "optional": {
         "attention_mask": "[B, S] 1 real / 0 padding (unpacked); [B, 1, S, S] bool block-causal (packed; "
-                          "the one-device attention reads it, CP drops it)",
+        "the one-device attention reads it, CP drops it)",
         "position_ids": "[B, S] int64, document-local when packed (the model repeats them over its 3 mRoPE axes)",
         "_packed_seq_ids": "[B, S] int64 1-based document ids, 0 padding (packed: selects block-diagonal CP, "
-                           "which builds its mask from them)",
+        "which builds its mask from them)",
         "packed_token_indices": "[B, S] int64 row-local token index, -1 padding (packed metadata)",
         "cu_seqlens": "[B, D + 1] int32 row-local document boundaries, -1 after the last (packed metadata)",
         "max_seqlen": "int, the longest document (packed metadata)",
@@ -150,15 +139,40 @@ BATCH_KEYS: dict[str, dict[str, str]] = {
 BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")
 
 TEXT: dict[str, Any] = dict(
-    vocab_size=64, hidden_size=16, num_hidden_layers=2, layer_types=["full_attention", "full_attention"],
-    num_attention_heads=2, num_key_value_heads=1, head_dim=8, moe_intermediate_size=8,
-    shared_expert_intermediate_size=8, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.001,
-    rms_norm_eps=1e-6, max_position_embeddings=4096, pad_token_id=0,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                     "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+    vocab_size=64,
+    hidden_size=16,
+    num_hidden_layers=2,
+    layer_types=["full_attention", "full_attention"],
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    moe_intermediate_size=8,
+    shared_expert_intermediate_size=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    router_aux_loss_coef=0.001,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=4096,
+    pad_token_id=0,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "mrope_section": [1, 1, 0],
+        "mrope_interleaved": True,
+    },
 )
-VISION: dict[str, Any] = dict(depth=1, hidden_size=8, intermediate_size=8, num_heads=1, out_hidden_size=16,
-                              patch_size=2, temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=4)
+VISION: dict[str, Any] = dict(
+    depth=1,
+    hidden_size=8,
+    intermediate_size=8,
+    num_heads=1,
+    out_hidden_size=16,
+    patch_size=2,
+    temporal_patch_size=1,
+    spatial_merge_size=1,
+    num_position_embeddings=4,
+)
 
 # The packing contract the framework derives for this model (dense block-causal mask + packed-sequence metadata);
 # ``build`` checks it against ``configure_packing_for_models``, the recipe's own derivation.
@@ -167,16 +181,21 @@ PACKING = PackingCapabilities(packed_mask_type="block_causal", requires_packed_s
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> Qwen3_5MoeConfig:
     """The framework's (HF) config for the tiny model (``TEXT`` with ``overrides``) in ``dtype``."""
-    return Qwen3_5MoeConfig(text_config=_base.tiny(TEXT, overrides), vision_config=copy.deepcopy(VISION),
-                            torch_dtype=dtype_name(NAME, dtype))
+    return Qwen3_5MoeConfig(
+        text_config=_base.tiny(TEXT, overrides),
+        vision_config=copy.deepcopy(VISION),
+        torch_dtype=dtype_name(NAME, dtype),
+    )
 
 
 def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """``Qwen3_5MoeForConditionalGeneration`` on CPU in train mode, seeded, parameters in ``dtype``; its packing
     contract checked and its module attributes saved (``parallelize`` restores them before each CP entry)."""
-    model = _base.build_seeded(lambda: Qwen3_5MoeForConditionalGeneration(config(dtype, **overrides),
-                                                                          backend=BackendConfig(**BACKEND)),
-                               dtype, seed)
+    model = _base.build_seeded(
+        lambda: Qwen3_5MoeForConditionalGeneration(config(dtype, **overrides), backend=BackendConfig(**BACKEND)),
+        dtype,
+        seed,
+    )
     contract = configure_packing_for_models([model])
     if contract != PACKING:
         raise RuntimeError(f"{NAME}: the framework's packing contract changed: {contract} (spec: {PACKING})")
@@ -212,8 +231,12 @@ def parallelize(model: torch.nn.Module, mesh: Any) -> None:
         model_owned_cp.apply_moe_cp(model, mesh)
 
 
-def shard(model: torch.nn.Module, mesh: Any, batch: dict[str, Any], padding_token_id: int = 0,
-          ) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
+def shard(
+    model: torch.nn.Module,
+    mesh: Any,
+    batch: dict[str, Any],
+    padding_token_id: int = 0,
+) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
     """Enter CP the framework's way: ``apply_cp``, then ``ContextParallelSharder(model, mesh, batch)`` + ``shard``.
 
     Args:
@@ -242,8 +265,17 @@ def valid_positions(batch: dict[str, Any]) -> torch.Tensor:
     return torch.ones_like(batch["input_ids"], dtype=torch.bool)
 
 
-def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, vocab: int = 64,
-               documents: list[list[int]] | None = None, pad: int = 0, pad_id: int = 0) -> dict[str, Any]:
+def make_batch(
+    kind: str,
+    seq_len: int,
+    *,
+    batch_size: int = 1,
+    seed: int = 0,
+    vocab: int = 64,
+    documents: list[list[int]] | None = None,
+    pad: int = 0,
+    pad_id: int = 0,
+) -> dict[str, Any]:
     """An example batch with shifted labels (see the module docstring for the keys of each kind).
 
     Args:
@@ -268,10 +300,10 @@ def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, v
         positions = torch.zeros(seq_len, dtype=torch.long)
         start = 0
         for index, length in enumerate(lengths, start=1):
-            ids[start:start + length] = input_ids[row, start:start + length]
-            labels[start:start + length - 1] = input_ids[row, start + 1:start + length]
-            doc[start:start + length] = index
-            positions[start:start + length] = torch.arange(length)
+            ids[start : start + length] = input_ids[row, start : start + length]
+            labels[start : start + length - 1] = input_ids[row, start + 1 : start + length]
+            doc[start : start + length] = index
+            positions[start : start + length] = torch.arange(length)
             start += length
         packs.append({"input_ids": ids, "labels": labels, "attention_mask": doc, "position_ids": positions})
     return neat_packed_collater(packs, packing=PACKING)

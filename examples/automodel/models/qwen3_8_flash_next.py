@@ -93,18 +93,16 @@ BATCH_ROWS = {"packed": (1,)}  # the model packs one physical row per micro-batc
 
 _CP = "nemo_automodel.components.models.qwen3_8_flash_next.cp."
 COVERS: dict[str, str] = {
-    _CP + "shard_batch_for_qwen3_8_flash_next_cp":
-        "the model-owned sharder: right-tail validation, seq_lens -> cu_seqlens, pad to cp*max(ratio,2), "
-        "contiguous slice, the replicated CP context",
-    _CP + "qwen3_8_flash_next_cp_all_gather":
-        "QSA main keys/values (differentiable), the indexer's compressed keys (unpacked rows) and its raw "
-        "keys and rotary values (packed rows), all in rank order",
-    _CP + "qwen3_8_flash_next_cp_left_halo":
-        "the PLE short convolution's 9-token causal history from the preceding ranks; rank 0's anchor",
-    "nemo_automodel.components.models.qwen3_8_flash_next.engram.Qwen3_8_FlashNextNGramEmbedding._forward_global_slice":
-        "PLE n-gram hash over the replicated global_input_ids (EOS and packed-segment resets), local slice",
-    "nemo_automodel.components.models.qwen3_8_flash_next.qsa.Qwen3_8_FlashNextQSAIndexer._forward_packed_cp":
-        "packed rows: per-document block scoring of the local queries against the gathered keys",
+    _CP
+    + "shard_batch_for_qwen3_8_flash_next_cp": "the model-owned sharder: right-tail validation, seq_lens -> cu_seqlens, pad to cp*max(ratio,2), "
+    "contiguous slice, the replicated CP context",
+    _CP
+    + "qwen3_8_flash_next_cp_all_gather": "QSA main keys/values (differentiable), the indexer's compressed keys (unpacked rows) and its raw "
+    "keys and rotary values (packed rows), all in rank order",
+    _CP
+    + "qwen3_8_flash_next_cp_left_halo": "the PLE short convolution's 9-token causal history from the preceding ranks; rank 0's anchor",
+    "nemo_automodel.components.models.qwen3_8_flash_next.engram.Qwen3_8_FlashNextNGramEmbedding._forward_global_slice": "PLE n-gram hash over the replicated global_input_ids (EOS and packed-segment resets), local slice",
+    "nemo_automodel.components.models.qwen3_8_flash_next.qsa.Qwen3_8_FlashNextQSAIndexer._forward_packed_cp": "packed rows: per-document block scoring of the local queries against the gathered keys",
 }
 # With the router's auxiliary loss on (the released 1e-3, the default here) the CP path also runs
 # nemo_automodel.components.moe.layers.Gate._compute_aux_loss with the expert load, scores and token count
@@ -125,24 +123,53 @@ BATCH_KEYS: dict[str, dict[str, str]] = {
     "produced_by_sharder": {
         "padding_mask": "[B, S_local] bool, True on padding (right tail and CP padding)",
         "_qwen3_8_flash_next_cp_context": "replicated global raw ids / padding mask [B, S_pad], local start, "
-                                          "packed global cu_seqlens (CP only)",
+        "packed global cu_seqlens (CP only)",
     },
 }
 
-BACKEND = dict(attn="flex", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch",
-               enable_hf_state_dict_adapter=False)
+BACKEND = dict(
+    attn="flex",
+    linear="torch",
+    rms_norm="torch_fp32",
+    experts="torch",
+    dispatcher="torch",
+    enable_hf_state_dict_adapter=False,
+)
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
-    layer_types=["full_attention", "full_attention"], num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=16,
+    num_hidden_layers=2,
+    layer_types=["full_attention", "full_attention"],
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
     # Rotary width 4 of the head's 8; text positions repeat on the 3 mRoPE axes, so their sections do not matter.
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-    moe_intermediate_size=8, shared_expert_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=8,
+    shared_expert_intermediate_size=8,
+    num_experts=4,
+    num_experts_per_tok=2,
     router_aux_loss_coef=1e-3,  # the released value: the CP path reduces the router's expert load over CP
-    hc_count=2, hc_lowrank=4, ple_layer_ids=[2], ple_embed_dim=16, ple_conv_kernel_size=4, ngram_size=3,
-    heads_per_ngram=8, indexer_budget=4, indexer_compress_ratio=2, indexer_head_dim=8, indexer_kv_heads=1,
-    indexer_n_heads=2, initializer_range=0.2, rms_norm_eps=1e-6, max_position_embeddings=4096, pad_token_id=0,
-    bos_token_id=1, eos_token_id=2,
+    hc_count=2,
+    hc_lowrank=4,
+    ple_layer_ids=[2],
+    ple_embed_dim=16,
+    ple_conv_kernel_size=4,
+    ngram_size=3,
+    heads_per_ngram=8,
+    indexer_budget=4,
+    indexer_compress_ratio=2,
+    indexer_head_dim=8,
+    indexer_kv_heads=1,
+    indexer_n_heads=2,
+    initializer_range=0.2,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=4096,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 # Moduli of the 16 PLE hash heads (the released ones are ~2e7 each: a 320M-row table).
 TABLE_PRIMES = (17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79)
@@ -166,16 +193,19 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
     heads = (text.ngram_size - 1) * text.heads_per_ngram
     if len(TABLE_PRIMES) != heads:
         raise ValueError(f"{NAME}: {heads} PLE hash heads need {heads} moduli, TABLE_PRIMES has {len(TABLE_PRIMES)}")
-    table = Qwen3_8_FlashNextEngramTableConfig(num_embeddings=sum(TABLE_PRIMES),
-                                               embedding_dim=text.ple_embed_dim // heads,
-                                               initializer_range=text.initializer_range)
+    table = Qwen3_8_FlashNextEngramTableConfig(
+        num_embeddings=sum(TABLE_PRIMES),
+        embedding_dim=text.ple_embed_dim // heads,
+        initializer_range=text.initializer_range,
+    )
 
     def construct() -> torch.nn.Module:
         # Under torch.distributed the constructor would owner-shard the table over WORLD; None builds the
         # framework's single-rank reference table (the owner sharding is FSDP's business, not CP's).
         with mock.patch.object(_qwen_model, "_default_owner_group", lambda: None):
             model = _qwen_model.Qwen3_8_FlashNextForConditionalGeneration(
-                cfg, backend=Qwen3_8_FlashNextBackendConfig(**BACKEND), engram_table_config=table)
+                cfg, backend=Qwen3_8_FlashNextBackendConfig(**BACKEND), engram_table_config=table
+            )
         offsets = [0, *itertools.accumulate(TABLE_PRIMES)][:-1]
         for layer in model.model.language_model.layers.values():
             if layer.ple is not None:
@@ -201,8 +231,17 @@ def cp_padded_length(model: Any, seq_len: int, cp_size: int) -> int:
     return seq_len + (-seq_len) % divisor
 
 
-def make_batch(kind: str, seq_len: int, *, batch_size: int = 1, seed: int = 0, vocab: int = 64,
-               documents: list[list[int]] | None = None, pad: int = 0, pad_id: int = 0) -> dict[str, Any]:
+def make_batch(
+    kind: str,
+    seq_len: int,
+    *,
+    batch_size: int = 1,
+    seed: int = 0,
+    vocab: int = 64,
+    documents: list[list[int]] | None = None,
+    pad: int = 0,
+    pad_id: int = 0,
+) -> dict[str, Any]:
     """An example batch with shifted labels, in the layout the framework's loaders give.
 
     Args:
@@ -231,7 +270,7 @@ def _thd_packed(input_ids: torch.Tensor, documents: list[list[int]], pad_id: int
         ids = input_ids[row].tolist()
         labels, positions, start = [IGNORE_INDEX] * seq_len, [], 0
         for length in lengths:
-            labels[start:start + length - 1] = ids[start + 1:start + length]
+            labels[start : start + length - 1] = ids[start + 1 : start + length]
             positions += list(range(length))
             start += length
         tail = seq_len - start
@@ -240,6 +279,13 @@ def _thd_packed(input_ids: torch.Tensor, documents: list[list[int]], pad_id: int
         positions += [min(positions[-1] + i, seq_len - 1) for i in range(1, tail + 1)]
         spans = list(lengths)
         spans[-1] += tail
-        items.append({"input_ids": ids, "labels": labels, "position_ids": positions, "seq_lens": list(lengths),
-                      "seq_lens_padded": spans})
+        items.append(
+            {
+                "input_ids": ids,
+                "labels": labels,
+                "position_ids": positions,
+                "seq_lens": list(lengths),
+                "seq_lens_padded": spans,
+            }
+        )
     return packed_sequence_thd_collater(items)

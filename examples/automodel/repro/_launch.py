@@ -76,8 +76,13 @@ def command_line(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
-def run(main: Callable[[int, int, Any], int], world: int, args: argparse.Namespace, timeout: float = 120.0,
-        framework: Iterable[str] = ()) -> int:
+def run(
+    main: Callable[[int, int, Any], int],
+    world: int,
+    args: argparse.Namespace,
+    timeout: float = 120.0,
+    framework: Iterable[str] = (),
+) -> int:
     """``main(rank, world, args)`` on every rank; ``framework``: the modules under test, imported before the fork
     unless ``args.fixed``."""
     if "RANK" in os.environ:

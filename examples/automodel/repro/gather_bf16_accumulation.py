@@ -38,11 +38,12 @@ def main(rank: int, world: int, args) -> int:
             gather = lambda t: FixedGather.apply(t, dist.group.WORLD, 1)  # noqa: E731
         else:
             from nemo_automodel.components.models.kimi_linear.cp import all_gather_sequence
+
             gather = lambda t: all_gather_sequence(t, dist.group.WORLD, dim=1)  # noqa: E731
         x = torch.ones(1, 1, 64, dtype=torch.bfloat16, requires_grad=True)
         gather(x).backward(upstream(rank))
         # The float32 sum in rank order, rounded once (reduce adds left to right, as sum() did).
-        expected = functools.reduce(torch.add, [upstream(r)[:, rank:rank + 1].float() for r in range(world)])
+        expected = functools.reduce(torch.add, [upstream(r)[:, rank : rank + 1].float() for r in range(world)])
         expected = expected.to(torch.bfloat16)
         assert x.grad is not None  # a backward that returns sets it
         wrong = int((x.grad != expected).sum())

@@ -33,17 +33,20 @@ FUNCTIONS = {  # kimi_k3.cp and glm5_next.cp hold the same backward, but their p
 def check(rank: int, gather) -> bool:
     """Residual-style use of one gather; ``True`` when ``w`` and ``x`` get their right gradients."""
     group = dist.group.WORLD
-    x = torch.ones(1, 2, 3, dtype=torch.float64, requires_grad=True)   # [B, L, C] on each rank
-    w = torch.ones(1, 4, 3, dtype=torch.float64, requires_grad=True)   # [B, N*L, C], e.g. a skip branch
-    u = w * 3                                                          # recorded before the gather
-    y = gather(x, group)                                               # [1, 4, 3]
-    c = torch.full((1, 4, 3), float(rank + 1), dtype=torch.float64)    # upstream: 1 on rank 0, 2 on rank 1
+    x = torch.ones(1, 2, 3, dtype=torch.float64, requires_grad=True)  # [B, L, C] on each rank
+    w = torch.ones(1, 4, 3, dtype=torch.float64, requires_grad=True)  # [B, N*L, C], e.g. a skip branch
+    u = w * 3  # recorded before the gather
+    y = gather(x, group)  # [1, 4, 3]
+    c = torch.full((1, 4, 3), float(rank + 1), dtype=torch.float64)  # upstream: 1 on rank 0, 2 on rank 1
     ((y + u) * c).sum().backward()
     assert w.grad is not None and x.grad is not None  # a backward that returns sets them
-    w_ok = torch.equal(w.grad, 3 * c)                                  # d/dw = 3 * c, this rank's own
-    x_ok = torch.equal(x.grad, torch.full_like(x, 3.0))                # sum over ranks of c = 1 + 2
-    print(f"rank {rank}: w.grad {w.grad[0, 0, 0].item()} (expected {3 * (rank + 1)}), "
-          f"x.grad {x.grad[0, 0, 0].item()} (expected 3.0): {'ok' if w_ok and x_ok else 'WRONG'}", flush=True)
+    w_ok = torch.equal(w.grad, 3 * c)  # d/dw = 3 * c, this rank's own
+    x_ok = torch.equal(x.grad, torch.full_like(x, 3.0))  # sum over ranks of c = 1 + 2
+    print(
+        f"rank {rank}: w.grad {w.grad[0, 0, 0].item()} (expected {3 * (rank + 1)}), "
+        f"x.grad {x.grad[0, 0, 0].item()} (expected 3.0): {'ok' if w_ok and x_ok else 'WRONG'}",
+        flush=True,
+    )
     return w_ok and x_ok
 
 

@@ -44,6 +44,7 @@ def framework_gather(name: str):
         return lambda t, g: fn(t, g)
     if name == "qwen3_8_flash_next":  # the framework passes its CP context; only group and size are read here
         from types import SimpleNamespace
+
         return lambda t, g: fn(t, SimpleNamespace(group=g, size=dist.get_world_size(g)), sequence_dim=1)
     return lambda t, g: fn(t, dim=1, cp_group=g)
 
@@ -51,11 +52,11 @@ def framework_gather(name: str):
 def check(rank: int, world: int, gather, dtype: torch.dtype = torch.float64) -> bool:
     """One gather and backward; ``True`` when this rank's gradient is right (bit for bit)."""
     group = dist.group.WORLD
-    x = torch.arange(4, dtype=dtype).view(2, 2).add(10 * rank).requires_grad_(True)           # [B=2, L=2]
-    y = gather(x, group)                                                                     # [2, 2*world]
+    x = torch.arange(4, dtype=dtype).view(2, 2).add(10 * rank).requires_grad_(True)  # [B=2, L=2]
+    y = gather(x, group)  # [2, 2*world]
     upstream = [torch.arange(2 * 2 * world, dtype=dtype).view(2 * world, 2).add(100 * r) for r in range(world)]
-    (y.t() * upstream[rank]).sum().backward()          # d/dy = upstream[rank].t(): transposed, non-contiguous
-    want = torch.stack([u.t()[:, 2 * rank:2 * rank + 2] for u in upstream]).sum(0)  # integers: exact in any order
+    (y.t() * upstream[rank]).sum().backward()  # d/dy = upstream[rank].t(): transposed, non-contiguous
+    want = torch.stack([u.t()[:, 2 * rank : 2 * rank + 2] for u in upstream]).sum(0)  # integers: exact in any order
     assert x.grad is not None  # a backward that returns sets it
     ok = torch.equal(x.grad, want)
     print(f"rank {rank}: grad {x.grad.tolist()}, expected {want.tolist()}: {'ok' if ok else 'WRONG'}", flush=True)
@@ -86,8 +87,12 @@ def cli(argv: list[str] | None = None) -> int:
     """The command line: exit status 1 while the defect shows, 0 when every rank is right."""
     parser = command_line(__doc__)
     parser.add_argument("--function", default="deepseek_v41", choices=[*FUNCTIONS, "all"])
-    parser.add_argument("--dtype", default="float64", choices=["float64", "bfloat16"],
-                        help="payload dtype (bfloat16: the harness' bfloat16 model row; integers exact in both)")
+    parser.add_argument(
+        "--dtype",
+        default="float64",
+        choices=["float64", "bfloat16"],
+        help="payload dtype (bfloat16: the harness' bfloat16 model row; integers exact in both)",
+    )
     args = parser.parse_args(argv)
     return run(main, 2, args, framework=[FUNCTIONS[n].split(":")[0] for n in FUNCTIONS if args.function in ("all", n)])
 

@@ -33,17 +33,22 @@ def main(rank: int, world: int, args) -> int:
 
             gather = gather_sequence
         x = torch.full((1, 2, 3), float(rank), dtype=torch.float64, requires_grad=True)  # [B, L, C]
-        y = gather(x, group)                                                               # [1, 4, 3]
+        y = gather(x, group)  # [1, 4, 3]
         try:
             (y * (cp_rank + 1)).sum().backward()
             assert x.grad is not None  # a backward that returns sets it
             ok = torch.equal(x.grad, torch.full_like(x, 3.0))  # upstream 1 from CP rank 0, 2 from CP rank 1
-            print(f"rank {rank} (CP group {rank // 2}, CP rank {cp_rank}): grad {x.grad.flatten().tolist()[:3]}..., "
-                  f"expected 3.0: {'ok' if ok else 'WRONG'}", flush=True)
+            print(
+                f"rank {rank} (CP group {rank // 2}, CP rank {cp_rank}): grad {x.grad.flatten().tolist()[:3]}..., "
+                f"expected 3.0: {'ok' if ok else 'WRONG'}",
+                flush=True,
+            )
         except (ValueError, RuntimeError) as exc:
             ok = False
-            print(f"rank {rank} (CP group {rank // 2}, CP rank {cp_rank}): backward raised {type(exc).__name__}: {exc}",
-                  flush=True)
+            print(
+                f"rank {rank} (CP group {rank // 2}, CP rank {cp_rank}): backward raised {type(exc).__name__}: {exc}",
+                flush=True,
+            )
         # The ValueError is raised before any message moves, on both ranks of the group, so every rank gets
         # here and the verdict can be agreed on (a rank left inside a collective would be killed by the launcher).
         verdict = torch.tensor([int(ok)])

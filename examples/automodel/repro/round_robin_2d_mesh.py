@@ -36,8 +36,11 @@ def main(rank: int, world: int, args) -> int:
     ok = True
     for strategy in (fw.shard_batch_load_balanced, fw.shard_batch_aux_only):
         S = 10  # padded to 16 for 2 * 4 ranks, 12 for cp=2: the strategy pads, into the caller's dict
-        batch = {"input_ids": torch.arange(1, S + 1)[None], "labels": torch.arange(1, S + 1)[None],
-                 "attention_mask": torch.ones(1, S, dtype=torch.long)}
+        batch = {
+            "input_ids": torch.arange(1, S + 1)[None],
+            "labels": torch.arange(1, S + 1)[None],
+            "attention_mask": torch.ones(1, S, dtype=torch.long),
+        }
         try:
             if args.fixed and mesh.ndim != 1:
                 raise ValueError(f"the CP mesh must be 1-D, got {mesh.ndim}-D {mesh.mesh_dim_names}")
@@ -53,9 +56,12 @@ def main(rank: int, world: int, args) -> int:
                 late = "entering its context did not raise either"
         except ValueError as error:
             late = f"entering its context raised only then: {str(error)[:90]}"
-        print(f"rank {rank} {strategy.__name__}: WRONG: accepted a {mesh.ndim}-D mesh {mesh.mesh_dim_names}: "
-              f"padded_seq_len {layout.padded_seq_len} (2 * all 4 ranks; cp=2 needs {S + (-S) % 4}), the caller's "
-              f"batch is now {touched}; {late}", flush=True)
+        print(
+            f"rank {rank} {strategy.__name__}: WRONG: accepted a {mesh.ndim}-D mesh {mesh.mesh_dim_names}: "
+            f"padded_seq_len {layout.padded_seq_len} (2 * all 4 ranks; cp=2 needs {S + (-S) % 4}), the caller's "
+            f"batch is now {touched}; {late}",
+            flush=True,
+        )
     return leave(ok)
 
 

@@ -44,8 +44,11 @@ def main(rank: int, world: int, args) -> int:
             with ctx_factory():
                 pass  # the model's forward would run here
             changed = [f"{k} {[1, S]} -> {list(v.shape)}" for k, v in caller.items() if tuple(v.shape) != (1, S)]
-            print(f"rank {rank} {strategy.__name__} S={S}: caller's tensors "
-                  + (f"WRONG, resized in place: {', '.join(changed)}" if changed else "unchanged"), flush=True)
+            print(
+                f"rank {rank} {strategy.__name__} S={S}: caller's tensors "
+                + (f"WRONG, resized in place: {', '.join(changed)}" if changed else "unchanged"),
+                flush=True,
+            )
             ok = ok and not changed
     return leave(ok)
 

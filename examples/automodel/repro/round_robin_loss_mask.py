@@ -44,12 +44,17 @@ def main(rank: int, world: int, args) -> int:
             if args.fixed:
                 batch["loss_mask"] = mask.clone()
                 sharder = fw.ContextParallelSharder(
-                    device_mesh=mesh, shard_batch=functools.partial(strategy, extra_seq_buffers={"loss_mask": 1}),
-                    local_token_global_indices=fw.round_robin_local_indices)
+                    device_mesh=mesh,
+                    shard_batch=functools.partial(strategy, extra_seq_buffers={"loss_mask": 1}),
+                    local_token_global_indices=fw.round_robin_local_indices,
+                )
             else:
-                sharder = fw.ContextParallelSharder(device_mesh=mesh, shard_batch=strategy,
-                                                    local_token_global_indices=fw.round_robin_local_indices,
-                                                    loss_mask=mask)
+                sharder = fw.ContextParallelSharder(
+                    device_mesh=mesh,
+                    shard_batch=strategy,
+                    local_token_global_indices=fw.round_robin_local_indices,
+                    loss_mask=mask,
+                )
             ctx_factory, local = sharder.shard(batch)
             padded = sharder.shard_layout.padded_seq_len
             owned = fw.round_robin_local_indices(mesh, padded)
@@ -57,9 +62,12 @@ def main(rank: int, world: int, args) -> int:
             with ctx_factory():
                 got = local.get("loss_mask")
                 right = got is not None and torch.equal(got, want)
-                print(f"{'' if right else 'WRONG: '}rank {rank} {strategy.__name__} S={S}: local batch loss_mask "
-                      f"{None if got is None else got.tolist()}, want {want.tolist()}; the constructor's "
-                      f"tensor is now {list(mask.shape)}", flush=True)
+                print(
+                    f"{'' if right else 'WRONG: '}rank {rank} {strategy.__name__} S={S}: local batch loss_mask "
+                    f"{None if got is None else got.tolist()}, want {want.tolist()}; the constructor's "
+                    f"tensor is now {list(mask.shape)}",
+                    flush=True,
+                )
                 ok = ok and right
     return leave(ok)
 

@@ -38,8 +38,12 @@ def batch_of(seq_len: int, padded: int) -> dict:
         ids = torch.cat([ids, torch.zeros(1, pad, dtype=ids.dtype)], 1)
         labels = torch.cat([labels, torch.full((1, pad), -100)], 1)
         positions = torch.arange(padded)[None]
-    return {"input_ids": ids, "labels": labels, "position_ids": positions,
-            "padding_mask": torch.arange(ids.shape[1])[None] >= seq_len}
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "position_ids": positions,
+        "padding_mask": torch.arange(ids.shape[1])[None] >= seq_len,
+    }
 
 
 def main(rank: int, world: int, args) -> int:
@@ -58,8 +62,11 @@ def main(rank: int, world: int, args) -> int:
         with ctx_factory():
             got = local["position_ids"][0].tolist()
         want = owned.tolist()  # a row of one document: position == global index, padding counting on
-        print(f"rank {rank} {strategy.__name__}: owns global {want}, local position_ids {got}"
-              + ("" if got == want else "  WRONG: a pad slot does not count on"), flush=True)
+        print(
+            f"rank {rank} {strategy.__name__}: owns global {want}, local position_ids {got}"
+            + ("" if got == want else "  WRONG: a pad slot does not count on"),
+            flush=True,
+        )
         ok = ok and got == want
     return leave(ok)
 

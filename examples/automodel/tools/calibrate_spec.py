@@ -35,12 +35,19 @@ def draw_cases(model: str, examples: int, world_sizes: tuple[int, ...], seed: in
     space = CaseSpace(world_sizes=world_sizes, dtypes=("float32", "bfloat16"), models=(model,))
     cases: list[dict] = []
     for dtype in ("float32", "bfloat16"):
-        @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
-                  suppress_health_check=list(HealthCheck))
+
+        @settings(
+            max_examples=examples,
+            deadline=None,
+            database=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
         @hypothesis_seed(seed)
         @given(case=real_model_cases(dtype)(space).filter(admits))
         def collect(case):
             cases.append(case)
+
         collect()
     return cases
 
@@ -57,8 +64,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="also the harness's named smoke cases")
     parser.add_argument("--exclude-packed", action="store_true")
-    parser.add_argument("--overrides", default="",
-                        help="config overrides of every case, e.g. router_aux_loss_coef=1e-3")
+    parser.add_argument(
+        "--overrides", default="", help="config overrides of every case, e.g. router_aux_loss_coef=1e-3"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     overrides = {k: json.loads(v) for k, v in (item.split("=") for item in filter(None, args.overrides.split(",")))}
@@ -72,9 +80,12 @@ def main() -> int:
 
     def admits(case: dict) -> bool:  # what the spec declares (the harness's own draws honour the same)
         batch = case["batch"]
-        return ((traits.world_sizes is None or int(case["world_size"]) in traits.world_sizes)
-                and batch["kind"] in traits.batch_kinds
-                and int(batch.get("batch_size", 1)) in traits.rows_for(batch["kind"]))
+        return (
+            (traits.world_sizes is None or int(case["world_size"]) in traits.world_sizes)
+            and batch["kind"] in traits.batch_kinds
+            and int(batch.get("batch_size", 1)) in traits.rows_for(batch["kind"])
+        )
+
     sizes = tuple(int(n) for n in args.world_sizes.split(","))
     cases = draw_cases(args.model, args.examples, sizes, args.seed, admits)
     if args.smoke:
@@ -83,8 +94,7 @@ def main() -> int:
         cases = [c for c in cases if c["batch"]["kind"] != "packed"]
     if overrides:
         cases = [{**c, "overrides": overrides} for c in cases]
-    runner = CaseRunner(PoolConfig(world_size=max(sizes), impl="cp_impl", case_timeout=300.0,
-                                   preload=(args.model,)))
+    runner = CaseRunner(PoolConfig(world_size=max(sizes), impl="cp_impl", case_timeout=300.0, preload=(args.model,)))
     worst: dict = collections.defaultdict(lambda: {"error": 0.0, "spread": 0.0, "ratio": 0.0, "at": None})
     records, failing, seconds = [], [], []
     try:
@@ -110,8 +120,11 @@ def main() -> int:
             if not report.ok:
                 names = [c.name.split(" (")[0] for c in report.comparisons if not c.ok]
                 failing.append((i, case, names, report.problems[:1]))
-            print(f"case {i + 1}/{len(cases)} {'ok' if report.ok else 'FAILED'} "
-                  f"{json.dumps(case, sort_keys=True, separators=(',', ':'))}", flush=True)
+            print(
+                f"case {i + 1}/{len(cases)} {'ok' if report.ok else 'FAILED'} "
+                f"{json.dumps(case, sort_keys=True, separators=(',', ':'))}",
+                flush=True,
+            )
     finally:
         runner.close()
     if args.json:
@@ -126,8 +139,10 @@ def main() -> int:
         times = sorted(s for m, s in seconds if m == n)
         print(f"CP {n}: {len(times)} cases, median {times[len(times) // 2]:.2f} s per case (min {times[0]:.2f})")
     for i, case, names, problems in failing:
-        print(f"FAILED #{i + 1}: {json.dumps(case, sort_keys=True, separators=(',', ':'))}\n    "
-              f"tensors: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''} {problems}")
+        print(
+            f"FAILED #{i + 1}: {json.dumps(case, sort_keys=True, separators=(',', ':'))}\n    "
+            f"tensors: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''} {problems}"
+        )
     return 1 if failing else 0
 
 

@@ -29,9 +29,21 @@ import torch.distributed as dist
 
 SHAPE = (2, 4, 8)  # [B, L, C] float64 per rank
 HALO_WIDTHS = (3, 13)  # W: history 2 (< L) and 12 (3 L)
-METER_SEES = {"all_gather", "all_gather_single", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_single",
-              "reduce_scatter_tensor", "scatter", "all_to_all_single", "all_reduce", "broadcast", "batch_isend_irecv",
-              "send", "recv"}
+METER_SEES = {
+    "all_gather",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "scatter",
+    "all_to_all_single",
+    "all_reduce",
+    "broadcast",
+    "batch_isend_irecv",
+    "send",
+    "recv",
+}
 
 _log: list[tuple[str, int, int]] | None = None  # (op, bytes sent with the meter's conventions, ring-convention bytes)
 
@@ -62,9 +74,11 @@ def _wrap(name: str, count):
 
 def install() -> None:
     """Count every c10d entry point the primitives below call (through ``torch.distributed`` attributes)."""
+
     def gather_like(name):
         def count(output, input, group=None, **_):
             _record(name, (_size(group) - 1) * _nbytes(input))
+
         return count
 
     for name in ("all_gather", "all_gather_into_tensor"):
@@ -75,25 +89,31 @@ def install() -> None:
             _record("control", 0)  # cp_impl's shape handshake, the first call
         else:
             _record("all_gather_single", (_size(group) - 1) * _nbytes(input))
+
     _wrap("all_gather_single", all_gather_single)
 
     for name in ("reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor"):
-        _wrap(name, lambda output, input, *a, group=None, _n=name, **k: _record(_n, (_size(group) - 1) * _nbytes(output)))
+        _wrap(
+            name, lambda output, input, *a, group=None, _n=name, **k: _record(_n, (_size(group) - 1) * _nbytes(output))
+        )
 
     def scatter(tensor, scatter_list=None, src=None, group=None, **_):
         if scatter_list:
             _record("scatter", sum(_nbytes(t) for t in scatter_list) - _nbytes(tensor))
+
     _wrap("scatter", scatter)
 
     def all_reduce(tensor, *a, group=None, **_):
         n = _size(group)
         _record("all_reduce", (n - 1) * _nbytes(tensor), round(2 * (n - 1) / n * _nbytes(tensor)))
+
     _wrap("all_reduce", all_reduce)
 
     def batch(ops):
         for op in ops:
             if getattr(op.op, "__name__", "") == "isend":
                 _record("batch_isend_irecv", _nbytes(op.tensor))
+
     _wrap("batch_isend_irecv", batch)
 
 
@@ -107,13 +127,19 @@ def primitives(rank: int, mesh):
     from examples.automodel.adapters import qwen3_8_flash_next_halo
 
     group, n = mesh.get_group(), mesh.size()
-    gather_case = {"check": "gather_sequence", "world_size": n, "shape": list(SHAPE), "dtype": "float64",
-                   "differentiable": True}
+    gather_case = {
+        "check": "gather_sequence",
+        "world_size": n,
+        "shape": list(SHAPE),
+        "dtype": "float64",
+        "differentiable": True,
+    }
 
     def gather(fn):
         def run():
             x = torch.rand(SHAPE, dtype=torch.float64, requires_grad=True)
             fn(x).backward(torch.rand(SHAPE[0], n * SHAPE[1], SHAPE[2], dtype=torch.float64))
+
         return run
 
     def halo(fn, width):
@@ -121,20 +147,34 @@ def primitives(rank: int, mesh):
             x = torch.rand(SHAPE, dtype=torch.float64, requires_grad=True)
             out = fn(x, mesh, width)
             out.backward(torch.rand(out.shape, dtype=torch.float64))
+
         return run
 
     table = {
-        "cp_impl gather_sequence (bundled)": (gather(lambda x: cp_impl.inkling2.gather_sequence(x, mesh, True)), gather_case),
+        "cp_impl gather_sequence (bundled)": (
+            gather(lambda x: cp_impl.inkling2.gather_sequence(x, mesh, True)),
+            gather_case,
+        ),
         "kimi_linear all_gather_sequence": (gather(lambda x: kimi(x, group, dim=1)), gather_case),
         "deepseek_v41 gather_sequence": (gather(lambda x: deepseek(x, group)), gather_case),
         "blockdiag_cp _AllGatherSeqDiff": (gather(lambda x: _AllGatherSeqDiff.apply(x, group, 1)), gather_case),
     }
     for width in HALO_WIDTHS:
-        case = {"check": "convolution_history", "world_size": n, "shape": list(SHAPE), "width": width, "dtype": "float64"}
+        case = {
+            "check": "convolution_history",
+            "world_size": n,
+            "shape": list(SHAPE),
+            "width": width,
+            "dtype": "float64",
+        }
         table[f"cp_impl convolution_history (bundled), W-1={width - 1}"] = (
-            halo(cp_impl.inkling2.convolution_history, width), case)
+            halo(cp_impl.inkling2.convolution_history, width),
+            case,
+        )
         table[f"qwen3_8_flash_next left halo, W-1={width - 1}"] = (
-            halo(qwen3_8_flash_next_halo.convolution_history, width), case)
+            halo(qwen3_8_flash_next_halo.convolution_history, width),
+            case,
+        )
     return table
 
 
@@ -167,7 +207,9 @@ def run_rank(rank: int, world: int, port: int, queue) -> None:
             ring = sum(c[2] for c in calls)
             meter = sum(c[1] for c in calls if c[0] in METER_SEES)
             ops = sorted({c[0] for c in calls})
-            rows.append((name, world, moved, ring, meter, comm_minimum.total(check_of(case).least_communication(case)), ops))
+            rows.append(
+                (name, world, moved, ring, meter, comm_minimum.total(check_of(case).least_communication(case)), ops)
+            )
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()
@@ -199,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| primitive | N | c10d calls | moved / min | moved / min, all-reduce as a ring | meter sees / min |")
     print("| --- | ---: | --- | ---: | ---: | ---: |")
     for name, world, moved, ring, meter, minimum, ops in rows:
-        print(f"| {name} | {world} | {', '.join(ops)} | {moved / minimum:.2f} | {ring / minimum:.2f} | {meter / minimum:.2f} |")
+        print(
+            f"| {name} | {world} | {', '.join(ops)} | {moved / minimum:.2f} | {ring / minimum:.2f} | {meter / minimum:.2f} |"
+        )
     return 0
 
 

@@ -65,6 +65,7 @@ class Counting:
             if any(isinstance(a, (DeviceMesh, dist.ProcessGroup)) for a in (*args, *kwargs.values())):
                 self.with_group[path] += 1
             return original(*args, **kwargs)
+
         return wrapper
 
     def __enter__(self):
@@ -131,8 +132,10 @@ def main() -> int:
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, world, os.path.join(tmp, "store"), sizes, args.model, queue))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_rank, args=(r, world, os.path.join(tmp, "store"), sizes, args.model, queue))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         reports = [queue.get(timeout=900) for _ in procs]

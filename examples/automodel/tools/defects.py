@@ -40,14 +40,16 @@ class Failure:
     @classmethod
     def of_row(cls, row: dict) -> Failure:
         """From a verify JSON row (``failing_tensors``, ``problems``)."""
-        return cls(tuple(row["failing_tensors"]),
-                   tuple(f"{p['message']}\n{p.get('detail', '')}" for p in row["problems"]))
+        return cls(
+            tuple(row["failing_tensors"]), tuple(f"{p['message']}\n{p.get('detail', '')}" for p in row["problems"])
+        )
 
     @classmethod
     def of_report(cls, report) -> Failure:
         """From a ``CaseReport``."""
-        return cls(tuple(c.as_dict() for c in report.failures()),
-                   tuple(f"{p.message}\n{p.detail}" for p in report.problems))
+        return cls(
+            tuple(c.as_dict() for c in report.failures()), tuple(f"{p.message}\n{p.detail}" for p in report.problems)
+        )
 
 
 class Signature:
@@ -79,8 +81,11 @@ class TensorsWrong(Signature):
         return f"only these tensors wrong, no problem: {', '.join(self.names)}"
 
     def matches(self, failure: Failure) -> bool:
-        return bool(failure.tensors) and not failure.problems and all(
-            t["name"].startswith(self.names) for t in failure.tensors)
+        return (
+            bool(failure.tensors)
+            and not failure.problems
+            and all(t["name"].startswith(self.names) for t in failure.tensors)
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +109,10 @@ def signature_of(data: Any, where: str) -> Signature:
         return TensorsWrong(tuple(data["names"]))
     if kind == "problem" and data.get("contains"):
         return ProblemSaid(tuple(data["contains"]))
-    raise ValueError(f"{where}: signature {data!r}; give {{'kind': 'gradients'}}, {{'kind': 'tensors', 'names': "
-                     f"[...]}} or {{'kind': 'problem', 'contains': [...]}}")
+    raise ValueError(
+        f"{where}: signature {data!r}; give {{'kind': 'gradients'}}, {{'kind': 'tensors', 'names': "
+        f"[...]}} or {{'kind': 'problem', 'contains': [...]}}"
+    )
 
 
 def holds(when: dict | None, case: dict | None) -> bool:
@@ -141,15 +148,18 @@ def load_defects(path: Path = KNOWN) -> list[dict]:
         if not defect["rows"]:
             raise ValueError(f"{path}: defect {defect['id']} lists no row it reaches (rows: [] )")
         for j, row in enumerate(defect["rows"]):
-            missing = [f for f in ROW_FIELDS if f not in row] + ([] if any(k in row for k in SUBJECTS)
-                                                                 else ["adapter (or spec)"])
+            missing = [f for f in ROW_FIELDS if f not in row] + (
+                [] if any(k in row for k in SUBJECTS) else ["adapter (or spec)"]
+            )
             if missing:
                 raise ValueError(f"{path}: defect {defect['id']} rows[{j}] has no {', '.join(missing)}")
             for backend in defect["backends"]:
                 key = (subject_of(row), row["row"], backend, json.dumps(row.get("when"), sort_keys=True))
                 if key in seen:
-                    raise ValueError(f"{path}: {key[0]} / {row['row']} ({backend}) is listed by both {seen[key]} and "
-                                     f"{defect['id']}: a row has one documented cause (per 'when')")
+                    raise ValueError(
+                        f"{path}: {key[0]} / {row['row']} ({backend}) is listed by both {seen[key]} and "
+                        f"{defect['id']}: a row has one documented cause (per 'when')"
+                    )
                 seen[key] = defect["id"]
     return defects
 
@@ -161,6 +171,12 @@ def load_known(path: Path = KNOWN) -> list[dict]:
     for defect in load_defects(path):
         signature = signature_of(defect["signature"], defect["id"])
         for row in defect["rows"]:
-            out.append({**{k: v for k, v in defect.items() if k != "rows"}, **row, "signature": signature,
-                        "subject": subject_of(row)})
+            out.append(
+                {
+                    **{k: v for k, v in defect.items() if k != "rows"},
+                    **row,
+                    "signature": signature,
+                    "subject": subject_of(row),
+                }
+            )
     return out

@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     impls = sorted({f"examples.automodel.adapters.{e['adapter']}" for e in known})
     from cp_harness.cases.meshes import ranks_needed
 
-    runner = CaseRunner(PoolConfig(world_size=max(ranks_needed(e["case"]) for e in known),
-                                   impl=",".join(["cp_impl", *impls])))
+    runner = CaseRunner(
+        PoolConfig(world_size=max(ranks_needed(e["case"]) for e in known), impl=",".join(["cp_impl", *impls]))
+    )
     target = tempfile.mkdtemp() if args.check else str(EXPORTED)
     try:
         exported = export_all(runner, target)
@@ -77,10 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.check:
         print(f"{len(exported) - len(missing)} repros written to {EXPORTED}")
         return 1 if missing else 0
-    stale = [f for f in sorted(os.listdir(target)) if not (EXPORTED / f).exists()
-             or not filecmp.cmp(os.path.join(target, f), EXPORTED / f, shallow=False)]
+    stale = [
+        f
+        for f in sorted(os.listdir(target))
+        if not (EXPORTED / f).exists() or not filecmp.cmp(os.path.join(target, f), EXPORTED / f, shallow=False)
+    ]
     for f in stale:
-        print(f"{f}: not what the exporter writes now (python -m examples.automodel.tools.export_repros)", file=sys.stderr)
+        print(
+            f"{f}: not what the exporter writes now (python -m examples.automodel.tools.export_repros)", file=sys.stderr
+        )
     return 1 if stale or missing else 0
 
 

@@ -43,10 +43,12 @@ ROOT = HERE.parents[2]
 REQUIREMENTS = ROOT / "constraints" / "framework.txt"  # the one home of the framework pin
 
 OK, NEW_FINDING, CANNOT_RUN, DOCUMENTED_ONLY = 0, 1, 2, 3
-STATUS_TEXT = {OK: "status 0: every row passed",
-               DOCUMENTED_ONLY: "status 3: only documented framework defects failed (expected; docs/real_clients.md)",
-               NEW_FINDING: "status 1: a new finding or a lost defect: diagnose it before changing known_defects.json",
-               CANNOT_RUN: "status 2: the gate could not run"}
+STATUS_TEXT = {
+    OK: "status 0: every row passed",
+    DOCUMENTED_ONLY: "status 3: only documented framework defects failed (expected; docs/real_clients.md)",
+    NEW_FINDING: "status 1: a new finding or a lost defect: diagnose it before changing known_defects.json",
+    CANNOT_RUN: "status 2: the gate could not run",
+}
 SPEC_WORLD_SIZES = (1, 2, 3)  # real models on 2 cores: CP 4 and more where a spec asks for them (WORLD_SIZES)
 
 
@@ -85,8 +87,10 @@ def ulp_text(row: dict) -> str:
 
 def markdown_table(report: dict) -> str:
     """The verify rows of one report as a Markdown table (examples, passed, max ULP, comm moved/min)."""
-    lines = ["| function / model | examples | passed | max ULP | comm moved/min |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| function / model | examples | passed | max ULP | comm moved/min |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for row in report["rows"]:
         ratio = "-" if row["comm_ratio"] is None else f"{row['comm_ratio']:.2f}"
         name = row["name"] if row["ok"] else f"**{row['name']}: FAILED**"
@@ -107,9 +111,26 @@ def run_adapter(adapter: str, args, json_path: Path, pool=None) -> int:
     module = importlib.import_module(f"examples.automodel.adapters.{adapter}")
     sizes = _sizes(getattr(module, "WORLD_SIZES", None), args.world_sizes)
     rows = tuple(getattr(module, "ROWS", ()))
-    cmd = [sys.executable, "-m", "cp_harness", "verify", "--impl", f"examples.automodel.adapters.{adapter}",
-           "--examples", str(args.examples), "--seed", str(args.seed), "--world-sizes", sizes,
-           "--backend", args.backend, "--shrink-seconds", str(args.shrink_seconds), "--json", str(json_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cp_harness",
+        "verify",
+        "--impl",
+        f"examples.automodel.adapters.{adapter}",
+        "--examples",
+        str(args.examples),
+        "--seed",
+        str(args.seed),
+        "--world-sizes",
+        sizes,
+        "--backend",
+        args.backend,
+        "--shrink-seconds",
+        str(args.shrink_seconds),
+        "--json",
+        str(json_path),
+    ]
     if rows:
         cmd += ["--rows", ",".join(rows)]
     print(f"\n$ {' '.join(cmd[1:])}", flush=True)
@@ -118,9 +139,15 @@ def run_adapter(adapter: str, args, json_path: Path, pool=None) -> int:
     from cp_harness.cases.descriptions import parse_world_sizes
     from cp_harness.verify import VerifySettings, result_text, run_verify
 
-    settings = VerifySettings(impl=f"examples.automodel.adapters.{adapter}", world_sizes=parse_world_sizes(sizes),
-                              examples=args.examples, backend=args.backend, seed=args.seed, rows=rows,
-                              shrink_seconds=args.shrink_seconds)
+    settings = VerifySettings(
+        impl=f"examples.automodel.adapters.{adapter}",
+        world_sizes=parse_world_sizes(sizes),
+        examples=args.examples,
+        backend=args.backend,
+        seed=args.seed,
+        rows=rows,
+        shrink_seconds=args.shrink_seconds,
+    )
     with open(os.devnull, "w") as quiet:
         result = run_verify(settings, pool=pool, progress_stream=quiet)
     if result.cannot_run is not None:
@@ -138,9 +165,26 @@ def run_spec(spec: str, args, json_path: Path) -> int:
 
     traits = spec_traits(f"examples.automodel.models.{spec}")
     sizes = _sizes(traits.world_sizes or SPEC_WORLD_SIZES, args.world_sizes)
-    cmd = [sys.executable, "-m", "cp_harness", "verify", "--model", f"examples.automodel.models.{spec}",
-           "--examples", str(args.examples), "--seed", str(args.seed), "--world-sizes", sizes,
-           "--backend", args.backend, "--shrink-seconds", str(args.shrink_seconds), "--json", str(json_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cp_harness",
+        "verify",
+        "--model",
+        f"examples.automodel.models.{spec}",
+        "--examples",
+        str(args.examples),
+        "--seed",
+        str(args.seed),
+        "--world-sizes",
+        sizes,
+        "--backend",
+        args.backend,
+        "--shrink-seconds",
+        str(args.shrink_seconds),
+        "--json",
+        str(json_path),
+    ]
     print(f"\n$ {' '.join(cmd[1:])}", flush=True)
     return subprocess.run(cmd, cwd=ROOT).returncode
 
@@ -158,9 +202,14 @@ def replay(defect: dict, backend: str, pool=None) -> tuple[bool, str]:
     if pool is not None:
         runner = CaseRunner(pool.config, pool=pool)
     else:
-        runner = CaseRunner(PoolConfig(world_size=ranks_needed(case), backend=backend,
-                                       impl=case.get("impl", "cp_impl"),
-                                       preload=(case["spec"],) if "spec" in case else ()))
+        runner = CaseRunner(
+            PoolConfig(
+                world_size=ranks_needed(case),
+                backend=backend,
+                impl=case.get("impl", "cp_impl"),
+                preload=(case["spec"],) if "spec" in case else (),
+            )
+        )
     try:
         report = runner.run(case)
     finally:
@@ -171,8 +220,9 @@ def replay(defect: dict, backend: str, pool=None) -> tuple[bool, str]:
         return False, "the case passes now"
     if not defect["signature"].matches(Failure.of_report(report)):
         return False, "it fails differently: " + "; ".join([p.message for p in report.problems] + names)
-    return True, f"fails as documented ({len(names)} tensors wrong: {', '.join(names) or 'none'}" + \
-        (f"; {len(report.problems)} problem(s)" if report.problems else "") + ")"
+    return True, f"fails as documented ({len(names)} tensors wrong: {', '.join(names) or 'none'}" + (
+        f"; {len(report.problems)} problem(s)" if report.problems else ""
+    ) + ")"
 
 
 def judge(subject: str, report: dict, known: list[dict], backend: str) -> list[dict]:
@@ -183,14 +233,32 @@ def judge(subject: str, report: dict, known: list[dict], backend: str) -> list[d
         if row["ok"]:
             continue
         failure = Failure.of_row(row)
-        match = next((d for d in known if d["subject"] == subject and d["row"] == row["name"]
-                      and backend in d["backends"] and holds(d.get("when"), row.get("failing_case"))), None)
+        match = next(
+            (
+                d
+                for d in known
+                if d["subject"] == subject
+                and d["row"] == row["name"]
+                and backend in d["backends"]
+                and holds(d.get("when"), row.get("failing_case"))
+            ),
+            None,
+        )
         if match is not None and match["signature"].matches(failure):
-            verdicts.append({"subject": subject, "row": row["name"], "defect": match["id"],
-                             "why": f"documented {match['classification']} {match['id']}: {match['title']}"})
+            verdicts.append(
+                {
+                    "subject": subject,
+                    "row": row["name"],
+                    "defect": match["id"],
+                    "why": f"documented {match['classification']} {match['id']}: {match['title']}",
+                }
+            )
         else:
-            why = "no documented defect covers this row" if match is None else \
-                f"row of {match['id']} failed with another signature than {match['signature'].text!r}"
+            why = (
+                "no documented defect covers this row"
+                if match is None
+                else f"row of {match['id']} failed with another signature than {match['signature'].text!r}"
+            )
             verdicts.append({"subject": subject, "row": row["name"], "defect": None, "why": why})
     return verdicts
 
@@ -212,9 +280,14 @@ def _replay_all(rows: list[dict], backend: str, pool=None) -> list[dict]:
         for row in rows:
             entry = {"defect": row["id"], "subject": row["subject"], "row": row["row"]}
             if ranks_needed(row["case"]) > pool.config.world_size:
-                out.append({**entry, "reproduced": False,
-                            "account": f"not replayed: its case needs {ranks_needed(row['case'])} ranks, the pool "
-                                       f"has {pool.config.world_size}"})
+                out.append(
+                    {
+                        **entry,
+                        "reproduced": False,
+                        "account": f"not replayed: its case needs {ranks_needed(row['case'])} ranks, the pool "
+                        f"has {pool.config.world_size}",
+                    }
+                )
                 continue
             reproduced, account = replay(row, backend, pool=pool)
             out.append({**entry, "reproduced": reproduced, "account": account})
@@ -235,8 +308,9 @@ def _subjects(names: list[str]) -> list[str]:
     for name in names:
         found = [s for s in every if s == name or s.split(":", 1)[1] == name]
         if not found:
-            raise SystemExit(f"unknown subject {name!r}; known adapters: {', '.join(ADAPTERS)}; "
-                             f"model specs: {', '.join(SPECS)}")
+            raise SystemExit(
+                f"unknown subject {name!r}; known adapters: {', '.join(ADAPTERS)}; model specs: {', '.join(SPECS)}"
+            )
         chosen += found
     return chosen
 
@@ -254,8 +328,12 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
     parser.add_argument("--shrink-seconds", type=float, default=60.0)
     parser.add_argument("--reports", default="reports/real_clients", help="folder for the JSON reports and summary")
     parser.add_argument("--known", default=str(KNOWN), help="the documented defects (default: %(default)s)")
-    parser.add_argument("--no-coverage", dest="coverage", action="store_false",
-                        help="leave out the coverage table (it imports every model spec: tens of seconds)")
+    parser.add_argument(
+        "--no-coverage",
+        dest="coverage",
+        action="store_false",
+        help="leave out the coverage table (it imports every model spec: tens of seconds)",
+    )
     args = parser.parse_args(argv)
     subjects = _subjects(args.subjects)
     problem = framework_problem()
@@ -272,8 +350,15 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
 
     reports = Path(args.reports)
     reports.mkdir(parents=True, exist_ok=True)
-    summary: dict = {"framework": f"nemo-automodel=={pinned_version()}", "backend": args.backend,
-                     "examples_per_row": args.examples, "subjects": {}, "skipped": {}, "findings": [], "replays": []}
+    summary: dict = {
+        "framework": f"nemo-automodel=={pinned_version()}",
+        "backend": args.backend,
+        "examples_per_row": args.examples,
+        "subjects": {},
+        "skipped": {},
+        "findings": [],
+        "replays": [],
+    }
     crashed = []
     for subject in subjects:
         kind, name = subject.split(":", 1)
@@ -295,10 +380,13 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
             crashed.append(f"{subject}: verify exited {code}" + ("" if path.exists() else " without a report"))
             continue
         report = json.loads(path.read_text())
-        summary["subjects"][subject] = {"verify_exit": code, "report": str(path), "table": markdown_table(report),
-                                        "failed_rows": report["failed_rows"],
-                                        "not_judged": {r["name"]: r.get("not_judged") for r in report["rows"]
-                                                       if r.get("not_judged")}}
+        summary["subjects"][subject] = {
+            "verify_exit": code,
+            "report": str(path),
+            "table": markdown_table(report),
+            "failed_rows": report["failed_rows"],
+            "not_judged": {r["name"]: r.get("not_judged") for r in report["rows"] if r.get("not_judged")},
+        }
         summary["findings"] += judge(subject, report, known, args.backend)
 
     to_replay = [d for d in known if d["subject"] in summary["subjects"] and args.backend in d["backends"]]
@@ -308,14 +396,17 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
     lost = [r for r in summary["replays"] if not r["reproduced"]]
     # A documented defect counts when its row failed with its signature or its replayed case failed (a search
     # with few examples may miss the row; the replay is deterministic).
-    documented = [f for f in summary["findings"] if f["defect"] is not None] + \
-        [r for r in summary["replays"] if r["reproduced"]]
+    documented = [f for f in summary["findings"] if f["defect"] is not None] + [
+        r for r in summary["replays"] if r["reproduced"]
+    ]
     status = CANNOT_RUN if crashed else NEW_FINDING if (new or lost) else DOCUMENTED_ONLY if documented else OK
     summary["status"] = status
 
     lines = []
     for subject, entry in summary["subjects"].items():
-        lines.append(f"  {subject}: {'all rows passed' if not entry['failed_rows'] else 'FAILED ' + ', '.join(entry['failed_rows'])}")
+        lines.append(
+            f"  {subject}: {'all rows passed' if not entry['failed_rows'] else 'FAILED ' + ', '.join(entry['failed_rows'])}"
+        )
         for row, what in entry["not_judged"].items():
             lines += [f"    not judged in {row}: {w} ({why})" for w, why in what.items()]
     lines += [f"  skipped {subject}: {why}" for subject, why in summary["skipped"].items()]
@@ -323,17 +414,29 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
     for f in summary["findings"]:
         lines.append(f"  {'documented' if f['defect'] else 'NEW FINDING'}: {f['subject']} / {f['row']}: {f['why']}")
     for r in summary["replays"]:
-        lines.append(f"  replay of {r['defect']} ({r['subject']} / {r['row']}): {r['account']}"
-                     + ("" if r["reproduced"] else "  <- LOST"))
-        if r["reproduced"] and not any(f["defect"] == r["defect"] and f["subject"] == r["subject"]
-                                       and f["row"] == r["row"] for f in summary["findings"]):
+        lines.append(
+            f"  replay of {r['defect']} ({r['subject']} / {r['row']}): {r['account']}"
+            + ("" if r["reproduced"] else "  <- LOST")
+        )
+        if r["reproduced"] and not any(
+            f["defect"] == r["defect"] and f["subject"] == r["subject"] and f["row"] == r["row"]
+            for f in summary["findings"]
+        ):
             lines.append("    (verify's search did not reach this row's failure this run; its replay did)")
     summary["verdicts"] = lines
     table = coverage.build(summary, known) if args.coverage else None
     summary["coverage"] = table.as_dict() if table is not None else None
     (reports / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    md = [f"# Real clients: {summary['framework']}, backend {args.backend}, {args.examples} examples per row", "",
-          f"**{STATUS_TEXT[status]}**", "", "```", *[line[2:] for line in lines], "```", ""]
+    md = [
+        f"# Real clients: {summary['framework']}, backend {args.backend}, {args.examples} examples per row",
+        "",
+        f"**{STATUS_TEXT[status]}**",
+        "",
+        "```",
+        *[line[2:] for line in lines],
+        "```",
+        "",
+    ]
     if table is not None:
         md += ["## Coverage of the framework's CP code", "", table.markdown(), ""]
     for subject, entry in summary["subjects"].items():

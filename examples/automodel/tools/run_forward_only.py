@@ -105,9 +105,14 @@ class Pool:
         self.store = tempfile.mktemp(prefix="cp-forward-only-")
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_rank_main, daemon=True,
-                                  args=(r, world, self.store, sizes, spec_name, models, self.inboxes[r], self.outbox))
-                      for r in range(world)]
+        self.procs = [
+            ctx.Process(
+                target=_rank_main,
+                daemon=True,
+                args=(r, world, self.store, sizes, spec_name, models, self.inboxes[r], self.outbox),
+            )
+            for r in range(world)
+        ]
         for p in self.procs:
             p.start()
         for _ in range(world):
@@ -142,8 +147,10 @@ class Pool:
 
 def _reversed_rows(batch):
     rows = batch["input_ids"].shape[0]
-    return {k: (v.flip(0) if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == rows else v)
-            for k, v in batch.items()}
+    return {
+        k: (v.flip(0) if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == rows else v)
+        for k, v in batch.items()
+    }
 
 
 def ulps(actual, expected, dtype, mask=None):
@@ -185,8 +192,10 @@ def main():
     if "packing" not in inspect.signature(spec.make_batch).parameters:
         cases = [c for c in cases if "packing" not in c[3]]
     pool = Pool(max(sizes), set(sizes), spec_name, models)
-    print(f"{'case':28} {'dtype':9} CP {'logits ULP':>10} {'bound':>7} {'at [row, pos, vocab]':22} "
-          f"{'loss ULP':>9} {'bound':>6} {'verdict':8} {'CP s':>6}")
+    print(
+        f"{'case':28} {'dtype':9} CP {'logits ULP':>10} {'bound':>7} {'at [row, pos, vocab]':22} "
+        f"{'loss ULP':>9} {'bound':>6} {'verdict':8} {'CP s':>6}"
+    )
     worst, times, failed = {}, {}, 0
     try:
         for _ in range(args.repeat):
@@ -209,23 +218,31 @@ def main():
                         times.setdefault(n, []).append(got["seconds"])
                         w = worst.setdefault((dtype, n), [0.0, 0.0])
                         w[0], w[1] = max(w[0], err_l), max(w[1], err_s)
-                        print(f"{name:28} {dtype:9} {n:>2} {err_l:10.1f} {bound_l:7.0f} {str(list(at)):22} "
-                              f"{err_s:9.2f} {bound_s:6.0f} {'ok' if ok else 'FAIL':8} {got['seconds']:6.3f}",
-                              flush=True)
+                        print(
+                            f"{name:28} {dtype:9} {n:>2} {err_l:10.1f} {bound_l:7.0f} {str(list(at)):22} "
+                            f"{err_s:9.2f} {bound_s:6.0f} {'ok' if ok else 'FAIL':8} {got['seconds']:6.3f}",
+                            flush=True,
+                        )
                         if not ok:
-                            moved = diff.amax(-1) > bound_l * float(ref['logits'].abs().max()) * \
-                                torch.finfo(DTYPES[dtype]).eps
-                            print(f"    positions beyond the bound [row, pos]: {moved.nonzero().tolist()}; "
-                                  f"loss CP {float(got['loss']):.6g} one device {float(ref['loss']):.6g}")
+                            moved = (
+                                diff.amax(-1)
+                                > bound_l * float(ref["logits"].abs().max()) * torch.finfo(DTYPES[dtype]).eps
+                            )
+                            print(
+                                f"    positions beyond the bound [row, pos]: {moved.nonzero().tolist()}; "
+                                f"loss CP {float(got['loss']):.6g} one device {float(ref['loss']):.6g}"
+                            )
     finally:
         pool.close()
     print("worst normwise error, ULP (logits, loss):")
     for (dtype, n), (el, es) in sorted(worst.items()):
         print(f"  {dtype:9} CP {n}: {el:.1f} {es:.2f}")
     for n, ts in sorted(times.items()):
-        warm = sorted(ts[len(ts) // 4:]) if len(ts) > 3 else sorted(ts)
-        print(f"  CP {n} forward-only case (all ranks, rank 0's time): median {warm[len(warm) // 2]:.3f} s, "
-              f"first {ts[0]:.2f} s, over {len(ts)}")
+        warm = sorted(ts[len(ts) // 4 :]) if len(ts) > 3 else sorted(ts)
+        print(
+            f"  CP {n} forward-only case (all ranks, rank 0's time): median {warm[len(warm) // 2]:.3f} s, "
+            f"first {ts[0]:.2f} s, over {len(ts)}"
+        )
     print(f"{failed} case(s) beyond the bound; total {time.perf_counter() - _T0:.1f} s")
     return 1 if failed else 0
 

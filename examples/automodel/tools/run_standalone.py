@@ -130,9 +130,14 @@ class Pool:
         os.unlink(self.store)
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_rank_main, args=(r, world, self.store, sizes, spec_name, models,
-                                                          self.inboxes[r], self.outbox), daemon=True)
-                      for r in range(world)]
+        self.procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(r, world, self.store, sizes, spec_name, models, self.inboxes[r], self.outbox),
+                daemon=True,
+            )
+            for r in range(world)
+        ]
         for p in self.procs:
             p.start()
         for _ in range(world):
@@ -215,8 +220,10 @@ def padding_repro(spec, dtype=torch.float32, seq_len=19, seed=0, overrides=None,
     change = (a - b).abs().amax(-1)[0]
     err, at = worst(a, b)
     if verbose:
-        print(f"padding repro: seq_len {seq_len} seed {seed} +{extra_pad} masked pad: worst |logit change| "
-              f"{err:.3g} at {at}; positions changed: {torch.nonzero(change > 0).flatten().tolist()}")
+        print(
+            f"padding repro: seq_len {seq_len} seed {seed} +{extra_pad} masked pad: worst |logit change| "
+            f"{err:.3g} at {at}; positions changed: {torch.nonzero(change > 0).flatten().tolist()}"
+        )
     return err, at, change
 
 
@@ -228,11 +235,16 @@ def main():
     parser.add_argument("--cases", type=int, default=len(DEFAULT_CASES), help="first K default cases")
     parser.add_argument("--overrides", default="", help="text-config overrides, e.g. index_topk=3")
     parser.add_argument("--repeat", type=int, default=1, help="run the case list this many times (timing)")
-    parser.add_argument("--case", action="append", default=[],
-                        help="KIND:SEQ_LEN[:SEED] instead of the default list, e.g. plain:15:1 (repeatable)")
+    parser.add_argument(
+        "--case",
+        action="append",
+        default=[],
+        help="KIND:SEQ_LEN[:SEED] instead of the default list, e.g. plain:15:1 (repeatable)",
+    )
     parser.add_argument("--padding-repro", action="store_true")
-    parser.add_argument("--padding-check", action="store_true",
-                        help="also run one rank at each CP-padded length and compare")
+    parser.add_argument(
+        "--padding-check", action="store_true", help="also run one rank at each CP-padded length and compare"
+    )
     parser.add_argument("--grad-sum-dtype", default="", help="sum gradients over CP in this dtype (float32)")
     args = parser.parse_args()
     overrides = _parse_overrides(args.overrides)
@@ -251,16 +263,25 @@ def main():
     pool = Pool(max(sizes), set(sizes) | {1}, args.model, models)
     t_pool = time.perf_counter() - t
     print(f"import {t_import:.1f} s, build {t_build:.2f} s, pool of {max(sizes)} ranks {t_pool:.1f} s")
-    print(f"{'case':24} {'dtype':9} {'CP':>2} {'logits':>9} {'at':14} {'loss':>9} {'grad':>9}  parameter[index]"
-          f"   base s  CP s")
+    print(
+        f"{'case':24} {'dtype':9} {'CP':>2} {'logits':>9} {'at':14} {'loss':>9} {'grad':>9}  parameter[index]"
+        f"   base s  CP s"
+    )
     worst_by = {}
     case_times = []
     try:
         for _ in range(args.repeat):
-            cases = DEFAULT_CASES[:args.cases]
+            cases = DEFAULT_CASES[: args.cases]
             if args.case:
-                cases = [(c, c.split(":")[0], int(c.split(":")[1]),
-                          {"seed": int(c.split(":")[2])} if c.count(":") > 1 else {}) for c in args.case]
+                cases = [
+                    (
+                        c,
+                        c.split(":")[0],
+                        int(c.split(":")[1]),
+                        {"seed": int(c.split(":")[2])} if c.count(":") > 1 else {},
+                    )
+                    for c in args.case
+                ]
             for name, kind, seq_len, kwargs in cases:
                 batch = spec.make_batch(kind, seq_len, **kwargs)
                 for dtype_name in dtypes:
@@ -278,8 +299,10 @@ def main():
                         le, lat, lo, ge, gname, gat, grel = compare(spec, batch, ref, got)
                         w = worst_by.setdefault((dtype_name, n), [0.0, 0.0, 0.0])
                         w[0], w[1], w[2] = max(w[0], le), max(w[1], lo), max(w[2], ge)
-                        print(f"{name:24} {dtype_name:9} {n:>2} {le:9.2e} {str(lat):14} {lo:9.2e} {ge:9.2e}  "
-                              f"{gname}{list(gat)} (/max {grel:.1e})   {t_ref:.3f} {t_cp:.3f}")
+                        print(
+                            f"{name:24} {dtype_name:9} {n:>2} {le:9.2e} {str(lat):14} {lo:9.2e} {ge:9.2e}  "
+                            f"{gname}{list(gat)} (/max {grel:.1e})   {t_ref:.3f} {t_cp:.3f}"
+                        )
                         if args.padding_check and kind != "packed":
                             padded_len = spec.cp_padded_length(models[key], seq_len, n)
                             if padded_len != seq_len:
@@ -288,8 +311,10 @@ def main():
                                 trimmed = padded["logits"][:, :seq_len]
                                 e_pad, at_pad = worst(trimmed, ref["logits"], valid)
                                 e_cp_pad, _ = worst(got["logits"], trimmed, valid)
-                                print(f"    padding check: 1 rank at CP-padded length {padded_len} vs 1 rank: "
-                                      f"{e_pad:.2e} at {at_pad}; CP {n} vs 1 rank padded: {e_cp_pad:.2e}")
+                                print(
+                                    f"    padding check: 1 rank at CP-padded length {padded_len} vs 1 rank: "
+                                    f"{e_pad:.2e} at {at_pad}; CP {n} vs 1 rank padded: {e_cp_pad:.2e}"
+                                )
     finally:
         pool.close()
     print("worst per dtype and CP size (logits, loss, gradients):")
@@ -297,8 +322,10 @@ def main():
         print(f"  {dtype_name:9} CP {n}: {le:.2e} {lo:.2e} {ge:.2e}")
     for n in sorted({c[0] for c in case_times}):
         pairs = [r + c for m, r, c in case_times if m == n]
-        print(f"  warm CP {n} case + its 1-rank baseline: median {sorted(pairs)[len(pairs) // 2]:.3f} s, "
-              f"min {min(pairs):.3f} s over {len(pairs)}")
+        print(
+            f"  warm CP {n} case + its 1-rank baseline: median {sorted(pairs)[len(pairs) // 2]:.3f} s, "
+            f"min {min(pairs):.3f} s over {len(pairs)}"
+        )
     print(f"total {time.perf_counter() - _T0:.1f} s since process start")
     return 0
 

@@ -45,8 +45,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-STAND_IN = ("torch.distributed.nn.functional.all_gather's gloo backward (finding D2: scatters from group rank i "
-            "as global rank i) replaced by its NCCL branch, a reduce-scatter on the group")
+STAND_IN = (
+    "torch.distributed.nn.functional.all_gather's gloo backward (finding D2: scatters from group rank i "
+    "as global rank i) replaced by its NCCL branch, a reduce-scatter on the group"
+)
 MAX_GRAD_NORM = 1.0  # the recipe's default clip_grad_norm.max_norm
 
 
@@ -78,8 +80,9 @@ def mixed_precision():
     the one-device float32 reference)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32, output_dtype=None,
-                                cast_forward_inputs=False)
+    return MixedPrecisionPolicy(
+        param_dtype=None, reduce_dtype=torch.float32, output_dtype=None, cast_forward_inputs=False
+    )
 
 
 @functools.cache
@@ -91,10 +94,13 @@ def mesh_context(dp_shard: int, cp: int):
 
     world = dist.get_world_size()
     if world != dp_shard * cp:
-        raise ValueError(f"training step: the framework's mesh dp_shard x cp = {dp_shard} x {cp} covers the whole "
-                         f"default group, but the pool has {world} ranks; start it with --world-sizes {dp_shard * cp}")
-    return MeshContext.build(FSDP2Config(mp_policy=mixed_precision()),
-                             ParallelismSizes(dp_size=dp_shard, cp_size=cp), world_size=world)
+        raise ValueError(
+            f"training step: the framework's mesh dp_shard x cp = {dp_shard} x {cp} covers the whole "
+            f"default group, but the pool has {world} ranks; start it with --world-sizes {dp_shard * cp}"
+        )
+    return MeshContext.build(
+        FSDP2Config(mp_policy=mixed_precision()), ParallelismSizes(dp_size=dp_shard, cp_size=cp), world_size=world
+    )
 
 
 @dataclasses.dataclass
@@ -111,8 +117,10 @@ class RecipeStep:
         ``d*rows .. (d+1)*rows-1``; every CP rank of a dp rank holds the same rows, the sharder splits them)."""
         d = self.flat(mesh, "dp").get_local_rank()
         n = global_batch["input_ids"].shape[0]
-        return {k: (v[d * rows:(d + 1) * rows] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == n else v)
-                for k, v in global_batch.items()}
+        return {
+            k: (v[d * rows : (d + 1) * rows] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == n else v)
+            for k, v in global_batch.items()
+        }
 
     def num_label_tokens(self, mesh, batch: dict) -> int:
         """``_run_train_optim_step``: ``_count_label_tokens`` of the rank's batch, summed over ``dp``
@@ -187,13 +195,26 @@ class RecipeStep:
             grads[name] = grad.detach().clone()
         dp_cp = self.flat(mesh, "dp_cp").size()
         norm = scale_grads_and_clip_grad_norm(
-            MAX_GRAD_NORM, [model], norm_type=2.0, pp_enabled=False, device_mesh=mesh, moe_mesh=context.moe_mesh,
-            ep_axis_name=None, pp_axis_name=None, foreach=True, num_label_tokens=count, dp_group_size=dp_cp,
-            grad_norm_backend="triton")
+            MAX_GRAD_NORM,
+            [model],
+            norm_type=2.0,
+            pp_enabled=False,
+            device_mesh=mesh,
+            moe_mesh=context.moe_mesh,
+            ep_axis_name=None,
+            pp_axis_name=None,
+            foreach=True,
+            num_label_tokens=count,
+            dp_group_size=dp_cp,
+            grad_norm_backend="triton",
+        )
         norm = norm.full_tensor() if isinstance(norm, DTensor) else torch.as_tensor(norm)
-        return {"logits": self.gather_logits(spec, sharder, mesh, logits.detach()),
-                "loss": self.reported_loss(mesh, local_loss), "grads": grads,
-                "grad_norm": norm.detach().double().reshape(())}
+        return {
+            "logits": self.gather_logits(spec, sharder, mesh, logits.detach()),
+            "loss": self.reported_loss(mesh, local_loss),
+            "grads": grads,
+            "grad_norm": norm.detach().double().reshape(()),
+        }
 
     def gather_logits(self, spec, sharder, mesh, local_logits: torch.Tensor) -> torch.Tensor:
         """The CP group's logits in global order (``spec.gather_logits``), then every dp rank's rows, in dp order."""

@@ -50,18 +50,42 @@ from nemo_automodel.components.utils.model_utils import filter_forward_kwargs  #
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 
 CONFIG = dict(
-    vocab_size=64, hidden_size=16, moe_intermediate_size=8, num_hidden_layers=4, num_attention_heads=2,
-    num_key_value_heads=1, head_dim=8, qk_rope_head_dim=4, q_lora_rank=8, o_lora_rank=8, o_groups=2,
-    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, compress_ratios=[0, 4, 4, 0],
-    sliding_window=4, num_hash_layers=1, hc_mult=2, hc_sinkhorn_iters=4, index_head_dim=8, index_n_heads=2,
-    index_topk=64, num_nextn_predict_layers=0, vision_n_layers=0, initializer_range=0.2,
-    max_position_embeddings=4096, pad_token_id=0, torch_dtype="float32",
+    vocab_size=64,
+    hidden_size=16,
+    moe_intermediate_size=8,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    qk_rope_head_dim=4,
+    q_lora_rank=8,
+    o_lora_rank=8,
+    o_groups=2,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    compress_ratios=[0, 4, 4, 0],
+    sliding_window=4,
+    num_hash_layers=1,
+    hc_mult=2,
+    hc_sinkhorn_iters=4,
+    index_head_dim=8,
+    index_n_heads=2,
+    index_topk=64,
+    num_nextn_predict_layers=0,
+    vision_n_layers=0,
+    initializer_range=0.2,
+    max_position_embeddings=4096,
+    pad_token_id=0,
+    torch_dtype="float32",
 )
 BACKEND = dict(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")
 # name: (document lengths, per-document span alignment of the THD packer: ``packed_sequence.pad_to_multiple_of``)
-CASES = {"misaligned [7, 5, 6] + 5 pad": ([7, 5, 6], 1),
-         "control, documents starting at multiples of 8 [8, 8, 5] + 2 pad": ([8, 8, 5], 1),
-         "[7, 5, 6] packed with pad_to_multiple_of=4": ([7, 5, 6], 4)}
+CASES = {
+    "misaligned [7, 5, 6] + 5 pad": ([7, 5, 6], 1),
+    "control, documents starting at multiples of 8 [8, 8, 5] + 2 pad": ([8, 8, 5], 1),
+    "[7, 5, 6] packed with pad_to_multiple_of=4": ([7, 5, 6], 4),
+}
 SEQ_LEN, CP = 23, 2
 DTYPE = torch.float32
 TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 6e-2}  # CP vs per-document: rounding only (absolute, logits)
@@ -84,7 +108,7 @@ def packed_batch(lengths: list[int], align: int) -> tuple[dict, list[list[int]],
     tokens = torch.randint(1, 64, (sum(lengths),), generator=torch.Generator().manual_seed(1)).tolist()
     docs, start = [], 0
     for n in lengths:
-        docs.append(tokens[start:start + n])
+        docs.append(tokens[start : start + n])
         start += n
     features = []
     for d in docs:
@@ -139,16 +163,19 @@ def rank_main(rank: int, init_file: str, result_file: str) -> None:
         lines.append(f"{name}: max |logit - per-document logit| per document")
         worst_one, worst_cp = 0.0, 0.0
         for d, (n, start, ref) in enumerate(zip(lengths, starts, alone), start=1):
-            e_one = float((one[0, start:start + n] - ref).abs().max())
-            e_cp = float((cp[0, start:start + n] - ref).abs().max())
-            lines.append(f"  document {d} (positions {start}..{start + n - 1}): one device packed {e_one:.3g}, "
-                         f"CP {CP} packed {e_cp:.3g}")
+            e_one = float((one[0, start : start + n] - ref).abs().max())
+            e_cp = float((cp[0, start : start + n] - ref).abs().max())
+            lines.append(
+                f"  document {d} (positions {start}..{start + n - 1}): one device packed {e_one:.3g}, "
+                f"CP {CP} packed {e_cp:.3g}"
+            )
             worst_one, worst_cp = max(worst_one, e_one), max(worst_cp, e_cp)
         if "misaligned" in name:
             shows = worst_cp <= TOLERANCE[DTYPE] < worst_one
     if rank == 0:
-        verdict = ("SHOWS: CP packed matches the per-document runs, one-device packed does not"
-                   if shows else "does not show")
+        verdict = (
+            "SHOWS: CP packed matches the per-document runs, one-device packed does not" if shows else "does not show"
+        )
         with open(result_file, "w") as handle:
             handle.write("\n".join(lines + [verdict, "1" if shows else "0"]))
     dist.barrier()

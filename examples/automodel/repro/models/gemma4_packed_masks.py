@@ -18,6 +18,7 @@ CP 2 (the ring, FlexAttention run uncompiled on CPU under no_grad) matches the p
 
     PYTHONPATH=. python examples/automodel/repro/models/gemma4_packed_masks.py     # exit 1 while G1 or G2 shows
 """
+
 import os
 import sys
 import tempfile
@@ -34,21 +35,48 @@ from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 
 torch.set_num_threads(1)
-TEXT = dict(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=4, sliding_window=4,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-            num_attention_heads=2, num_key_value_heads=1, head_dim=8, global_head_dim=16,
-            num_global_key_value_heads=1, attention_k_eq_v=True, enable_moe_block=True, num_experts=4,
-            top_k_experts=2, moe_intermediate_size=8, hidden_size_per_layer_input=0, vocab_size_per_layer_input=64,
-            use_bidirectional_attention="vision", final_logit_softcapping=30.0, pad_token_id=0, dtype="float32")
+TEXT = dict(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=16,
+    num_hidden_layers=4,
+    sliding_window=4,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    global_head_dim=16,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    enable_moe_block=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=8,
+    hidden_size_per_layer_input=0,
+    vocab_size_per_layer_input=64,
+    use_bidirectional_attention="vision",
+    final_logit_softcapping=30.0,
+    pad_token_id=0,
+    dtype="float32",
+)
 
 
 def build(attention):
     cfg = Gemma4Config(text_config=dict(TEXT), vision_config=None, audio_config=None, dtype="float32")
     cfg._attn_implementation = cfg.text_config._attn_implementation = attention
     torch.manual_seed(0)
-    model = Gemma4ForConditionalGeneration(cfg, backend=BackendConfig(
-        attn="sdpa", linear="torch", rms_norm="torch", experts="torch", dispatcher="torch",
-        fake_balanced_gate=False, enable_hf_state_dict_adapter=False))
+    model = Gemma4ForConditionalGeneration(
+        cfg,
+        backend=BackendConfig(
+            attn="sdpa",
+            linear="torch",
+            rms_norm="torch",
+            experts="torch",
+            dispatcher="torch",
+            fake_balanced_gate=False,
+            enable_hf_state_dict_adapter=False,
+        ),
+    )
     model.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
     return model
 
@@ -59,8 +87,13 @@ def pack(lengths, seed):
     doc = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)])[None]
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     labels = torch.full_like(ids, -100)
-    return {"input_ids": ids, "labels": labels, "position_ids": pos, "mm_token_type_ids": torch.zeros_like(ids),
-            "doc": doc}
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "position_ids": pos,
+        "mm_token_type_ids": torch.zeros_like(ids),
+        "doc": doc,
+    }
 
 
 def one_device_batch(p):  # neat_packed_vlm_collater, materialize_4d_mask=True
@@ -74,13 +107,16 @@ def one_device_batch(p):  # neat_packed_vlm_collater, materialize_4d_mask=True
 def per_document(model, p, lengths):
     out, start = [], 0
     for n in lengths:
-        out.append(model(input_ids=p["input_ids"][:, start:start + n]).logits)
+        out.append(model(input_ids=p["input_ids"][:, start : start + n]).logits)
         start += n
     return torch.cat(out, dim=1)
 
 
-CHECKS = [("G1 one document", [12], "eager"), ("G2 two documents, eager", [6, 6], "eager"),
-          ("   two documents, sdpa", [6, 6], "sdpa")]
+CHECKS = [
+    ("G1 one document", [12], "eager"),
+    ("G2 two documents, eager", [6, 6], "eager"),
+    ("   two documents, sdpa", [6, 6], "sdpa"),
+]
 
 
 def rank_main(rank, store, out):
@@ -89,8 +125,14 @@ def rank_main(rank, store, out):
     for name, lengths, attention in CHECKS:
         model = build(attention)
         p = pack(lengths, seed=1)
-        batch = {"input_ids": p["input_ids"], "labels": p["labels"], "position_ids": p["position_ids"],
-                 "mm_token_type_ids": p["mm_token_type_ids"], "attention_mask": p["doc"], "_packed_seq_ids": p["doc"]}
+        batch = {
+            "input_ids": p["input_ids"],
+            "labels": p["labels"],
+            "position_ids": p["position_ids"],
+            "mm_token_type_ids": p["mm_token_type_ids"],
+            "attention_mask": p["doc"],
+            "_packed_seq_ids": p["doc"],
+        }
         with torch.no_grad():
             sharder = ContextParallelSharder(model, mesh, batch)  # installs Gemma4's ring on first shard
             for module in model.modules():
@@ -125,9 +167,11 @@ def main():
         d_cp = (cp[name] - expected).abs().amax(-1)[0]
         bad = bool(d_one.max() > 1e-3)
         defect |= bad and name.startswith("G")
-        print(f"{name:26} documents {lengths} attention {attention:5}: max |logit - per-document logit|  "
-              f"one device {float(d_one.max()):.3g} at positions {torch.nonzero(d_one > 1e-3).flatten().tolist()}; "
-              f"CP 2 {float(d_cp.max()):.2g}")
+        print(
+            f"{name:26} documents {lengths} attention {attention:5}: max |logit - per-document logit|  "
+            f"one device {float(d_one.max()):.3g} at positions {torch.nonzero(d_one > 1e-3).flatten().tolist()}; "
+            f"CP 2 {float(d_cp.max()):.2g}"
+        )
     print("DEFECT: the one-device packed forward is mis-masked (CP 2 is right)" if defect else "no defect")
     return 1 if defect else 0
 

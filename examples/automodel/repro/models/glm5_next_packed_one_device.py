@@ -20,6 +20,7 @@ it could not run.
 
     PYTHONPATH=. python examples/automodel/repro/models/glm5_next_packed_one_device.py
 """
+
 import os
 import sys
 import tempfile
@@ -65,7 +66,7 @@ def rank_main(rank, store, queue):
         doc_ids = torch.zeros(1, SEQ_LEN, dtype=torch.int32)
         start = 0
         for index, length in enumerate(DOCUMENTS, 1):
-            doc_ids[0, start:start + length] = index
+            doc_ids[0, start : start + length] = index
             start += length
         with_ids = run(model, {**batch, "_packed_seq_ids": doc_ids}, mesh1)
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("cp",))
@@ -98,13 +99,18 @@ def main() -> int:
         part = slice(start, start + length)
         a = float(abs(cp[0, part] - given[0, part]).max())
         b = float(abs(cp[0, part] - with_ids[0, part]).max())
-        print(f"document {index} (positions {start}..{start + length - 1}): max |CP2 - one device as given| = "
-              f"{a:.3g}; max |CP2 - one device with _packed_seq_ids| = {b:.3g}")
+        print(
+            f"document {index} (positions {start}..{start + length - 1}): max |CP2 - one device as given| = "
+            f"{a:.3g}; max |CP2 - one device with _packed_seq_ids| = {b:.3g}"
+        )
         moved.append(a)
         start += length
     defect = moved[0] < 1e-4 and min(moved[1:]) > 1e-2
-    print("DEFECT: one device attends across documents (seq_lens ignored); CP keeps them apart" if defect
-          else "no difference: one device and CP agree on the packed batch")
+    print(
+        "DEFECT: one device attends across documents (seq_lens ignored); CP keeps them apart"
+        if defect
+        else "no difference: one device and CP agree on the packed batch"
+    )
     return 1 if defect else 0
 
 

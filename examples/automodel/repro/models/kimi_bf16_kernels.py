@@ -17,6 +17,7 @@ position and both values and exits 1 while the two differ by more than the bound
 Run: ``PYTHONPATH=. python examples/automodel/repro/models/kimi_bf16_kernels.py [--spec kimi_k3]
 [--seq-len 12 --seed 17]`` (default: both specs, each on the smallest plain batch verify failed on, ``CASES``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,10 @@ import torch
 
 BOUND_ULP = 8.0  # the harness's bound for a bfloat16 tensor whose reference spread is 0 (docs/real_models.md)
 # the smallest verify failures (--examples 12, CP 2): plain batches (seq_len, seed) and what CP printed
-CASES = {"kimi_linear": (12, 17, "CP error 50.2 ULP, position 11, CP -0.7109375, one device 0.58203125"),
-         "kimi_k3": (7, 2, "CP error 42.9 ULP, position 6, CP -1.2265625, one device -0.21484375")}
+CASES = {
+    "kimi_linear": (12, 17, "CP error 50.2 ULP, position 11, CP -0.7109375, one device 0.58203125"),
+    "kimi_k3": (7, 2, "CP error 42.9 ULP, position 6, CP -1.2265625, one device -0.21484375"),
+}
 
 
 def compare(name: str, seq_len: int, seed: int) -> float:
@@ -51,11 +54,15 @@ def compare(name: str, seq_len: int, seed: int) -> float:
     row, position, entry = (int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
     print(f"{name} bfloat16, plain batch of {seq_len} (seed {seed}), one process, logits {list(eager.shape)}")
     print(f"  one device eager (matmul + softmax) vs one device under cp_kernels ({kernels}):")
-    print(f"  {ulp:.1f} ULP of bfloat16 at the largest logit {scale:.3g} (bound {BOUND_ULP:g}); "
-          f"{int((diff > BOUND_ULP * scale * eps).sum())} elements above the bound")
-    print(f"  worst at row {row}, position {position}, vocabulary entry {entry}: eager "
-          f"{eager[row, position, entry].item()!r}, FlexAttention {flex[row, position, entry].item()!r} "
-          f"({float(diff.max()):.3g} absolute)")
+    print(
+        f"  {ulp:.1f} ULP of bfloat16 at the largest logit {scale:.3g} (bound {BOUND_ULP:g}); "
+        f"{int((diff > BOUND_ULP * scale * eps).sum())} elements above the bound"
+    )
+    print(
+        f"  worst at row {row}, position {position}, vocabulary entry {entry}: eager "
+        f"{eager[row, position, entry].item()!r}, FlexAttention {flex[row, position, entry].item()!r} "
+        f"({float(diff.max()):.3g} absolute)"
+    )
     print("  ULP per position:", " ".join(f"{v:.1f}" for v in (diff[row].amax(-1) / (scale * eps)).tolist()))
     if name in CASES and CASES[name][:2] == (seq_len, seed):
         print(f"  (the harness at CP 2 on this batch: {CASES[name][2]})")
@@ -75,8 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         seq_len, seed, _ = CASES[name]
         worst = max(worst, compare(name, args.seq_len or seq_len, args.seed if args.seed is not None else seed))
     if worst > BOUND_ULP:
-        print(f"exit 1: the two one-device kernels differ by {worst:.1f} ULP > {BOUND_ULP:g}: the CP path's kernel "
-              "alone moves the result by as much as CP does")
+        print(
+            f"exit 1: the two one-device kernels differ by {worst:.1f} ULP > {BOUND_ULP:g}: the CP path's kernel "
+            "alone moves the result by as much as CP does"
+        )
         return 1
     print("exit 0: the two one-device kernels agree within the bound")
     return 0

@@ -10,6 +10,7 @@ infrastructure itself is not run).
 
     PYTHONPATH=. python examples/automodel/repro/models/kimi_cp_without_ep.py     # exit 1 while it raises
 """
+
 import os
 import sys
 import tempfile

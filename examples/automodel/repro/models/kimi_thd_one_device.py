@@ -14,6 +14,7 @@ The expected logits of a document are the model's logits on that document alone.
 
     PYTHONPATH=. python examples/automodel/repro/models/kimi_thd_one_device.py     # exit 1 while K1 shows
 """
+
 import contextlib
 import os
 import sys
@@ -39,25 +40,63 @@ DOCS = [7, 5, 6]
 
 def build():
     cfg = KimiLinear48BConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-        mla_use_nope=True, num_experts=4, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=8,
-        first_k_dense_replace=1, linear_attn_config={"kda_layers": [], "full_attn_layers": [1, 2, 3],
-                                                     "short_conv_kernel_size": 4, "head_dim": 8, "num_heads": 2},
-        initializer_range=0.2, pad_token_id=0, torch_dtype="float32")
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=8,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        mla_use_nope=True,
+        num_experts=4,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        moe_intermediate_size=8,
+        first_k_dense_replace=1,
+        linear_attn_config={
+            "kda_layers": [],
+            "full_attn_layers": [1, 2, 3],
+            "short_conv_kernel_size": 4,
+            "head_dim": 8,
+            "num_heads": 2,
+        },
+        initializer_range=0.2,
+        pad_token_id=0,
+        torch_dtype="float32",
+    )
     torch.manual_seed(0)
-    model = KimiLinear48BForCausalLM(cfg, backend=BackendConfig(
-        attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch",
-        fake_balanced_gate=False, enable_hf_state_dict_adapter=False))
+    model = KimiLinear48BForCausalLM(
+        cfg,
+        backend=BackendConfig(
+            attn="eager",
+            linear="torch",
+            rms_norm="torch_fp32",
+            experts="torch",
+            dispatcher="torch",
+            fake_balanced_gate=False,
+            enable_hf_state_dict_adapter=False,
+        ),
+    )
     model.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
     return model
 
 
 def thd_batch():
     ids = torch.randint(1, 64, (sum(DOCS),), generator=torch.Generator().manual_seed(1)).tolist()
-    return packed_sequence_thd_collater([{
-        "input_ids": ids, "labels": [-100] * len(ids), "seq_lens": list(DOCS), "seq_lens_padded": list(DOCS),
-        "position_ids": [p for n in DOCS for p in range(n)]}])
+    return packed_sequence_thd_collater(
+        [
+            {
+                "input_ids": ids,
+                "labels": [-100] * len(ids),
+                "seq_lens": list(DOCS),
+                "seq_lens_padded": list(DOCS),
+                "position_ids": [p for n in DOCS for p in range(n)],
+            }
+        ]
+    )
 
 
 @contextlib.contextmanager
@@ -111,14 +150,16 @@ def main():
         one = model(**{k: v for k, v in local.items() if k != "labels"}).logits
         expected, start = [], 0
         for n in DOCS:
-            expected.append(model(input_ids=batch["input_ids"][:, start:start + n]).logits)
+            expected.append(model(input_ids=batch["input_ids"][:, start : start + n]).logits)
             start += n
         expected = torch.cat(expected, dim=1)
     d_one = (one - expected).abs().amax(-1)[0]
     d_cp = (cp - expected).abs().amax(-1)[0]
     print(f"documents {DOCS}, THD collater keys {sorted(batch)}")
-    print(f"one device: max |logit - per-document logit| {float(d_one.max()):.3g} at positions "
-          f"{torch.nonzero(d_one > 1e-3).flatten().tolist()}")
+    print(
+        f"one device: max |logit - per-document logit| {float(d_one.max()):.3g} at positions "
+        f"{torch.nonzero(d_one > 1e-3).flatten().tolist()}"
+    )
     print(f"CP 2      : max |logit - per-document logit| {float(d_cp.max()):.2g}")
     defect = bool(d_one.max() > 1e-3)
     print("DEFECT: one device attends across THD documents (CP 2 separates them)" if defect else "no defect")

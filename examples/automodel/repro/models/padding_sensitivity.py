@@ -6,13 +6,14 @@ token changes that width. CP 2 pads a 15-token row to 16 the same way, so CP 2 d
 exactly this amount (tools/run_standalone.py --case plain:15:1 --overrides index_topk=3,candidate_topk_blocks=2
 --padding-check). Run: PYTHONPATH=. python examples/automodel/repro/models/padding_sensitivity.py
 """
+
 import torch
 
 from examples.automodel.models import deepseek_v41 as spec
 
 model = spec.build(torch.float32, seed=0, index_topk=3, candidate_topk_blocks=2).eval()
-batch = spec.make_batch("plain", 15, seed=1)                 # 15 real tokens, no padding
-padded = spec.pad_batch(batch, 16)                           # + one pad token, attention_mask 0, label -100
+batch = spec.make_batch("plain", 15, seed=1)  # 15 real tokens, no padding
+padded = spec.pad_batch(batch, 16)  # + one pad token, attention_mask 0, label -100
 with torch.no_grad():
     a = spec.forward(model, spec.shard(model, None, batch)[1])
     b = spec.forward(model, spec.shard(model, None, padded)[1])[:, :15]
