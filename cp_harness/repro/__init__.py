@@ -34,18 +34,8 @@ from cp_harness.cases.descriptions import canonical, case_id
 from cp_harness.repro.script import NotExportable, Plan, on_world_mesh, write
 from cp_harness.repro.subjects import Subject, subject_of
 
-__all__ = [
-    "NotExportable",
-    "Plan",
-    "RecordedCall",
-    "Request",
-    "Subject",
-    "on_world_mesh",
-    "portable",
-    "recorded_calls",
-    "subject_of",
-    "write",
-]
+__all__ = ["NotExportable", "Plan", "RecordedCall", "Request", "Subject", "on_world_mesh", "portable", "recorded_calls",
+           "subject_of", "write"]
 
 
 @dataclasses.dataclass
@@ -101,12 +91,10 @@ def portable(call: RecordedCall) -> RecordedCall:
     and its arrays would differ from one machine to the next. Only the export is rounded: whether the call is wrong
     is decided on what it received. A replayed call's defect shows in where its gradient goes, not in its last
     bits."""
-
     def rounded(u: torch.Tensor | None) -> torch.Tensor | None:
         if u is None or u.dtype not in (torch.float64, torch.float32):
             return u
         return u.to(torch.bfloat16).to(u.dtype)
-
     return dataclasses.replace(call, upstream=[rounded(u) for u in call.upstream])
 
 
@@ -126,24 +114,8 @@ def recorded_calls(outputs: list) -> list[RecordedCall]:
 
         positions = [j for j in range(described["arguments"]) if f"call{i}/input{j}" in described["tensors"]]
         inputs = [dict(zip(positions, values)) for values in zip(*(pick("input", j) for j in positions))]
-        grads = (
-            [
-                {j: g for j, g in zip(positions, values) if g is not None}
-                for values in zip(*(pick("grad", j) for j in positions))
-            ]
-            if positions
-            else [{} for _ in outputs]
-        )
-        calls.append(
-            RecordedCall(
-                i,
-                described["function"],
-                described["arguments"],
-                described["others"],
-                inputs,
-                pick("upstream"),
-                pick("output"),
-                grads,
-            )
-        )
+        grads = [{j: g for j, g in zip(positions, values) if g is not None}
+                 for values in zip(*(pick("grad", j) for j in positions))] if positions else [{} for _ in outputs]
+        calls.append(RecordedCall(i, described["function"], described["arguments"], described["others"], inputs,
+                                  pick("upstream"), pick("output"), grads))
     return calls

@@ -45,13 +45,8 @@ def main(argv=None) -> int:
     options(parser)
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo", help="nccl: one GPU per rank")
     parser.add_argument("--start-method", choices=("spawn", "fork"), default="spawn", help="fork: faster")
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=TIMEOUT,
-        metavar="SECONDS",
-        help="how long a rank waits for its peers (a message to the wrong rank waits this long)",
-    )
+    parser.add_argument("--timeout", type=float, default=TIMEOUT, metavar="SECONDS",
+                        help="how long a rank waits for its peers (a message to the wrong rank waits this long)")
     args = parser.parse_args(argv)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,14 +85,12 @@ def rank_main_on_world_mesh(rank: int, args, port: int) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(args.backend, rank=rank, world_size=RANKS, timeout=datetime.timedelta(seconds=args.timeout))
-    world = DeviceMesh(
-        device.type, torch.tensor(MESH["ranks"]).reshape(MESH["shape"]), mesh_dim_names=tuple(MESH["dims"])
-    )
+    world = DeviceMesh(device.type, torch.tensor(MESH["ranks"]).reshape(MESH["shape"]),
+                       mesh_dim_names=tuple(MESH["dims"]))
     group = next((g for g in MESH["groups"] if rank in g), None)
     try:
-        ok = torch.tensor(
-            [int(run_rank(group.index(rank), args, world["cp"], device) if group else True)], device=device
-        )
+        ok = torch.tensor([int(run_rank(group.index(rank), args, world["cp"], device) if group else True)],
+                          device=device)
     except Exception:
         print(f"rank {rank} raised:\n{traceback.format_exc()}", flush=True)
         os._exit(1)  # a rank that raises is a finding: leave at once, the others are stopped
@@ -135,11 +128,8 @@ def differs(name: str, actual, expected, where, budget=None, mask=None):
     a, e = (a.float() if a.dtype == torch.bfloat16 else a).numpy(), np.asarray(expected)
     if a.shape != e.shape or (budget is None and a.dtype != e.dtype):
         return f"{name}: {a.dtype} {list(a.shape)}, expected {e.dtype} {list(e.shape)}"
-    select = (
-        np.ones(e.shape, bool)
-        if mask is None
-        else np.broadcast_to(mask.reshape(mask.shape + (1,) * (e.ndim - mask.ndim)), e.shape)
-    )
+    select = np.ones(e.shape, bool) if mask is None else np.broadcast_to(
+        mask.reshape(mask.shape + (1,) * (e.ndim - mask.ndim)), e.shape)
     if budget is None:
         same = (a == e) | (np.isnan(a) & np.isnan(e)) if a.dtype.kind == "f" else a == e
         bad, rule = select & ~same, "bit for bit"
@@ -148,10 +138,8 @@ def differs(name: str, actual, expected, where, budget=None, mask=None):
     if not bad.any():
         return None
     first = tuple(int(i) for i in np.argwhere(bad)[0])
-    return (
-        f"{name}: {int(bad.sum())} of {int(select.sum())} elements differ ({rule}); the first at index "
-        f"{list(first)} ({where(first)}): got {a[first].item()!r}, expected {e[first].item()!r}"
-    )
+    return (f"{name}: {int(bad.sum())} of {int(select.sum())} elements differ ({rule}); the first at index "
+            f"{list(first)} ({where(first)}): got {a[first].item()!r}, expected {e[first].item()!r}")
 
 
 def beyond(a, e, select, ulp, floor_fraction, eps, reference):

@@ -31,33 +31,23 @@ def plan(request, c: float, floor: dict) -> script.Plan:
     """The script of a failing ``real_model`` case (``c``, ``floor``: the check's bound)."""
     case = request.case
     subject = module_subject(case["spec"])
-    doc = [
-        f"Repro: the model of the spec {case['spec']} at CP size {case['world_size']} ({case['dtype']}): its CP "
-        "training step does not compute what the same model computes on one device.",
-        "What it checks: every rank runs one training step of the model the framework's way (the spec's sharder, "
-        "the forward inside its context, the loss over the rank's labels divided by the global label count, the "
-        "gradients and the loss summed over the ranks, the logits gathered); rank 0 runs the same step on one "
-        "device twice (plainly, and with a neutral change of reduction order: the reference spread) and compares "
-        f"the logits at valid positions, the loss and every parameter gradient: the error in ULPs of {case['dtype']}"
-        f" at the tensor's largest value must be at most {c:g} x the spread of its kind + {floor[case['dtype']]:g}."
-        " The worst element of each failing tensor is printed; a rank that raises is named.",
-        f"The code under test is the spec module {case['spec']} (imported by name: it is the model's CP path) and "
-        "the framework classes it builds. Run from the repository root:",
-        f"    PYTHONPATH={':'.join(subject.pythonpath or ('.',))} python {script.SCRIPT}  # exit 1 while the defect is "
-        "there, 0 once fixed\n    ... --spec examples.automodel.models.deepseek_v41             # another spec "
-        "(the bundled one passes)",
-        f"Exported by cp_harness from the case {request.case_text}.",
-    ]
+    doc = [f"Repro: the model of the spec {case['spec']} at CP size {case['world_size']} ({case['dtype']}): its CP "
+           "training step does not compute what the same model computes on one device.",
+           "What it checks: every rank runs one training step of the model the framework's way (the spec's sharder, "
+           "the forward inside its context, the loss over the rank's labels divided by the global label count, the "
+           "gradients and the loss summed over the ranks, the logits gathered); rank 0 runs the same step on one "
+           "device twice (plainly, and with a neutral change of reduction order: the reference spread) and compares "
+           f"the logits at valid positions, the loss and every parameter gradient: the error in ULPs of {case['dtype']}"
+           f" at the tensor's largest value must be at most {c:g} x the spread of its kind + {floor[case['dtype']]:g}."
+           " The worst element of each failing tensor is printed; a rank that raises is named.",
+           f"The code under test is the spec module {case['spec']} (imported by name: it is the model's CP path) and "
+           "the framework classes it builds. Run from the repository root:",
+           f"    PYTHONPATH={':'.join(subject.pythonpath or ('.',))} python {script.SCRIPT}  # exit 1 while the defect is "
+           "there, 0 once fixed\n    ... --spec examples.automodel.models.deepseek_v41             # another spec "
+           "(the bundled one passes)", f"Exported by cp_harness from the case {request.case_text}."]
     p = script.Plan(name=request.name, doc=doc, world=int(case["world_size"]), arrays={}, timeout=600)
-    p.constants.update(
-        SPEC=case["spec"],
-        DTYPE=case["dtype"],
-        SEED=int(case.get("seed", 0)),
-        OVERRIDES=case.get("overrides") or {},
-        BATCH=case["batch"],
-        C=c,
-        FLOOR=floor[case["dtype"]],
-    )
+    p.constants.update(SPEC=case["spec"], DTYPE=case["dtype"], SEED=int(case.get("seed", 0)),
+                       OVERRIDES=case.get("overrides") or {}, BATCH=case["batch"], C=c, FLOOR=floor[case["dtype"]])
     p.functions = [options, step, normwise, run_rank]
     return p
 
@@ -73,9 +63,8 @@ def step(spec, model, mesh, batch: dict, split: int = 1, reverse: bool = False) 
     many position chunks (the same result up to the order of its sums)."""
     rows = batch["input_ids"].shape[0]
     order = list(range(rows))[::-1] if reverse else list(range(rows))
-    batch = {
-        k: v[order] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == rows else v for k, v in batch.items()
-    }
+    batch = {k: v[order] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == rows else v
+             for k, v in batch.items()}
     model.zero_grad(set_to_none=True)
     count = spec.num_label_tokens(batch)
     ctx_factory, local, sharder = spec.shard(model, mesh, batch)
@@ -130,9 +119,8 @@ def run_rank(rank: int, args, mesh, device) -> bool:
     kind = {name: name.split(" ")[0] for name in ref}
     spread = {}  # type: ignore[var-annotated]  # (stripped from the script) kind -> its worst spread, filled below
     for name in ref:
-        spread[kind[name]] = max(
-            spread.get(kind[name], 0.0), normwise(other[name], ref[name], valid if name == "logits" else None)[0]
-        )
+        spread[kind[name]] = max(spread.get(kind[name], 0.0), normwise(other[name], ref[name],
+                                                                        valid if name == "logits" else None)[0])
     wrong = []
     for name in ref:
         if cp[name].shape != ref[name].shape:
@@ -141,16 +129,10 @@ def run_rank(rank: int, args, mesh, device) -> bool:
         error, worst = normwise(cp[name], ref[name], valid if name == "logits" else None)
         bound = C * spread[kind[name]] + FLOOR
         if not error <= bound:
-            wrong.append(
-                f"{name}: CP error {error:.3g} ULP > bound {bound:.3g} (= {C:g} x spread "
-                f"{spread[kind[name]]:.3g} + {FLOOR:g}); worst at "
-                + (
-                    f"row {worst[0]}, global position {worst[1]}, vocabulary entry {worst[2]}"
-                    if name == "logits"
-                    else f"index {list(worst)}"
-                )
-                + ": CP "
-                f"{cp[name][worst].item()!r}, one device {ref[name][worst].item()!r}"
-            )
+            wrong.append(f"{name}: CP error {error:.3g} ULP > bound {bound:.3g} (= {C:g} x spread "
+                         f"{spread[kind[name]]:.3g} + {FLOOR:g}); worst at "
+                         + (f"row {worst[0]}, global position {worst[1]}, vocabulary entry {worst[2]}"
+                            if name == "logits" else f"index {list(worst)}") + ": CP "
+                         f"{cp[name][worst].item()!r}, one device {ref[name][worst].item()!r}")
     print("\n".join(wrong) or "CP computes what one device computes", flush=True)
     return not wrong

@@ -85,13 +85,9 @@ def on_world_mesh(plan: Plan, case: dict) -> Plan:
     if layout is None:
         return plan
     groups = [list(layout.groups()[g]) for g in layout.running()]
-    doc = [
-        *plan.doc[:-1],
-        f"The ranks form the world mesh {layout.label()} (DeviceMesh, mesh_dim_names "
-        f"{list(layout.dims)}), as training builds it; each CP group of global ranks {groups} runs the case on "
-        'mesh["cp"], and "rank" below is the rank in that group.',
-        plan.doc[-1],
-    ]
+    doc = [*plan.doc[:-1], f"The ranks form the world mesh {layout.label()} (DeviceMesh, mesh_dim_names "
+           f"{list(layout.dims)}), as training builds it; each CP group of global ranks {groups} runs the case on "
+           'mesh["cp"], and "rank" below is the rank in that group.', plan.doc[-1]]
     mesh = {"dims": list(layout.dims), "shape": list(layout.shape), "ranks": list(layout.ranks), "groups": groups}
     return dataclasses.replace(plan, doc=doc, mesh=mesh)
 
@@ -145,22 +141,11 @@ def text(plan: Plan, sha256: str) -> str:
     constants.update(plan.constants)
     third = [line for line in plan.imports if line.split()[1].split(".")[0] == "nemo_automodel"]
     needed = [m for m in _STANDARD if plan.arrays or m not in ("hashlib", "io")]
-    standard = sorted(
-        {f"import {m}" for m in needed} | (set(plan.imports) - set(third)),
-        key=lambda line: (line.startswith("from"), line),
-    )
-    head = [
-        _docstring([p.replace(SCRIPT, f"{plan.name}.py") for p in plan.doc]),
-        "",
-        *standard,
-        "",
-        "import numpy as np",
-        "import torch",
-        "import torch.distributed as dist",
-        f"from torch.distributed.device_mesh import {'DeviceMesh' if world else 'init_device_mesh'}",
-        *third,
-        "",
-    ]
+    standard = sorted({f"import {m}" for m in needed} | (set(plan.imports) - set(third)),
+                      key=lambda line: (line.startswith("from"), line))
+    head = [_docstring([p.replace(SCRIPT, f"{plan.name}.py") for p in plan.doc]), "", *standard, "",
+            "import numpy as np", "import torch", "import torch.distributed as dist",
+            f"from torch.distributed.device_mesh import {'DeviceMesh' if world else 'init_device_mesh'}", *third, ""]
     body = [f"{k} = {_literal(v)}" for k, v in constants.items()]
     shared = [*(_SHARED if plan.arrays else _SHARED[:2]), *([parts.beyond] if plan.arithmetic else [])]
     blocks = [_source(f) for f in [*shared, *plan.functions]]

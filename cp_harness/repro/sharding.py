@@ -128,27 +128,17 @@ def _named(fn) -> tuple[str, str]:
 def plan(case: ShardCase, subject: Subject, name: str, case_text: str, sharder=None) -> script.Plan:
     """The script of ``case`` against ``subject`` (``sharder``: an adapter's unresolved sharder, copied in)."""
     imports, blocks, constructor = adapter_sharder(subject, sharder) if subject.inlined else ([], [], "")
-    parts = [
-        p
-        for p, on in (
-            ("the caller's tensors", True),
-            ("the index maps", True),
-            ("the local " + ", ".join(k.name for k in case.keys), case.keys),
-            ("unpack_row_layout called directly", case.unpack is not None),
-            ("the token verbs", case.forms),
-        )
-        if on
-    ]
-    doc = [
-        f"Repro: {subject.title('.'.join(case.hook[:2]))} and its sharder at CP size {case.world}.",
-        f"What it checks: {case.what} Every rank builds the case's global batch, calls "
-        f"{'.'.join(case.hook[:2])}({', '.join(['batch', *(f'{k}={v!r}' for k, v in case.hook[2].items())])}), "
-        "resolves the sharder it returns the framework's way and shards inside its context, as a train step "
-        f"does; rank 0 judges {', '.join(parts)} (bit for bit) and prints what differs, with the rank, the "
-        "global position and both values.",
-        *subject.run_paragraphs(),
-        f"Exported by cp_harness from the case {case_text}.",
-    ]
+    parts = [p for p, on in (("the caller's tensors", True), ("the index maps", True),
+                             ("the local " + ", ".join(k.name for k in case.keys), case.keys),
+                             ("unpack_row_layout called directly", case.unpack is not None),
+                             ("the token verbs", case.forms)) if on]
+    doc = [f"Repro: {subject.title('.'.join(case.hook[:2]))} and its sharder at CP size {case.world}.",
+           f"What it checks: {case.what} Every rank builds the case's global batch, calls "
+           f"{'.'.join(case.hook[:2])}({', '.join(['batch', *(f'{k}={v!r}' for k, v in case.hook[2].items())])}), "
+           "resolves the sharder it returns the framework's way and shards inside its context, as a train step "
+           f"does; rank 0 judges {', '.join(parts)} (bit for bit) and prints what differs, with the rank, the "
+           "global position and both values.", *subject.run_paragraphs(), f"Exported by cp_harness from the case "
+           f"{case_text}."]
     p = script.Plan(name=name, doc=doc, world=case.world, mesh=case.mesh, imports=imports)
     text = _add_batch(p, "batch", case.batch)
     if case.keys:
@@ -167,54 +157,30 @@ def plan(case: ShardCase, subject: Subject, name: str, case_text: str, sharder=N
             p.add(f"unpack/{label}", value)
     for i, form in enumerate(case.forms):
         p.add(f"form{i}/value", form["value"])
-    p.constants.update(
-        S=int(case.batch["input_ids"].shape[1]),
-        HOOK=case.hook,
-        BATCH_TEXT=text,
-        KEYS={k.name: [k.padding, k.dtype] for k in case.keys},
-        FORMS=[{k: v for k, v in f.items() if k != "value"} for f in case.forms],
-        UNPACK=case.unpack is not None,
-    )
-    p.functions = [
-        subject.options_source(),
-        _code_under_test(subject, case, constructor),
-        *blocks,
-        global_batch,
-        shard,
-        judge,
-        *([judge_keys] if case.keys else []),
-        *([unpack] if case.unpack is not None else []),
-        *((run_forms, upstream_of, form_differences) if case.forms else ()),
-        run_rank,
-    ]
+    p.constants.update(S=int(case.batch["input_ids"].shape[1]), HOOK=case.hook, BATCH_TEXT=text,
+                       KEYS={k.name: [k.padding, k.dtype] for k in case.keys},
+                       FORMS=[{k: v for k, v in f.items() if k != "value"} for f in case.forms],
+                       UNPACK=case.unpack is not None)
+    p.functions = [subject.options_source(), _code_under_test(subject, case, constructor), *blocks, global_batch,
+                   shard, judge, *([judge_keys] if case.keys else []), *([unpack] if case.unpack is not None else []),
+                   *((run_forms, upstream_of, form_differences) if case.forms else ()), run_rank]
     return p
 
 
 def _code_under_test(subject: Subject, case: ShardCase, constructor: str) -> str:
     part, hook = case.hook[0], case.hook[1]
-    impl = (
-        f"    module = importlib.import_module(args.impl)\n"
-        f"    part = getattr(module, {part!r}, None) or importlib.import_module(args.impl + {'.' + part!r})\n"
-        f'    batch = global_batch(arrays, "marked" if marked else "batch", device)\n'
-        f'    return batch, getattr(part, HOOK[1])(batch, **HOOK[2])["cp_sharder"]\n'
-    )
-    doc = (
-        f'    """``(batch, unresolved sharder)``: {part}.{hook} of the module ``args.impl``'
-        + (
-            f"; without it, the framework's sharder as {subject.module} builds it (copied below), on the batch "
-            "as its hook leaves it"
-            if subject.inlined
-            else ""
-        )
-        + '."""\n'
-    )
+    impl = (f"    module = importlib.import_module(args.impl)\n"
+            f"    part = getattr(module, {part!r}, None) or importlib.import_module(args.impl + {'.' + part!r})\n"
+            f"    batch = global_batch(arrays, \"marked\" if marked else \"batch\", device)\n"
+            f"    return batch, getattr(part, HOOK[1])(batch, **HOOK[2])[\"cp_sharder\"]\n")
+    doc = (f'    """``(batch, unresolved sharder)``: {part}.{hook} of the module ``args.impl``'
+           + (f"; without it, the framework's sharder as {subject.module} builds it (copied below), on the batch "
+              "as its hook leaves it" if subject.inlined else "") + '."""\n')
     head = "def code_under_test(args, arrays, device, marked=False):\n" + doc
     if not subject.inlined:
         return head + impl
-    return (
-        head + '    if not args.impl:\n        batch = global_batch(arrays, "marked_hooked" if marked else '
-        f'"hooked", device)\n        return batch, {constructor}\n' + impl
-    )
+    return (head + "    if not args.impl:\n        batch = global_batch(arrays, \"marked_hooked\" if marked else "
+            f"\"hooked\", device)\n        return batch, {constructor}\n" + impl)
 
 
 # ------------------------------------------------------------------------------ the script's own functions
@@ -224,7 +190,7 @@ def global_batch(arrays: dict, prefix: str, device) -> dict:
     batch, lists = dict(BATCH_TEXT), {}  # type: ignore[var-annotated]  # (stripped from the script) filled below
     for name in arrays:
         if name.startswith(prefix + "/"):
-            key, _, item = name[len(prefix) + 1 :].partition("/")
+            key, _, item = name[len(prefix) + 1:].partition("/")
             if item:
                 lists.setdefault(key, {})[int(item)] = tensor(arrays, name, device)
             else:
@@ -239,20 +205,12 @@ def shard(rank: int, args, mesh, device, arrays: dict, marked: bool = False) -> 
     batch, sharder = code_under_test(args, arrays, device, marked)
     loss_mask = tensor(arrays, "loss_mask", device) if "loss_mask" in arrays else None
     caller = {k: (v, v.clone()) for k, v in [*batch.items(), ("loss_mask", loss_mask)] if isinstance(v, torch.Tensor)}
-    sharder = type(sharder)(
-        device_mesh=mesh,
-        shard_batch=sharder.shard_batch,
-        padding_token_id=0,
-        loss_mask=loss_mask,
-        local_token_global_indices=sharder.local_token_global_indices,
-    )  # the framework's resolution
+    sharder = type(sharder)(device_mesh=mesh, shard_batch=sharder.shard_batch, padding_token_id=0, loss_mask=loss_mask,
+                            local_token_global_indices=sharder.local_token_global_indices)  # the framework's resolution
     ctx_factory, local = sharder.shard(batch)
     with ctx_factory():
-        held = {
-            k: (local[k].tolist(), str(local[k].dtype))
-            for k in [*KEYS, "labels"]
-            if isinstance(local.get(k), torch.Tensor)
-        }
+        held = {k: (local[k].tolist(), str(local[k].dtype)) for k in [*KEYS, "labels"]
+                if isinstance(local.get(k), torch.Tensor)}
         layout = getattr(sharder, "shard_layout", None)
         index_map = getattr(layout, "local_token_global_indices", None)
         if index_map is None:
@@ -260,18 +218,10 @@ def shard(rank: int, args, mesh, device, arrays: dict, marked: bool = False) -> 
             index_map = sharder.local_token_global_indices(mesh, padded, device)
         marker = sharder.shard_token_tensor(torch.arange(S, device=device)[None], seq_dim=1, fill=-1)[0]
         forms = run_forms(rank, sharder, arrays, device) if FORMS else []
-    changed = [
-        f"{k} from {list(saved.shape)} to {list(v.shape)}" if v.shape != saved.shape else f"{k} (overwritten)"
-        for k, (v, saved) in caller.items()
-        if v.shape != saved.shape or not torch.equal(v, saved)
-    ]
-    report = {
-        "held": held,
-        "map": index_map.reshape(-1).tolist(),
-        "marker": marker.tolist(),
-        "forms": forms,
-        "changed": changed,
-    }
+    changed = [f"{k} from {list(saved.shape)} to {list(v.shape)}" if v.shape != saved.shape else f"{k} (overwritten)"
+               for k, (v, saved) in caller.items() if v.shape != saved.shape or not torch.equal(v, saved)]
+    report = {"held": held, "map": index_map.reshape(-1).tolist(), "marker": marker.tolist(), "forms": forms,
+              "changed": changed}
     if KEYS and not marked:
         report["follows"] = shard(rank, args, mesh, device, arrays, marked=True)["held"]["labels"][0][0]
     return report
@@ -279,29 +229,18 @@ def shard(rank: int, args, mesh, device, arrays: dict, marked: bool = False) -> 
 
 def judge(reports: list, arrays: dict) -> list:
     """What is wrong in the ranks' reports: the caller's tensors, the index maps, each judged key."""
-    wrong = [
-        f"rank {r}: shard() changed the caller's {change} in place (a sharder must leave the caller's tensors "
-        "unchanged)"
-        for r, rep in enumerate(reports)
-        for change in rep["changed"]
-    ]
+    wrong = [f"rank {r}: shard() changed the caller's {change} in place (a sharder must leave the caller's tensors "
+             "unchanged)" for r, rep in enumerate(reports) for change in rep["changed"]]
     maps = [np.asarray(rep["map"], dtype=np.int64) for rep in reports]
     padded = sum(len(m) for m in maps)
-    if not (
-        np.array_equal(np.sort(np.concatenate(maps)), np.arange(padded))
-        and padded >= S
-        and len({len(m) for m in maps}) == 1
-    ):
-        return wrong + [
-            f"the index maps {[m.tolist() for m in maps]} do not own every position of [0, {padded}) "
-            f"exactly once, in equal shards"
-        ]
+    if not (np.array_equal(np.sort(np.concatenate(maps)), np.arange(padded)) and padded >= S
+            and len({len(m) for m in maps}) == 1):
+        return wrong + [f"the index maps {[m.tolist() for m in maps]} do not own every position of [0, {padded}) "
+                        f"exactly once, in equal shards"]
     for r, (m, rep) in enumerate(zip(maps, reports)):
         if rep["marker"] != np.where(m < S, m, -1).tolist():
-            wrong.append(
-                f"rank {r}: its index map is {m.tolist()}, but shard_token_tensor(arange(S)) cuts "
-                f"{rep['marker']} (-1: padding)"
-            )
+            wrong.append(f"rank {r}: its index map is {m.tolist()}, but shard_token_tensor(arange(S)) cuts "
+                         f"{rep['marker']} (-1: padding)")
     return wrong + (judge_keys(reports, arrays, maps, bool(wrong)) if KEYS else [])
 
 
@@ -311,62 +250,37 @@ def judge_keys(reports: list, arrays: dict, maps: list, wrong_already: bool) -> 
     wrong, padded = [], sum(len(m) for m in maps)
     for key, (padding, dtype) in KEYS.items():
         if any(key not in rep["held"] for rep in reports):
-            wrong.append(
-                f"ranks {[r for r, rep in enumerate(reports) if key not in rep['held']]}: the local batch "
-                f"holds no {key!r}"
-            )
+            wrong.append(f"ranks {[r for r, rep in enumerate(reports) if key not in rep['held']]}: the local batch "
+                         f"holds no {key!r}")
             continue
         held = [np.asarray(rep["held"][key][0]) for rep in reports]
         if dtype and {rep["held"][key][1] for rep in reports} != {dtype}:
             wrong.append(f"{key}: local dtype {[rep['held'][key][1] for rep in reports]}, the caller's {dtype}")
         want, compared = arrays[f"expected/{key}"], arrays[f"compared/{key}"].astype(bool)
         if padding == "global":
-            wrong += [
-                w
-                for r, h in enumerate(held)
-                if (
-                    w := differs(f"rank {r}: {key}", torch.as_tensor(h), want, lambda i: f"row {i[0]}, position {i[1]}")
-                )
-            ]
+            wrong += [w for r, h in enumerate(held) if (w := differs(f"rank {r}: {key}", torch.as_tensor(h), want,
+                                                                     lambda i: f"row {i[0]}, position {i[1]}"))]
             continue
         if [h.shape[1] for h in held] != [len(m) for m in maps]:
-            wrong.append(
-                f"{key}: the ranks hold {[h.shape[1] for h in held]} positions, their index maps list "
-                f"{[len(m) for m in maps]}: {key} is not sharded like the tokens"
-            )
+            wrong.append(f"{key}: the ranks hold {[h.shape[1] for h in held]} positions, their index maps list "
+                         f"{[len(m) for m in maps]}: {key} is not sharded like the tokens")
             continue
         got = np.zeros(want.shape[:1] + (padded,) + want.shape[2:], dtype=want.dtype)
         for m, h in zip(maps, held):
             got[:, m] = h
         full = np.concatenate([want, np.zeros_like(got[:, S:])], 1)
-        full[:, S:] = (
-            got[:, S - 1 : S] + np.arange(1, padded - S + 1)
-            if padding == "count"
-            else (0 if padding == "free" else padding)
-        )
+        full[:, S:] = got[:, S - 1:S] + np.arange(1, padded - S + 1) if padding == "count" else \
+            (0 if padding == "free" else padding)
         mask = np.concatenate([compared, np.full(got[:, S:].shape[:2], padding != "free")], 1)
         owner = {int(p): r for r, m in enumerate(maps) for p in m}
-        w = differs(
-            key,
-            torch.as_tensor(got),
-            full,
-            lambda i: (
-                f"row {i[0]}, global position {i[1]}, owned by rank "
-                f"{owner[i[1]]}" + (", divisibility padding" if i[1] >= S else "")
-            ),
-            mask=mask,
-        )
+        w = differs(key, torch.as_tensor(got), full, lambda i: f"row {i[0]}, global position {i[1]}, owned by rank "
+                    f"{owner[i[1]]}" + (", divisibility padding" if i[1] >= S else ""), mask=mask)
         wrong += [w] if w else []
-    if (
-        (wrong or wrong_already)
-        and "follows" in reports[0]
-        and any(f not in (-100, p) for rep, m in zip(reports, maps) for f, p in zip(rep["follows"], m))
-    ):
-        wrong += [
-            f"  rank {r}: index map reported {m.tolist()}; its local labels are those of positions "
-            f"{rep['follows']} (sharded again with labels = arange(S); -100: padding or a masked label)"
-            for r, (m, rep) in enumerate(zip(maps, reports))
-        ]
+    if (wrong or wrong_already) and "follows" in reports[0] and any(f not in (-100, p) for rep, m in zip(reports, maps)
+                                                 for f, p in zip(rep["follows"], m)):
+        wrong += [f"  rank {r}: index map reported {m.tolist()}; its local labels are those of positions "
+                  f"{rep['follows']} (sharded again with labels = arange(S); -100: padding or a masked label)"
+                  for r, (m, rep) in enumerate(zip(maps, reports))]
     return wrong
 
 
@@ -377,19 +291,9 @@ def unpack(args, arrays: dict, device) -> list:
     batch = global_batch(arrays, "batch", device)
     (getattr(module, "inkling2", None) or importlib.import_module(args.impl + ".inkling2")).unpack_row_layout(batch)
     keep = arrays["unpack/keep"]
-    return [
-        w
-        for key, mask in (("padding_mask", None), ("position_ids", keep))
-        if (
-            w := differs(
-                f"unpack_row_layout {key}",
-                batch.get(key),
-                arrays[f"unpack/{key}"],
-                lambda i: f"row {i[0]}, position {i[1]}",
-                mask=mask,
-            )
-        )
-    ]
+    return [w for key, mask in (("padding_mask", None), ("position_ids", keep)) if (w := differs(
+        f"unpack_row_layout {key}", batch.get(key), arrays[f"unpack/{key}"], lambda i: f"row {i[0]}, position {i[1]}",
+        mask=mask))]
 
 
 def run_forms(rank: int, sharder, arrays: dict, device) -> list:
@@ -431,25 +335,13 @@ def form_differences(reports: list, arrays: dict) -> list:
             grad.narrow(dim, 0, total.shape[dim]).copy_(total)  # type: ignore[union-attr, arg-type]  # WORLD >= 1
         for r, (m, rep) in enumerate(zip(maps, reports)):
             got, own = rep["forms"][i], torch.zeros_like(grad).index_copy(dim, m, grad.index_select(dim, m))
-            checks = [
-                ("shard_token_tensor", "local", padded.index_select(dim, m)),
-                ("gather_token_tensor", "back", x if form["trim"] else padded),
-                ("grad of the shard", "local_grad", grad.index_select(dim, m)),
-                ("grad of the caller's tensor", "caller_grad", own.narrow(dim, 0, x.shape[dim])),
-            ]
-            wrong += [
-                w
-                for what, key, want in checks
-                if key in got
-                and (
-                    w := differs(
-                        f"rank {r}: form {i} {form}: {what}",
-                        torch.as_tensor(got[key], dtype=want.dtype),
-                        want.numpy(),
-                        lambda j: f"index {list(j)}",
-                    )
-                )
-            ]
+            checks = [("shard_token_tensor", "local", padded.index_select(dim, m)),
+                      ("gather_token_tensor", "back", x if form["trim"] else padded),
+                      ("grad of the shard", "local_grad", grad.index_select(dim, m)),
+                      ("grad of the caller's tensor", "caller_grad", own.narrow(dim, 0, x.shape[dim]))]
+            wrong += [w for what, key, want in checks if key in got and (w := differs(
+                f"rank {r}: form {i} {form}: {what}", torch.as_tensor(got[key], dtype=want.dtype), want.numpy(),
+                lambda j: f"index {list(j)}"))]
     return wrong
 
 
@@ -474,10 +366,8 @@ def export(request, case: ShardCase) -> script.Plan:
     subject = request.subject(".".join(case.hook[:2]), translate=False)
     sharder = None
     if subject.inlined:
-        hooked = {
-            k: (v.clone() if isinstance(v, torch.Tensor) else list(v) if isinstance(v, list) else v)
-            for k, v in case.batch.items()
-        }
+        hooked = {k: (v.clone() if isinstance(v, torch.Tensor) else list(v) if isinstance(v, list) else v)
+                  for k, v in case.batch.items()}
         module = importlib.import_module(subject.module)
         sharder = getattr(getattr(module, case.hook[0]), case.hook[1])(hooked, **case.hook[2])["cp_sharder"]
         if type(sharder).__module__.split(".")[0] == "cp_impl" or not _copyable(subject, sharder):
@@ -493,30 +383,16 @@ def roundtrip(request, value: torch.Tensor) -> script.Plan:
     ``gather_token_tensor`` (trimmed and not) on ``value`` (``[B, S, C]``, the check's), forward and backward."""
     case = request.case
     B, S, _ = case["shape"]
-    batch = build_batch(
-        {"seed": case["seed"], "batch": {"format": "bshd", "seq_len": S, "rows": [[0, S]] * B}, "model": "inkling2"}
-    )
-    forms = [
-        {"value": value, "seq_dim": 1, "fill": False if value.dtype == torch.bool else 0, "trim": trim}
-        for trim in (True, False)
-    ]
-    return export(
-        request,
-        ShardCase(
-            int(case["world_size"]),
-            ("inkling2", "prepare_cp_inputs", {}),
-            batch,
-            [],
-            {},
-            {},
-            "shard_token_tensor(x, seq_dim=1, fill) returns this rank's positions of the index map (x padded with fill); "
-            "gather_token_tensor(local, seq_dim=1, trim) puts every rank's shard back in global order (trim: the "
-            "caller's length); the backward gives each rank's shard the sum of every rank's upstream gradient at its "
-            "positions.",
-            mesh=case.get("mesh") != "none",
-            forms=forms,
-        ),
-    )
+    batch = build_batch({"seed": case["seed"], "batch": {"format": "bshd", "seq_len": S, "rows": [[0, S]] * B},
+                         "model": "inkling2"})
+    forms = [{"value": value, "seq_dim": 1, "fill": False if value.dtype == torch.bool else 0, "trim": trim}
+             for trim in (True, False)]
+    return export(request, ShardCase(
+        int(case["world_size"]), ("inkling2", "prepare_cp_inputs", {}), batch, [], {}, {},
+        "shard_token_tensor(x, seq_dim=1, fill) returns this rank's positions of the index map (x padded with fill); "
+        "gather_token_tensor(local, seq_dim=1, trim) puts every rank's shard back in global order (trim: the "
+        "caller's length); the backward gives each rank's shard the sum of every rank's upstream gradient at its "
+        "positions.", mesh=case.get("mesh") != "none", forms=forms))
 
 
 def verbs(request, value, fill) -> script.Plan:
@@ -525,17 +401,11 @@ def verbs(request, value, fill) -> script.Plan:
     dtype)``: the check's)."""
     case = request.case
     if case["layout"] != "strategy":
-        raise NotExportable(
-            f"a verb case on the {case['layout']!r} layout (one the harness reports itself) has no standalone repro"
-        )
+        raise NotExportable(f"a verb case on the {case['layout']!r} layout (one the harness reports itself) has no "
+                            "standalone repro")
     B, S, dtype = int(case["rows"]), int(case["seq_len"]), case.get("value_dtype") or case["dtype"]
-    batch = build_batch(
-        {
-            "seed": case["seed"],
-            "batch": {"format": "bshd", "seq_len": S, "rows": [[0, S]] * B},
-            "model": case.get("model", "inkling2"),
-        }
-    )
+    batch = build_batch({"seed": case["seed"], "batch": {"format": "bshd", "seq_len": S, "rows": [[0, S]] * B},
+                         "model": case.get("model", "inkling2")})
     report = request.report
     raised = report is None or any(p.kind is ProblemKind.RANK_RAISED for p in report.problems)
     failing = " ".join(c.name for c in report.failures()) if report is not None else ""
@@ -543,29 +413,12 @@ def verbs(request, value, fill) -> script.Plan:
     for i, form in enumerate(case["forms"]):
         if (raised or f"form {i} " in failing) and form["coords"] == "caller":
             shape = [*form["lead"], B, S, *form["trail"]]
-            forms.append(
-                {
-                    "value": value(case, i, shape, dtype),
-                    "seq_dim": 1 + len(form["lead"]),
-                    "fill": fill(form, dtype),
-                    "trim": bool(form["trim"]),
-                }
-            )
-    return export(
-        request,
-        ShardCase(
-            int(case["world_size"]),
-            (case.get("model", "inkling2"), "prepare_cp_inputs", {}),
-            batch,
-            [],
-            {},
-            {},
-            "after shard(batch) the sharder's verbs take tensors in the caller's coordinates: shard_token_tensor(x, "
-            "seq_dim, fill) pads x with fill to the padded length and returns this rank's positions of the index map; "
-            "gather_token_tensor(local, seq_dim, trim, fill) is its inverse (trim: back to the caller's length); the "
-            "backward returns each rank's gradient at its own positions; shard() leaves the caller's tensors as they "
-            "were.",
-            mesh=case.get("mesh") != "none",
-            forms=forms,
-        ),
-    )
+            forms.append({"value": value(case, i, shape, dtype), "seq_dim": 1 + len(form["lead"]),
+                          "fill": fill(form, dtype), "trim": bool(form["trim"])})
+    return export(request, ShardCase(
+        int(case["world_size"]), (case.get("model", "inkling2"), "prepare_cp_inputs", {}), batch, [], {}, {},
+        "after shard(batch) the sharder's verbs take tensors in the caller's coordinates: shard_token_tensor(x, "
+        "seq_dim, fill) pads x with fill to the padded length and returns this rank's positions of the index map; "
+        "gather_token_tensor(local, seq_dim, trim, fill) is its inverse (trim: back to the caller's length); the "
+        "backward returns each rank's gradient at its own positions; shard() leaves the caller's tensors as they "
+        "were.", mesh=case.get("mesh") != "none", forms=forms))

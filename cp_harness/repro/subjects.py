@@ -51,20 +51,15 @@ class Subject:
     def run_paragraphs(self) -> list[str]:
         """How to run the script: as it is, on the bundled implementation, with the fix."""
         path = "PYTHONPATH=" + ":".join(self.pythonpath or (".",)) + " "
-        runs = [
-            ("", "exit 1 while the defect is there, 0 once fixed"),
-            (" --impl cp_impl", "the bundled implementation: exit 0"),
-        ]
+        runs = [("", "exit 1 while the defect is there, 0 once fixed"),
+                (" --impl cp_impl", "the bundled implementation: exit 0")]
         if self.fix:
             runs.append((" --fixed", "the fix proposed upstream: exit 0"))
         width = max(len(flag) for flag, _ in runs)
         how = [f"    {path}python {SCRIPT}{flag:<{width}}  # {why}" for flag, why in runs]
-        code = (
-            f"The code under test is the framework function, called as {self.module} translates the documented "
-            "call (that translation is copied below)."
-            if self.inlined
-            else f"The code under test is the module {self.module}, imported by name."
-        )
+        code = (f"The code under test is the framework function, called as {self.module} translates the documented "
+                "call (that translation is copied below)." if self.inlined else
+                f"The code under test is the module {self.module}, imported by name.")
         return [code + " Run from the repository root (--backend nccl: on GPUs):", "\n".join(how)]
 
     def imports(self) -> list[str]:
@@ -72,38 +67,24 @@ class Subject:
 
     def options_source(self) -> str:
         if self.inlined:
-            lines = [
-                '    parser.add_argument("--impl", metavar="MODULE",\n'
-                '                        help="the function of MODULE (e.g. cp_impl) instead of the framework\'s")'
-            ]
+            lines = ['    parser.add_argument("--impl", metavar="MODULE",\n'
+                     '                        help="the function of MODULE (e.g. cp_impl) instead of the framework\'s")']
             if self.fix:
-                lines.append(
-                    '    parser.add_argument("--fixed", action="store_true",\n'
-                    '                        help="the fix proposed upstream instead of the framework\'s")'
-                )
+                lines.append('    parser.add_argument("--fixed", action="store_true",\n'
+                             '                        help="the fix proposed upstream instead of the framework\'s")')
         else:
-            lines = [
-                f'    parser.add_argument("--impl", default={self.module!r}, metavar="MODULE",\n'
-                '                        help="the implementation module under test (default: the one that failed)")'
-            ]
+            lines = [f'    parser.add_argument("--impl", default={self.module!r}, metavar="MODULE",\n'
+                     '                        help="the implementation module under test (default: the one that failed)")']
         return "def options(parser):\n" + "\n".join(lines) + "\n"
 
     def code_under_test_source(self, function: str) -> str:
         part, name = function.split(".")
-        head = (
-            f'def code_under_test(args):\n    """{function} of the module ``args.impl``'
-            + (
-                f"; without it, the framework's,\n    as {self.module} translates it (copied below)."
-                if self.inlined
-                else "."
-            )
-            + '"""\n'
-        )
-        choose = (
-            f"    module = importlib.import_module(args.impl)\n"
-            f"    part = getattr(module, {part!r}, None) or importlib.import_module(args.impl + {'.' + part!r})\n"
-            f"    return part.{name}\n"
-        )
+        head = (f"def code_under_test(args):\n    \"\"\"{function} of the module ``args.impl``"
+                + (f"; without it, the framework's,\n    as {self.module} translates it (copied below)."
+                   if self.inlined else ".") + '"""\n')
+        choose = (f"    module = importlib.import_module(args.impl)\n"
+                  f"    part = getattr(module, {part!r}, None) or importlib.import_module(args.impl + {'.' + part!r})\n"
+                  f"    return part.{name}\n")
         if not self.inlined:
             return head + choose
         fixed = f"    if args.fixed:\n        return {fixes.FIXED[function].__name__}\n" if self.fix else ""
@@ -144,15 +125,8 @@ def subject_of(module_name: str, function: str, translate: bool = True) -> Subje
     served = getattr(getattr(module, part), name)
     imports, blocks = inline(module_name, [served.__name__])
     fix = [_source_of(f) for f in fixes.needed(function)]
-    return Subject(
-        module_name,
-        _pythonpath(module),
-        inlined=True,
-        serves=serves[function],
-        translation=blocks,
-        framework_imports=imports,
-        fix=fix,
-    )
+    return Subject(module_name, _pythonpath(module), inlined=True, serves=serves[function], translation=blocks,
+                   framework_imports=imports, fix=fix)
 
 
 def _source_of(fn) -> str:
@@ -191,17 +165,15 @@ def _first_docstring_line(text: str, node: ast.stmt) -> str:
     """``text`` (the source of ``node``) with its docstring cut to the first line: the translation, not its essay."""
     body = getattr(node, "body", None)
     doc = body[0] if body else None
-    if (
-        not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str))
-        or doc.lineno == doc.end_lineno
-    ):
+    if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)) \
+            or doc.lineno == doc.end_lineno:
         return text
     assert doc.end_lineno is not None  # ast.parse sets it
     lines = text.splitlines()
     first, last = doc.lineno - node.lineno, doc.end_lineno - node.lineno
-    indent = lines[first][: len(lines[first]) - len(lines[first].lstrip())]
+    indent = lines[first][:len(lines[first]) - len(lines[first].lstrip())]
     summary = doc.value.value.strip().splitlines()[0].strip()
-    return "\n".join(lines[:first] + [f'{indent}"""{summary}"""'] + lines[last + 1 :])
+    return "\n".join(lines[:first] + [f'{indent}"""{summary}"""'] + lines[last + 1:])
 
 
 def inline(module_name: str, names: list[str]) -> tuple[list[str], list[str]]:
@@ -233,22 +205,14 @@ def inline(module_name: str, names: list[str]) -> tuple[list[str], list[str]]:
                 if origin == _COMPOSE:
                     visit(_COMPOSE, attribute or used, seen + ((module, name),))
                 elif origin.split(".")[0] == "nemo_automodel":
-                    imports[used] = (
-                        f"from {origin} import {attribute}" + (f" as {used}" if used != attribute else "")
-                        if attribute
-                        else f"import {origin} as {used}"
-                    )
+                    imports[used] = (f"from {origin} import {attribute}" + (f" as {used}" if used != attribute else "")
+                                     if attribute else f"import {origin} as {used}")
                 elif origin.split(".")[0] in ("cp_impl", "cp_harness", "oracle", "examples"):
-                    raise NotExportable(
-                        f"{module}.{name} uses {origin} ({used}): the translation cannot be copied "
-                        "without the code it reaches"
-                    )
+                    raise NotExportable(f"{module}.{name} uses {origin} ({used}): the translation cannot be copied "
+                                        "without the code it reaches")
                 elif origin not in ("torch", "numpy"):  # the standard library: imported as the module does
-                    imports[used] = (
-                        f"from {origin} import {attribute}" + (f" as {used}" if used != attribute else "")
-                        if attribute
-                        else f"import {origin}" + (f" as {used}" if used != origin else "")
-                    )
+                    imports[used] = (f"from {origin} import {attribute}" + (f" as {used}" if used != attribute else "")
+                                     if attribute else f"import {origin}" + (f" as {used}" if used != origin else ""))
         blocks[(module, name)] = _first_docstring_line(ast.get_source_segment(source, node) or "", node)
 
     for name in names:

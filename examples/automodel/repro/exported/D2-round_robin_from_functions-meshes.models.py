@@ -170,8 +170,16 @@ def _local_indices(cp_mesh, padded_seq_len: int, device=None):
     return round_robin_local_indices(cp_mesh, padded_seq_len, device)
 
 
-def _shard_batch(cp_mesh, tp_mesh, batch, *, loss_mask=None, padding_token_id: int = 0, shard_primary: bool = True,
-                 forget_loss_mask: bool = False):
+def _shard_batch(
+    cp_mesh,
+    tp_mesh,
+    batch,
+    *,
+    loss_mask=None,
+    padding_token_id: int = 0,
+    shard_primary: bool = True,
+    forget_loss_mask: bool = False,
+):
     del tp_mesh
     seq_len = batch["input_ids"].shape[1]
     local = {k: v for k, v in batch.items() if k != "attention_mask"}
@@ -189,7 +197,8 @@ def _shard_batch(cp_mesh, tp_mesh, batch, *, loss_mask=None, padding_token_id: i
     local["position_ids"] = shard_token_tensor_by_indices(positions, _local_indices(cp_mesh, padded, positions.device))
     if loss_mask is not None and not forget_loss_mask:
         local["loss_mask"], _, _ = shard_sequence_for_cp_round_robin(
-            cp_mesh, loss_mask, pad_value=False if loss_mask.dtype == torch.bool else 0)
+            cp_mesh, loss_mask, pad_value=False if loss_mask.dtype == torch.bool else 0
+        )
     return contextlib.nullcontext, local, ShardLayout(original_seq_len=seq_len, padded_seq_len=padded)
 
 

@@ -168,10 +168,17 @@ def _active(cp_mesh) -> bool:
 class AuxOnlySharder(ContextParallelSharder):
     """The framework's sharder; its primary-stream shard is the model side's ``shard_sequence_for_cp_round_robin``."""
 
-    def shard_token_tensor(self, tensor: torch.Tensor, seq_dim: int = 1, fill: float | int | None = None) -> torch.Tensor:
+    def shard_token_tensor(
+        self, tensor: torch.Tensor, seq_dim: int = 1, fill: float | int | None = None
+    ) -> torch.Tensor:
         layout = self.shard_layout
-        if (_active(self._cp_mesh) and fill is not None and layout is not None
-                and layout.original_seq_len is not None and tensor.shape[seq_dim] == layout.original_seq_len):
+        if (
+            _active(self._cp_mesh)
+            and fill is not None
+            and layout is not None
+            and layout.original_seq_len is not None
+            and tensor.shape[seq_dim] == layout.original_seq_len
+        ):
             local, _, _ = shard_sequence_for_cp_round_robin(self._cp_mesh, tensor, seq_dim=seq_dim, pad_value=fill)
             return local
         return super().shard_token_tensor(tensor, seq_dim=seq_dim, fill=fill)

@@ -163,9 +163,14 @@ def context_for(masked: torch.Tensor, mesh) -> framework.Qwen3_8_FlashNextCPCont
     batch, local = int(masked.shape[0]), int(masked.shape[1])
     ids = torch.zeros(batch, size * local, dtype=torch.int64, device=masked.device)
     return framework.Qwen3_8_FlashNextCPContext(
-        group=group, rank=rank, size=size, global_input_ids=ids,
+        group=group,
+        rank=rank,
+        size=size,
+        global_input_ids=ids,
         global_padding_mask=torch.zeros_like(ids, dtype=torch.bool),
-        local_sequence_start=rank * local, local_sequence_length=local)
+        local_sequence_start=rank * local,
+        local_sequence_length=local,
+    )
 
 
 def convolution_history(masked: torch.Tensor, mesh, width: int) -> torch.Tensor:
