@@ -36,20 +36,23 @@ def test_every_rank_gets_the_cp_mesh_of_its_group(cp_runner, layout):
     cp_runner.check(MESH_IDENTITY.case(world_size=n, seed=0, **{meshes.KEY: layout}))
 
 
-def test_cp_groups_of_one_mesh_run_different_cases_at_once(cp_runner):
-    """Group 0 waits a second on one rank; group 1's case, sent after it, is done before that rank wakes."""
+def test_cp_groups_of_one_mesh_run_different_cases_at_once(cp_runner, tmp_path):
+    """Group 0's case waits on one rank until group 1's case, sent after it, has run its collective: were the
+    groups run one after the other, group 1's case could not run before group 0's had waited out its 60 s."""
     _need(cp_runner, {"dims": ["dp", "cp"], "shape": [2, 2]})
     layout = {"dims": ["dp", "cp"], "shape": [2, 2]}
-    slow = POOL_SELFTEST.case(world_size=2, seed=0, mode="hang", fault_rank=0, hang_seconds=1.0,
-                              **{meshes.KEY: {**layout, "run": [0]}})
-    quick = POOL_SELFTEST.case(world_size=2, seed=1, mode="ok", **{meshes.KEY: {**layout, "run": [1]}})
+    release = tmp_path / "release"
+    slow = POOL_SELFTEST.case(world_size=2, seed=0, mode="hang", fault_rank=0, hang_seconds=60.0,
+                              hang_until=str(release), **{meshes.KEY: {**layout, "run": [0]}})
+    quick = POOL_SELFTEST.case(world_size=2, seed=1, mode="ok", done_file=str(release),
+                               **{meshes.KEY: {**layout, "run": [1]}})
     pool = cp_runner.pool
-    first, second = pool.submit(slow, timeout=30), pool.submit(quick, timeout=30)
+    first, second = pool.submit(slow, timeout=120), pool.submit(quick, timeout=120)
     a, b = pool.collect(first), pool.collect(second)
     assert [o.rank for o in a] == [0, 1] and [o.rank for o in b] == [2, 3]
     assert [(o.group, o.cp_rank) for o in b] == [(1, 0), (1, 1)]
     assert all(o.ok for o in a + b), [o.message for o in a + b]
-    assert max(o.finished_at for o in b) < max(o.finished_at for o in a), "group 1 waited for group 0"
+    assert a[0].info["released"], "group 0's rank waited out its hang: group 1's case did not run beside it"
     assert min(o.started_at for o in b) < min(o.finished_at for o in a)
 
 
