@@ -62,6 +62,28 @@ def test_a_spec_on_a_cpu_stand_in_is_in_the_default_command(table):
     assert "spec:load_balanced_sdpa" in ring.nightly
 
 
+def test_the_on_cpu_column_tells_stand_in_runs_from_real_kernel_runs(table):
+    """The ring is judged on CPU only on the stand-in; an adapter's functions run on the framework's own code; a
+    spec's forward-only CPU judging and a GPU-only spec say so."""
+    from cp_harness.usage.model_specs import spec_traits
+    from examples.automodel.models import SPECS
+    from examples.automodel.tools import coverage
+
+    rows = {r.function: r for r in table.rows}
+    ring = next(r for r in table.rows if r.function.endswith("_templated_ring_attention_backward"))
+    assert "spec:load_balanced_sdpa: CPU, stand-in: ring SDPA" in "; ".join(ring.on_cpu), ring.on_cpu
+    gather = rows["nemo_automodel.components.models.deepseek_v41.cp.gather_sequence"]
+    assert "adapter:deepseek_v41_gather: real kernels" in gather.on_cpu
+    mamba = next(r for r in table.rows if r.function.endswith("context_parallel.mamba._AllToAll"))
+    assert "spec:nemotron_v3_mamba: not on CPU (needs mamba_ssm" in "; ".join(mamba.on_cpu), mamba.on_cpu
+    for spec in SPECS:
+        traits = spec_traits(f"examples.automodel.models.{spec}")
+        mode = coverage.cpu_mode(f"spec:{spec}")
+        assert ("stand-in" in mode) == bool(traits.standins and not traits.unmet()), (spec, mode)
+        assert ("forward only" in mode) == bool(traits.forward_only("cpu") and not traits.unmet()), (spec, mode)
+    assert "| on CPU |" in table.markdown() and "on CPU: spec:load_balanced_sdpa: CPU, stand-in" in table.text()
+
+
 def test_a_function_nothing_exercises_says_why_and_the_text_forms_count_them(table):
     rows = {r.function: r for r in table.rows}
     halo = rows["nemo_automodel.components.distributed.blockdiag_cp.exchange._LeftHaloExchange"]
