@@ -236,7 +236,23 @@ def suite_table(result: dict) -> str:
             ]
         ],
         title="Full CPU test suite",
+    ) + _where_the_time_goes(result)
+
+
+def _where_the_time_goes(result: dict) -> str:
+    """The suite's per-file and slowest-test tables, with the fresh-case equivalents when measured."""
+    if not result.get("by_file"):
+        return ""
+    total = result["test_seconds_total"] or 1.0
+    fce = result.get("fresh_case_equivalents")
+    unit = f"; {fce:.1f} fresh 2-rank torchrun cases of pytest time" if fce else ""
+    files = format_table(
+        ["test file", "tests", "seconds", "share"],
+        [[f, n, s, f"{100 * s / total:.1f}%"] for f, s, n in result["by_file"]],
+        title=f"Where the suite's time goes, per test file ({total:.0f} test seconds over all workers{unit})",
     )
+    slowest = format_table(["test", "seconds"], [[name, s] for name, s in result["slowest"]], title="Slowest tests")
+    return "\n\n" + files + "\n\n" + slowest
 
 
 def targets_table(rows: list[dict]) -> str:

@@ -81,6 +81,9 @@ def run_bench(options: BenchOptions, stream=sys.stdout, runner=None) -> tuple[in
         code = _run_pool_sections(options, impl, sizes, runner, report, stream)
     if not options.skip_suite and code == 0:
         report["suite"] = suite.measure(options.suite_cmd)
+        report["suite"]["fresh_case_equivalents"] = suite.fresh_case_equivalents(
+            report["suite"], report.get("throughput")
+        )
         print(suite_table(report["suite"]) + "\n", file=stream, flush=True)
     else:
         report["suite"] = {"skipped": True}
