@@ -44,54 +44,23 @@ from nemo_automodel.components.models.deepseek_v4.config import DeepseekV4Config
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 from examples.automodel.models import _base
-from examples.automodel.models._base import (  # noqa: F401  (the shared half of the interface)
-    DTYPES,
-    IGNORE_INDEX,
-    build_seeded,
-    dtype_name,
-    forward,
-    local_labels,
-    loss,
-    num_label_tokens,
-    pad_batch,
-    shard,
-    tiny,
-    valid_positions,
-)
+from examples.automodel.models._base import *  # noqa: F403  (the shared half of the interface)
+from examples.automodel.models._base import IGNORE_INDEX, build_seeded, dtype_name, pad_batch, padded_length, tiny  # noqa: F401
 from examples.automodel.models.deepseek_v41 import BACKEND
 
 NAME = "deepseek_v4"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.deepseek_v4.model.DeepseekV4ForCausalLM"
 
+# fmt: off
 TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=16,
-    moe_intermediate_size=8,
-    num_hidden_layers=4,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    qk_rope_head_dim=4,
-    q_lora_rank=8,
-    o_lora_rank=8,
-    o_groups=2,
-    n_routed_experts=4,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    compress_ratios=[0, 4, 4, 0],
-    sliding_window=4,
-    num_hash_layers=1,
-    hc_mult=2,
-    hc_sinkhorn_iters=4,
-    index_head_dim=8,
-    index_n_heads=2,
-    index_topk=64,
-    num_nextn_predict_layers=0,
-    vision_n_layers=0,
-    initializer_range=0.2,
-    max_position_embeddings=4096,
+    vocab_size=64, hidden_size=16, moe_intermediate_size=8, num_hidden_layers=4, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=8, qk_rope_head_dim=4, q_lora_rank=8, o_lora_rank=8, o_groups=2,
+    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, compress_ratios=[0, 4, 4, 0], sliding_window=4,
+    num_hash_layers=1, hc_mult=2, hc_sinkhorn_iters=4, index_head_dim=8, index_n_heads=2, index_topk=64,
+    num_nextn_predict_layers=0, vision_n_layers=0, initializer_range=0.2, max_position_embeddings=4096,
     pad_token_id=0,
 )
+# fmt: on
 
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> DeepseekV4Config:
@@ -107,10 +76,7 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
 def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
     from nemo_automodel.components.models.deepseek_v4.cp import dsv4_cp_local_seq_multiple  # noqa: PLC0415
 
-    if cp_size <= 1:
-        return seq_len
-    divisor = cp_size * max(dsv4_cp_local_seq_multiple(model.config), 2)
-    return seq_len + (-seq_len) % divisor
+    return padded_length(seq_len, cp_size, cp_size * max(dsv4_cp_local_seq_multiple(model.config), 2))
 
 
 WORLD_SIZES: tuple[int, ...] = (1, 2, 3, 4)
@@ -159,20 +125,8 @@ def gather_logits(sharder, local_logits: torch.Tensor) -> torch.Tensor:
     return _base.gather_logits(sharder, local_logits)
 
 
-def make_batch(
-    kind: str,
-    seq_len: int,
-    *,
-    batch_size: int = 1,
-    seed: int = 0,
-    vocab: int = 64,
-    documents: list[list[int]] | None = None,
-    pad: int = 0,
-    pad_id: int = 0,
-) -> dict[str, Any]:
-    """An example batch with shifted labels; unpacked kinds are ``_base.make_batch``'s.
-
-    ``"packed"``: what the framework's default THD packing feeds the model (``packed_sequence.packing_strategy:
+def _thd_packed(tokens: torch.Tensor, documents: list[list[int]], pad_id: int) -> dict[str, Any]:
+    """What the framework's default THD packing feeds the model (``packed_sequence.packing_strategy:
     thd``, ``collate_fn: packed_sequence_thd_collater``, as in its DeepSeek V4 packed example config): each row's
     documents (``documents[row]`` lengths, labels shifted within each document, -100 on a document's last token)
     concatenated by ``pack_features_for_thd``, then padded to ``seq_len`` the way the THD packer pads a pack
@@ -181,13 +135,7 @@ def make_batch(
     ``packed_sequence_thd_collater``: ``input_ids``, ``labels``, ``position_ids`` ``[B, S]``, ``seq_lens``,
     ``seq_lens_padded`` ``[B, D]`` (-1000 where a row has fewer documents), ``qkv_format="thd"``.
     """
-    if kind != "packed":
-        return _base.make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad, pad_id=pad_id)
-    if documents is None or len(documents) != batch_size:
-        raise ValueError("packed batches need one list of document lengths per row")
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(1, vocab, (batch_size, seq_len), generator=generator)
-    records = []
+    records, seq_len = [], tokens.shape[1]
     for row, lengths in enumerate(documents):
         if sum(lengths) > seq_len or not lengths or min(lengths) < 1:
             raise ValueError(f"documents {lengths} do not fit a row of {seq_len}")
@@ -206,3 +154,6 @@ def make_batch(
             record["seq_lens_padded"][-1] += extra
         records.append(record)
     return packed_sequence_thd_collater(records)
+
+
+make_batch = _base.packed_kind(_thd_packed)
