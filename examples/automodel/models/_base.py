@@ -77,6 +77,18 @@ BATCH_KEYS: dict[str, dict[str, str]] = {
     },
 }
 
+_SHARDER = "nemo_automodel.components.distributed.context_parallel.sharder."
+# ``COVERS`` entries that several specs' CP paths share word for word (their tables spread them in, in place).
+COVERS_INDEX_MAP = {_SHARDER + "contiguous_local_indices": "this rank's global positions (the sharder's index map)"}
+COVERS_GATHER_BY_INDICES = {
+    _SHARDER
+    + "gather_token_tensor_by_indices": "gather_logits: the logits back to global order (differentiable all-gather)"
+}
+COVERS_GATHER_TRIMMED = {
+    _SHARDER + "ContextParallelSharder.gather_token_tensor": "logits back to global order (differentiable all_gather), "
+    "CP padding trimmed"
+}
+
 
 # ---- building -----------------------------------------------------------------------------------------------
 def dtype_name(spec: str, dtype: torch.dtype) -> str:

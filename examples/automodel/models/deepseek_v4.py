@@ -88,13 +88,13 @@ COVERS: dict[str, str] = {
     "nemo_automodel.components.models.deepseek_v4.cp.make_dsv4_contiguous_shard_cp_batch_and_ctx": "the sharder: packed rows repadded, then contiguous slices, the CP group handed to the forward",
     "nemo_automodel.components.models.deepseek_v4.cp._repad_dsv4_packed_batch": "packed: every document padded to the per-rank multiple (window-aligned), the position map",
     "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_contiguous": "pads to CP x multiple and keeps one contiguous slice per rank",
-    "nemo_automodel.components.distributed.context_parallel.sharder.contiguous_local_indices": "this rank's global positions (the sharder's index map)",
+    **_base.COVERS_INDEX_MAP,
     "nemo_automodel.components.models.deepseek_v4.cp.dsv4_cp_all_gather": "K/V, compressed keys and indexer keys all-gathered (differentiable)",
     "nemo_automodel.components.models.deepseek_v4.cp.dsv4_cp_all_gather_metadata": "positions, document ids, padding and window metadata all-gathered",
     "nemo_automodel.components.models.deepseek_v4.cp.build_dsv4_cp_packed_causal_padding_mask": "packed: local-query / global-key mask by document, position, padding and window",
     "nemo_automodel.components.models.deepseek_v4.cp.build_dsv4_cp_causal_padding_mask": "unpacked: local-query / global-key causal, padding and sliding-window mask",
     "nemo_automodel.components.models.deepseek_v4.layers._overlap_transform_with_cp": "the ratio-4 compressor's previous-window overlap across rank boundaries",
-    "nemo_automodel.components.distributed.context_parallel.sharder.gather_token_tensor_by_indices": "gather_logits: the logits back to global order (differentiable all-gather)",
+    **_base.COVERS_GATHER_BY_INDICES,
 }
 
 BATCH_KEYS: dict[str, dict[str, str]] = {

@@ -85,6 +85,14 @@ FORWARD_ONLY_ON = {
     "with FlexAttention uncompiled",
 }
 
+_RING_ATTENTION: dict[str, str] = {  # the ring's half of COVERS (in the forward, per attention call)
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._gemma4_cp_manual_attention": "builds the ring context from the captured metadata",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._Gemma4FlexRingAttention.forward": "the ring's autograd function (forward)",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._collect_ring_kv_chunks": "rotates K/V and metadata around the ring",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._direct_exchange": "batch_isend_irecv to cp_rank + 1, from cp_rank - 1",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._run_gemma4_flex_chunk": "one chunk: local-query/global-key block mask, FlexAttention with LSE",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._merge_flex_chunk": "log-sum-exp merge of the chunk outputs",
+}
 COVERS: dict[str, str] = {
     "nemo_automodel.components.moe.parallelizer.apply_cp": "sets the CP flags and mesh, calls every attention module's setup_cp_attention",
     "nemo_automodel.components.models.gemma4_moe.cp_attention._install_gemma4_cp_ring_sdpa": "installs the pre/post hooks that swap F.scaled_dot_product_attention for the ring per attention call",
@@ -94,13 +102,8 @@ COVERS: dict[str, str] = {
     "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_contiguous": "pads to 2 x cp, slices labels / position_ids / padding_mask / _packed_seq_ids per rank",
     "nemo_automodel.components.models.gemma4_moe.model.Gemma4ForConditionalGeneration._cp_sunk_prepare_inputs": "embeds the full row, slices embeddings and mm_token_type_ids / vision-group ids per rank",
     "nemo_automodel.components.distributed.context_parallel.sharder.shard_sequence_for_cp_contiguous": "pads and slices the embeddings (differentiable index_select)",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._gemma4_cp_manual_attention": "builds the ring context from the captured metadata",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._Gemma4FlexRingAttention.forward": "the ring's autograd function (forward)",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._collect_ring_kv_chunks": "rotates K/V and metadata around the ring",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._direct_exchange": "batch_isend_irecv to cp_rank + 1, from cp_rank - 1",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._run_gemma4_flex_chunk": "one chunk: local-query/global-key block mask, FlexAttention with LSE",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._merge_flex_chunk": "log-sum-exp merge of the chunk outputs",
-    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor": "logits back to global order (differentiable all_gather), CP padding trimmed",
+    **_RING_ATTENTION,
+    **_base.COVERS_GATHER_TRIMMED,
 }
 
 BATCH_KEYS: dict[str, dict[str, str]] = {

@@ -87,7 +87,7 @@ COVERS: dict[str, str] = {
     "nemo_automodel.components.models.kimi_linear.cp.all_gather_sequence": "all-gathers the compressed latent along the sequence (autograd: all-reduce + slice)",
     "nemo_automodel.components.models.kimi_linear.cp.document_causal_flex_attention": "FlexAttention of local queries against global keys, causal per document",
     "nemo_automodel.components.models.kimi_linear.cp._document_causal_block_mask": "the block mask (global query offset = the shard start)",
-    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor": "logits back to global order (differentiable all_gather), CP padding trimmed",
+    **_base.COVERS_GATHER_TRIMMED,
 }
 
 BATCH_KEYS: dict[str, dict[str, str]] = {

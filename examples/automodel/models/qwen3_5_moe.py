@@ -103,12 +103,12 @@ COVERS: dict[str, str] = {
     "nemo_automodel.components.distributed.blockdiag_cp.batch.make_cp_blockdiag_batch_and_ctx": "pads to 2 x CP, slices every sequence tensor but input_ids contiguously, publishes the step state",
     "nemo_automodel.components.distributed.blockdiag_cp.kernels.precompute_blockdiag_varlen_meta": "this rank's varlen segmentation (computed; the varlen kernel is unavailable on CPU)",
     "nemo_automodel.components.distributed.context_parallel.sharder.shard_sequence_for_cp_contiguous": "in the forward: pads the embedded full sequence and keeps this rank's slice",
-    "nemo_automodel.components.distributed.context_parallel.sharder.contiguous_local_indices": "this rank's global positions (the sharder's index map)",
+    **_base.COVERS_INDEX_MAP,
     "nemo_automodel.components.distributed.blockdiag_cp.runtime.cp_blockdiag_sdpa": "every full-attention layer: K/V exchange and per-document attention",
     "nemo_automodel.components.distributed.blockdiag_cp.kernels._cp_blockdiag_varlen": "asked first (attn_backend flash), reports itself unavailable on CPU",
     "nemo_automodel.components.distributed.blockdiag_cp.exchange._AllGatherSeqDiff": "one all-gather of stacked K and V per layer; backward a reduce-scatter",
     "nemo_automodel.components.distributed.blockdiag_cp.kernels._cp_blockdiag_mask": "the dense per-document causal mask of the local queries against all keys",
-    "nemo_automodel.components.distributed.context_parallel.sharder.gather_token_tensor_by_indices": "gather_logits: the logits back to global order (differentiable all-gather)",
+    **_base.COVERS_GATHER_BY_INDICES,
 }
 
 BATCH_KEYS: dict[str, dict[str, str]] = {
