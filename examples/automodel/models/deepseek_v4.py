@@ -79,6 +79,20 @@ def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
     return padded_length(seq_len, cp_size, cp_size * max(dsv4_cp_local_seq_multiple(model.config), 2))
 
 
+BATCH_KEYS: dict[str, dict[str, str]] = {
+    "required": _base.BATCH_KEYS["required"],
+    "optional": {
+        **_base.BATCH_KEYS["optional"],
+        "position_ids": "[B, S] int64; unpacked rows 0..S-1; packed rows restart at 0 per document and count on "
+        "through the trailing pack padding (the THD packer's layout)",
+        "seq_lens_padded": "[B, D] int64 physical span per packed document; the last one includes the row's "
+        "trailing padding (-1000: absent)",
+        "qkv_format": '"thd" on packed batches (the THD collator\'s marker; the one-device path reads '
+        "seq_lens_padded only when it is set)",
+    },
+    "produced_by_sharder": _base.BATCH_KEYS["produced_by_sharder"],
+}
+
 WORLD_SIZES: tuple[int, ...] = (1, 2, 3, 4)
 BATCH_KINDS: tuple[str, ...] = ("plain", "right_padded", "packed")
 # Framework CP callables this spec's CP path runs: each was seen running (a temporary counting wrapper around it
@@ -95,20 +109,6 @@ COVERS: dict[str, str] = {
     "nemo_automodel.components.models.deepseek_v4.cp.build_dsv4_cp_causal_padding_mask": "unpacked: local-query / global-key causal, padding and sliding-window mask",
     "nemo_automodel.components.models.deepseek_v4.layers._overlap_transform_with_cp": "the ratio-4 compressor's previous-window overlap across rank boundaries",
     **_base.COVERS_GATHER_BY_INDICES,
-}
-
-BATCH_KEYS: dict[str, dict[str, str]] = {
-    "required": _base.BATCH_KEYS["required"],
-    "optional": {
-        **_base.BATCH_KEYS["optional"],
-        "position_ids": "[B, S] int64; unpacked rows 0..S-1; packed rows restart at 0 per document and count on "
-        "through the trailing pack padding (the THD packer's layout)",
-        "seq_lens_padded": "[B, D] int64 physical span per packed document; the last one includes the row's "
-        "trailing padding (-1000: absent)",
-        "qkv_format": '"thd" on packed batches (the THD collator\'s marker; the one-device path reads '
-        "seq_lens_padded only when it is set)",
-    },
-    "produced_by_sharder": _base.BATCH_KEYS["produced_by_sharder"],
 }
 
 

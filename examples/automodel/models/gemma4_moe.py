@@ -74,6 +74,15 @@ FRAMEWORK_CLASS = "nemo_automodel.components.models.gemma4_moe.model.Gemma4ForCo
 WORLD_SIZES = (1, 2, 3)  # CP 4 and above never run (3 ranks at most on the machine these were measured on)
 BATCH_KINDS = ("plain", "right_padded", "packed")
 
+_RING_ATTENTION: dict[str, str] = {  # the ring's half of COVERS (in the forward, per attention call)
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._gemma4_cp_manual_attention": "builds the ring context from the captured metadata",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._Gemma4FlexRingAttention.forward": "the ring's autograd function (forward)",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._collect_ring_kv_chunks": "rotates K/V and metadata around the ring",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._direct_exchange": "batch_isend_irecv to cp_rank + 1, from cp_rank - 1",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._run_gemma4_flex_chunk": "one chunk: local-query/global-key block mask, FlexAttention with LSE",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._merge_flex_chunk": "log-sum-exp merge of the chunk outputs",
+}
+
 FORWARD_ONLY_ON = {
     "cpu": "torch 2.13 has no FlexAttention backward on CPU: in a training step the ring's forward already raises "
     "'RuntimeError: Gemma4 CP ring requires FlexAttention for local-query/ring-KV attention. FlexAttention "
@@ -85,14 +94,6 @@ FORWARD_ONLY_ON = {
     "with FlexAttention uncompiled",
 }
 
-_RING_ATTENTION: dict[str, str] = {  # the ring's half of COVERS (in the forward, per attention call)
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._gemma4_cp_manual_attention": "builds the ring context from the captured metadata",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._Gemma4FlexRingAttention.forward": "the ring's autograd function (forward)",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._collect_ring_kv_chunks": "rotates K/V and metadata around the ring",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._direct_exchange": "batch_isend_irecv to cp_rank + 1, from cp_rank - 1",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._run_gemma4_flex_chunk": "one chunk: local-query/global-key block mask, FlexAttention with LSE",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._merge_flex_chunk": "log-sum-exp merge of the chunk outputs",
-}
 COVERS: dict[str, str] = {
     "nemo_automodel.components.moe.parallelizer.apply_cp": "sets the CP flags and mesh, calls every attention module's setup_cp_attention",
     "nemo_automodel.components.models.gemma4_moe.cp_attention._install_gemma4_cp_ring_sdpa": "installs the pre/post hooks that swap F.scaled_dot_product_attention for the ring per attention call",
@@ -104,20 +105,6 @@ COVERS: dict[str, str] = {
     "nemo_automodel.components.distributed.context_parallel.sharder.shard_sequence_for_cp_contiguous": "pads and slices the embeddings (differentiable index_select)",
     **_RING_ATTENTION,
     **_base.COVERS_GATHER_TRIMMED,
-}
-
-BATCH_KEYS: dict[str, dict[str, str]] = {
-    "required": _base.BATCH_KEYS["required"],
-    "optional": {
-        "attention_mask": "[B, S] 1 real / 0 padding (right padding), or document index 1.. / 0 (packed rows)",
-        "position_ids": "[B, S] int64 (document-local in packed rows)",
-        "mm_token_type_ids": "[B, S] int64 0 text (packed rows, as the VLM collater emits them)",
-        "_packed_seq_ids": "[B, S] document index 1.. / 0 padding (packed rows)",
-    },
-    "produced_by_sharder": {
-        "padding_mask": "[B, S_local] bool, True on padding (CP)",
-        "_packed_seq_ids": "[B, S_local] (CP; synthesized for unpacked rows: 1 real, 0 padding)",
-    },
 }
 
 # fmt: off
@@ -134,6 +121,20 @@ TINY: dict[str, Any] = dict(
     final_logit_softcapping=30.0, max_position_embeddings=256, rms_norm_eps=1e-6, pad_token_id=0, use_cache=False,
 )
 # fmt: on
+
+BATCH_KEYS: dict[str, dict[str, str]] = {
+    "required": _base.BATCH_KEYS["required"],
+    "optional": {
+        "attention_mask": "[B, S] 1 real / 0 padding (right padding), or document index 1.. / 0 (packed rows)",
+        "position_ids": "[B, S] int64 (document-local in packed rows)",
+        "mm_token_type_ids": "[B, S] int64 0 text (packed rows, as the VLM collater emits them)",
+        "_packed_seq_ids": "[B, S] document index 1.. / 0 padding (packed rows)",
+    },
+    "produced_by_sharder": {
+        "padding_mask": "[B, S_local] bool, True on padding (CP)",
+        "_packed_seq_ids": "[B, S_local] (CP; synthesized for unpacked rows: 1 real, 0 padding)",
+    },
+}
 
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> Gemma4Config:

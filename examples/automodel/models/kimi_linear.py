@@ -90,6 +90,22 @@ COVERS: dict[str, str] = {
     **_base.COVERS_GATHER_TRIMMED,
 }
 
+# fmt: off
+BACKEND = dict(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch",
+               fake_balanced_gate=False, enable_hf_state_dict_adapter=False)
+
+TINY: dict[str, Any] = dict(
+    vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
+    num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+    mla_use_nope=True, num_experts=4, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=8,
+    first_k_dense_replace=1, moe_layer_freq=1, use_grouped_topk=True, num_expert_group=1, topk_group=1,
+    moe_router_activation_func="sigmoid", moe_renormalize=True, routed_scaling_factor=2.446,
+    linear_attn_config={"kda_layers": [], "full_attn_layers": [1, 2, 3], "short_conv_kernel_size": 4,
+                        "head_dim": 8, "num_heads": 2},
+    initializer_range=0.2, rms_norm_eps=1e-6, pad_token_id=0, use_cache=False,
+)
+# fmt: on
+
 BATCH_KEYS: dict[str, dict[str, str]] = {
     "required": _base.BATCH_KEYS["required"],
     "optional": {
@@ -108,22 +124,6 @@ BATCH_KEYS: dict[str, dict[str, str]] = {
         "padding_mask": "[B, S_local] bool, True on padding (CP)",
     },
 }
-
-# fmt: off
-BACKEND = dict(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch",
-               fake_balanced_gate=False, enable_hf_state_dict_adapter=False)
-
-TINY: dict[str, Any] = dict(
-    vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
-    num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-    mla_use_nope=True, num_experts=4, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=8,
-    first_k_dense_replace=1, moe_layer_freq=1, use_grouped_topk=True, num_expert_group=1, topk_group=1,
-    moe_router_activation_func="sigmoid", moe_renormalize=True, routed_scaling_factor=2.446,
-    linear_attn_config={"kda_layers": [], "full_attn_layers": [1, 2, 3], "short_conv_kernel_size": 4,
-                        "head_dim": 8, "num_heads": 2},
-    initializer_range=0.2, rms_norm_eps=1e-6, pad_token_id=0, use_cache=False,
-)
-# fmt: on
 
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> KimiLinear48BConfig:

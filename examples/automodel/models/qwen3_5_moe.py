@@ -111,23 +111,6 @@ COVERS: dict[str, str] = {
     **_base.COVERS_GATHER_BY_INDICES,
 }
 
-BATCH_KEYS: dict[str, dict[str, str]] = {
-    "required": _base.BATCH_KEYS["required"],
-    "optional": {
-        "attention_mask": "[B, S] 1 real / 0 padding (unpacked); [B, 1, S, S] bool block-causal (packed; "
-        "the one-device attention reads it, CP drops it)",
-        "position_ids": "[B, S] int64, document-local when packed (the model repeats them over its 3 mRoPE axes)",
-        "_packed_seq_ids": "[B, S] int64 1-based document ids, 0 padding (packed: selects block-diagonal CP, "
-        "which builds its mask from them)",
-        "packed_token_indices": "[B, S] int64 row-local token index, -1 padding (packed metadata)",
-        "cu_seqlens": "[B, D + 1] int32 row-local document boundaries, -1 after the last (packed metadata)",
-        "max_seqlen": "int, the longest document (packed metadata)",
-    },
-    "produced_by_sharder": {
-        "padding_mask": "[B, S_local] bool, True on padding (block-diagonal CP)",
-    },
-}
-
 BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")
 
 # fmt: off
@@ -144,6 +127,23 @@ VISION: dict[str, Any] = dict(
     temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=4,
 )
 # fmt: on
+
+BATCH_KEYS: dict[str, dict[str, str]] = {
+    "required": _base.BATCH_KEYS["required"],
+    "optional": {
+        "attention_mask": "[B, S] 1 real / 0 padding (unpacked); [B, 1, S, S] bool block-causal (packed; "
+        "the one-device attention reads it, CP drops it)",
+        "position_ids": "[B, S] int64, document-local when packed (the model repeats them over its 3 mRoPE axes)",
+        "_packed_seq_ids": "[B, S] int64 1-based document ids, 0 padding (packed: selects block-diagonal CP, "
+        "which builds its mask from them)",
+        "packed_token_indices": "[B, S] int64 row-local token index, -1 padding (packed metadata)",
+        "cu_seqlens": "[B, D + 1] int32 row-local document boundaries, -1 after the last (packed metadata)",
+        "max_seqlen": "int, the longest document (packed metadata)",
+    },
+    "produced_by_sharder": {
+        "padding_mask": "[B, S_local] bool, True on padding (block-diagonal CP)",
+    },
+}
 
 # The packing contract the framework derives for this model (dense block-causal mask + packed-sequence metadata);
 # ``build`` checks it against ``configure_packing_for_models``, the recipe's own derivation.
