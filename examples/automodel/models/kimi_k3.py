@@ -29,8 +29,8 @@ from nemo_automodel.components.models.kimi_k3 import model as k3_model
 from nemo_automodel.components.models.kimi_k3.config import KimiK3TextConfig
 from nemo_automodel.components.models.kimi_k3.model import KimiK3ForCausalLM, KimiMLAAttention
 
-from examples.automodel.models import _base
-from examples.automodel.models._kimi_mla import mla_cp_kernels, no_cpu_backward
+from examples.automodel.models import _base, model_owned_cp
+from examples.automodel.models._kimi_mla import flex_attention_for, mla_cp_kernels, no_cpu_backward
 from examples.automodel.models.kimi_linear import (  # noqa: F401  (re-exported: same verbs, same semantics)
     BACKEND,
     BATCH_KEYS,
@@ -48,7 +48,6 @@ from examples.automodel.models.kimi_linear import (  # noqa: F401  (re-exported:
     shard,
     valid_positions,
 )
-from examples.automodel.models.kimi_linear import forward as _kimi_forward
 
 NAME = "kimi_k3"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.kimi_k3.model.KimiK3ForCausalLM"
@@ -97,7 +96,8 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
 
 def forward(model: torch.nn.Module, local_batch: dict[str, Any]) -> torch.Tensor:
     """The model (or its CP twin) on this rank's shard, in ``ctx_factory()``; logits ``[B, S_local, V]``."""
-    return _kimi_forward(model, local_batch, flex_cache=k3_cp._COMPILED_FLEX_ATTENTION)
+    with flex_attention_for(local_batch.get(model_owned_cp.TWIN_KEY, model), k3_cp._COMPILED_FLEX_ATTENTION):
+        return model_owned_cp.twin_forward(model, local_batch)
 
 
 CP_KERNELS = (
