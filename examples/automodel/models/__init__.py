@@ -1,7 +1,8 @@
 """Model specs: real framework models that a CP driver builds, shards the framework's way and compares.
 
 Each module here that declares ``NAME`` (its own module name) is a *model spec* (the interface: ``_base``, whose
-helpers every spec composes; ``model_owned_cp`` holds what the specs of models owning their CP attention share).
+helpers every spec composes; ``model_owned_cp`` holds what the specs of models owning their CP attention share,
+``_kimi_mla`` what the two Kimi specs share).
 ``SPECS`` is found by reading this folder, in name order, so a new spec is one more module and a page in
 ``docs/models/``; which of them need a GPU is what each declares in ``REQUIRES`` (``"cuda"``: ``needs_cuda``).
 Importing a spec needs the framework's model dependencies (the ``models`` extra), not only torch; importing this

@@ -49,6 +49,13 @@ from nemo_automodel.components.distributed.context_parallel import ContextParall
 from nemo_automodel.components.loss.masked_ce import MaskedCrossEntropy
 from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
 
+# The interface's common half: a spec starts from ``from examples.automodel.models._base import *`` (these names)
+# and then defines what differs for its model; the other helpers here it imports by name.
+__all__ = [
+    "DTYPES", "IGNORE_INDEX", "forward", "gather_logits", "local_labels", "loss", "make_batch", "num_label_tokens",
+    "shard", "valid_positions",
+]  # fmt: skip
+
 DTYPES = (torch.float32, torch.bfloat16)
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 IGNORE_INDEX = -100
@@ -68,6 +75,18 @@ BATCH_KEYS: dict[str, dict[str, str]] = {
         "cp_group": "the CP process group (None on one device)",
         "packed_seq_ids": "[B, S_local] document ids, 0 = padding (packed rows)",
     },
+}
+
+_SHARDER = "nemo_automodel.components.distributed.context_parallel.sharder."
+# ``COVERS`` entries that several specs' CP paths share word for word (their tables spread them in, in place).
+COVERS_INDEX_MAP = {_SHARDER + "contiguous_local_indices": "this rank's global positions (the sharder's index map)"}
+COVERS_GATHER_BY_INDICES = {
+    _SHARDER
+    + "gather_token_tensor_by_indices": "gather_logits: the logits back to global order (differentiable all-gather)"
+}
+COVERS_GATHER_TRIMMED = {
+    _SHARDER + "ContextParallelSharder.gather_token_tensor": "logits back to global order (differentiable all_gather), "
+    "CP padding trimmed"
 }
 
 
@@ -121,6 +140,11 @@ def build_seeded(
         if nonzero:
             nonzero_parameters(model)
     return model.train()
+
+
+def padded_length(seq_len: int, cp_size: int, multiple: int) -> int:
+    """``seq_len`` rounded up to a multiple of ``multiple`` at ``cp_size > 1`` (a spec's ``cp_padded_length``)."""
+    return seq_len if cp_size <= 1 else seq_len + (-seq_len) % multiple
 
 
 # ---- devices (the GPU-only specs) ------------------------------------------------------------------------------
@@ -308,3 +332,65 @@ def make_batch(
             input_ids[row, start:] = pad_id
         return {"input_ids": input_ids, "labels": labels, "seq_lens": seq_lens}
     raise ValueError(f"unknown batch kind {kind!r}")
+
+
+def packed_kind(packed: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """A spec's ``make_batch``: ``"plain"`` and ``"right_padded"`` as ``make_batch`` here; ``"packed"`` is
+    ``packed(tokens, documents, pad_id, **options)`` on the same drawn tokens ``[B, S]`` (``documents[row]``: the
+    lengths of row ``row``'s documents, concatenated from column 0, the rest of the row padding)."""
+
+    def spec_make_batch(
+        kind: str,
+        seq_len: int,
+        *,
+        batch_size: int = 1,
+        seed: int = 0,
+        vocab: int = 64,
+        documents: list[list[int]] | None = None,
+        pad: int = 0,
+        pad_id: int = 0,
+        **options: Any,
+    ) -> dict[str, Any]:
+        if kind != "packed":
+            return make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad, pad_id=pad_id)
+        if documents is None or len(documents) != batch_size:
+            raise ValueError("packed batches need one list of document lengths per row")
+        tokens = torch.randint(1, vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(seed))
+        return packed(tokens, documents, pad_id, **options)
+
+    spec_make_batch.__doc__ = f"An example batch with shifted labels; ``packed``: {packed.__doc__}"
+    return spec_make_batch
+
+
+def document_layout(tokens: torch.Tensor, lengths: list[int], pad_id: int = 0) -> tuple[torch.Tensor, ...]:
+    """One packed row from its drawn tokens ``[S]``: documents of ``lengths`` from column 0, the rest ``pad_id``.
+
+    Returns ``(input_ids, labels, doc_ids, positions)``, each ``[S]`` int64: labels shifted within each document
+    (-100 on its last token and on padding), document index 1.. (0 padding), document-local positions (0 padding).
+    """
+    seq_len = tokens.shape[0]
+    if sum(lengths) > seq_len or min(lengths, default=1) < 1:
+        raise ValueError(f"documents {lengths} do not fit a row of {seq_len}")
+    input_ids, labels = tokens.clone(), torch.full_like(tokens, IGNORE_INDEX)
+    doc_ids, positions = torch.zeros_like(tokens), torch.zeros_like(tokens)
+    start = 0
+    for index, length in enumerate(lengths, start=1):
+        labels[start : start + length - 1] = tokens[start + 1 : start + length]
+        doc_ids[start : start + length] = index
+        positions[start : start + length] = torch.arange(length)
+        start += length
+    input_ids[start:] = pad_id
+    return input_ids, labels, doc_ids, positions
+
+
+def thd_pack(tokens: torch.Tensor, lengths: list[int], pad_id: int = 0) -> dict[str, list[int]]:
+    """One row as the THD packer's ``_pad_pack`` leaves it at ``cp_size`` 1 (the input of
+    ``packed_sequence_thd_collater``): ``input_ids``, ``labels``, ``position_ids`` (document-local, then counting
+    on through the trailing padding, clamped to ``S - 1``), ``seq_lens``, ``seq_lens_padded`` (the trailing padding
+    added to the last document's span)."""
+    input_ids, labels, _, positions = (t.tolist() for t in document_layout(tokens, lengths, pad_id))
+    used, seq_len = sum(lengths), len(input_ids)
+    positions[used:] = [min(positions[used - 1] + 1 + i, seq_len - 1) for i in range(seq_len - used)]
+    spans = [*lengths[:-1], lengths[-1] + seq_len - used]
+    return {"input_ids": input_ids, "labels": labels, "position_ids": positions, "seq_lens": list(lengths),
+            "seq_lens_padded": spans}  # fmt: skip

@@ -44,54 +44,23 @@ from nemo_automodel.components.models.deepseek_v4.config import DeepseekV4Config
 from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 from examples.automodel.models import _base
-from examples.automodel.models._base import (  # noqa: F401  (the shared half of the interface)
-    DTYPES,
-    IGNORE_INDEX,
-    build_seeded,
-    dtype_name,
-    forward,
-    local_labels,
-    loss,
-    num_label_tokens,
-    pad_batch,
-    shard,
-    tiny,
-    valid_positions,
-)
+from examples.automodel.models._base import *  # noqa: F403  (the shared half of the interface)
+from examples.automodel.models._base import IGNORE_INDEX, build_seeded, dtype_name, pad_batch, padded_length, tiny  # noqa: F401
 from examples.automodel.models.deepseek_v41 import BACKEND
 
 NAME = "deepseek_v4"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.deepseek_v4.model.DeepseekV4ForCausalLM"
 
+# fmt: off
 TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=16,
-    moe_intermediate_size=8,
-    num_hidden_layers=4,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    qk_rope_head_dim=4,
-    q_lora_rank=8,
-    o_lora_rank=8,
-    o_groups=2,
-    n_routed_experts=4,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    compress_ratios=[0, 4, 4, 0],
-    sliding_window=4,
-    num_hash_layers=1,
-    hc_mult=2,
-    hc_sinkhorn_iters=4,
-    index_head_dim=8,
-    index_n_heads=2,
-    index_topk=64,
-    num_nextn_predict_layers=0,
-    vision_n_layers=0,
-    initializer_range=0.2,
-    max_position_embeddings=4096,
+    vocab_size=64, hidden_size=16, moe_intermediate_size=8, num_hidden_layers=4, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=8, qk_rope_head_dim=4, q_lora_rank=8, o_lora_rank=8, o_groups=2,
+    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, compress_ratios=[0, 4, 4, 0], sliding_window=4,
+    num_hash_layers=1, hc_mult=2, hc_sinkhorn_iters=4, index_head_dim=8, index_n_heads=2, index_topk=64,
+    num_nextn_predict_layers=0, vision_n_layers=0, initializer_range=0.2, max_position_embeddings=4096,
     pad_token_id=0,
 )
+# fmt: on
 
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> DeepseekV4Config:
@@ -107,29 +76,8 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
 def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
     from nemo_automodel.components.models.deepseek_v4.cp import dsv4_cp_local_seq_multiple  # noqa: PLC0415
 
-    if cp_size <= 1:
-        return seq_len
-    divisor = cp_size * max(dsv4_cp_local_seq_multiple(model.config), 2)
-    return seq_len + (-seq_len) % divisor
+    return padded_length(seq_len, cp_size, cp_size * max(dsv4_cp_local_seq_multiple(model.config), 2))
 
-
-WORLD_SIZES: tuple[int, ...] = (1, 2, 3, 4)
-BATCH_KINDS: tuple[str, ...] = ("plain", "right_padded", "packed")
-# Framework CP callables this spec's CP path runs: each was seen running (a temporary counting wrapper around it
-# during a CP step) at CP 2 in float32; "packed" / "unpacked" name the only batches that reach it.
-COVERS: dict[str, str] = {
-    "nemo_automodel.components.models.deepseek_v4.model.DeepseekV4ForCausalLM.prepare_model_inputs_for_cp": "the model's CP hook: its contiguous sharder with the compress-ratio pad multiple",
-    "nemo_automodel.components.models.deepseek_v4.cp.make_dsv4_contiguous_shard_cp_batch_and_ctx": "the sharder: packed rows repadded, then contiguous slices, the CP group handed to the forward",
-    "nemo_automodel.components.models.deepseek_v4.cp._repad_dsv4_packed_batch": "packed: every document padded to the per-rank multiple (window-aligned), the position map",
-    "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_contiguous": "pads to CP x multiple and keeps one contiguous slice per rank",
-    "nemo_automodel.components.distributed.context_parallel.sharder.contiguous_local_indices": "this rank's global positions (the sharder's index map)",
-    "nemo_automodel.components.models.deepseek_v4.cp.dsv4_cp_all_gather": "K/V, compressed keys and indexer keys all-gathered (differentiable)",
-    "nemo_automodel.components.models.deepseek_v4.cp.dsv4_cp_all_gather_metadata": "positions, document ids, padding and window metadata all-gathered",
-    "nemo_automodel.components.models.deepseek_v4.cp.build_dsv4_cp_packed_causal_padding_mask": "packed: local-query / global-key mask by document, position, padding and window",
-    "nemo_automodel.components.models.deepseek_v4.cp.build_dsv4_cp_causal_padding_mask": "unpacked: local-query / global-key causal, padding and sliding-window mask",
-    "nemo_automodel.components.models.deepseek_v4.layers._overlap_transform_with_cp": "the ratio-4 compressor's previous-window overlap across rank boundaries",
-    "nemo_automodel.components.distributed.context_parallel.sharder.gather_token_tensor_by_indices": "gather_logits: the logits back to global order (differentiable all-gather)",
-}
 
 BATCH_KEYS: dict[str, dict[str, str]] = {
     "required": _base.BATCH_KEYS["required"],
@@ -143,6 +91,24 @@ BATCH_KEYS: dict[str, dict[str, str]] = {
         "seq_lens_padded only when it is set)",
     },
     "produced_by_sharder": _base.BATCH_KEYS["produced_by_sharder"],
+}
+
+WORLD_SIZES: tuple[int, ...] = (1, 2, 3, 4)
+BATCH_KINDS: tuple[str, ...] = ("plain", "right_padded", "packed")
+# Framework CP callables this spec's CP path runs: each was seen running (a temporary counting wrapper around it
+# during a CP step) at CP 2 in float32; "packed" / "unpacked" name the only batches that reach it.
+COVERS: dict[str, str] = {
+    "nemo_automodel.components.models.deepseek_v4.model.DeepseekV4ForCausalLM.prepare_model_inputs_for_cp": "the model's CP hook: its contiguous sharder with the compress-ratio pad multiple",
+    "nemo_automodel.components.models.deepseek_v4.cp.make_dsv4_contiguous_shard_cp_batch_and_ctx": "the sharder: packed rows repadded, then contiguous slices, the CP group handed to the forward",
+    "nemo_automodel.components.models.deepseek_v4.cp._repad_dsv4_packed_batch": "packed: every document padded to the per-rank multiple (window-aligned), the position map",
+    "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_contiguous": "pads to CP x multiple and keeps one contiguous slice per rank",
+    **_base.COVERS_INDEX_MAP,
+    "nemo_automodel.components.models.deepseek_v4.cp.dsv4_cp_all_gather": "K/V, compressed keys and indexer keys all-gathered (differentiable)",
+    "nemo_automodel.components.models.deepseek_v4.cp.dsv4_cp_all_gather_metadata": "positions, document ids, padding and window metadata all-gathered",
+    "nemo_automodel.components.models.deepseek_v4.cp.build_dsv4_cp_packed_causal_padding_mask": "packed: local-query / global-key mask by document, position, padding and window",
+    "nemo_automodel.components.models.deepseek_v4.cp.build_dsv4_cp_causal_padding_mask": "unpacked: local-query / global-key causal, padding and sliding-window mask",
+    "nemo_automodel.components.models.deepseek_v4.layers._overlap_transform_with_cp": "the ratio-4 compressor's previous-window overlap across rank boundaries",
+    **_base.COVERS_GATHER_BY_INDICES,
 }
 
 
@@ -159,20 +125,8 @@ def gather_logits(sharder, local_logits: torch.Tensor) -> torch.Tensor:
     return _base.gather_logits(sharder, local_logits)
 
 
-def make_batch(
-    kind: str,
-    seq_len: int,
-    *,
-    batch_size: int = 1,
-    seed: int = 0,
-    vocab: int = 64,
-    documents: list[list[int]] | None = None,
-    pad: int = 0,
-    pad_id: int = 0,
-) -> dict[str, Any]:
-    """An example batch with shifted labels; unpacked kinds are ``_base.make_batch``'s.
-
-    ``"packed"``: what the framework's default THD packing feeds the model (``packed_sequence.packing_strategy:
+def _thd_packed(tokens: torch.Tensor, documents: list[list[int]], pad_id: int) -> dict[str, Any]:
+    """What the framework's default THD packing feeds the model (``packed_sequence.packing_strategy:
     thd``, ``collate_fn: packed_sequence_thd_collater``, as in its DeepSeek V4 packed example config): each row's
     documents (``documents[row]`` lengths, labels shifted within each document, -100 on a document's last token)
     concatenated by ``pack_features_for_thd``, then padded to ``seq_len`` the way the THD packer pads a pack
@@ -181,13 +135,7 @@ def make_batch(
     ``packed_sequence_thd_collater``: ``input_ids``, ``labels``, ``position_ids`` ``[B, S]``, ``seq_lens``,
     ``seq_lens_padded`` ``[B, D]`` (-1000 where a row has fewer documents), ``qkv_format="thd"``.
     """
-    if kind != "packed":
-        return _base.make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad, pad_id=pad_id)
-    if documents is None or len(documents) != batch_size:
-        raise ValueError("packed batches need one list of document lengths per row")
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(1, vocab, (batch_size, seq_len), generator=generator)
-    records = []
+    records, seq_len = [], tokens.shape[1]
     for row, lengths in enumerate(documents):
         if sum(lengths) > seq_len or not lengths or min(lengths) < 1:
             raise ValueError(f"documents {lengths} do not fit a row of {seq_len}")
@@ -206,3 +154,6 @@ def make_batch(
             record["seq_lens_padded"][-1] += extra
         records.append(record)
     return packed_sequence_thd_collater(records)
+
+
+make_batch = _base.packed_kind(_thd_packed)

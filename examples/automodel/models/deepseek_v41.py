@@ -28,73 +28,28 @@ from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
-from examples.automodel.models._base import (  # noqa: F401 - the common verbs are this spec's
-    BATCH_KEYS,
-    DTYPES,
-    IGNORE_INDEX,
-    build_seeded,
-    dtype_name,
-    forward,
-    gather_logits,
-    local_labels,
-    loss,
-    make_batch,
-    num_label_tokens,
-    pad_batch,
-    shard,
-    tiny,
-    valid_positions,
-)
+from examples.automodel.models._base import *  # noqa: F403  (the common verbs are this spec's)
+from examples.automodel.models._base import BATCH_KEYS, build_seeded, dtype_name, pad_batch, padded_length, tiny  # noqa: F401
 
 NAME = "deepseek_v41"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.deepseek_v41.model.DeepseekV41ForCausalLM"
 
 BACKEND = dict(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")
 
+# fmt: off
 TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=16,
-    moe_intermediate_size=8,
-    num_hidden_layers=6,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    qk_rope_head_dim=4,
-    q_lora_rank=8,
-    o_lora_rank=8,
-    o_groups=2,
-    n_routed_experts=4,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    sliding_window=4,
-    compress_ratios=[0, 2, 2, 1, 1, 1],
-    kv_source_layer_ids=[1, 3],
-    index_source_layer_ids=[1, 3, 4],
-    index_n_heads=2,
-    index_head_dim=8,
-    index_topk=64,
-    candidate_source_layer_id=3,
-    candidate_topk_blocks=64,
-    candidate_block_size=2,
-    hc_mult=2,
-    hc_sinkhorn_iters=4,
-    rms_norm_eps=1e-6,
-    engram_layer_ids=[],
-    engram_num_embeddings=[],
-    num_nextn_predict_layers=0,
-    dspark_target_layer_ids=[],
-    initializer_range=0.2,
-    max_position_embeddings=4096,
-    rope_scaling={
-        "rope_type": "yarn",
-        "factor": 16,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "original_max_position_embeddings": 256,
-    },
-    dspark_noise_token_id=63,
-    pad_token_id=0,
+    vocab_size=64, hidden_size=16, moe_intermediate_size=8, num_hidden_layers=6, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=8, qk_rope_head_dim=4, q_lora_rank=8, o_lora_rank=8, o_groups=2,
+    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, sliding_window=4,
+    compress_ratios=[0, 2, 2, 1, 1, 1], kv_source_layer_ids=[1, 3], index_source_layer_ids=[1, 3, 4],
+    index_n_heads=2, index_head_dim=8, index_topk=64, candidate_source_layer_id=3, candidate_topk_blocks=64,
+    candidate_block_size=2, hc_mult=2, hc_sinkhorn_iters=4, rms_norm_eps=1e-6, engram_layer_ids=[],
+    engram_num_embeddings=[], num_nextn_predict_layers=0, dspark_target_layer_ids=[], initializer_range=0.2,
+    max_position_embeddings=4096, dspark_noise_token_id=63, pad_token_id=0,
+    rope_scaling={"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                  "original_max_position_embeddings": 256},
 )
+# fmt: on
 
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> DeepseekV41Config:
@@ -120,7 +75,4 @@ def cp_padded_length(model: Any, seq_len: int, cp_size: int) -> int:
     Running one device on a row right-padded (masked) to this length reproduces what CP padding does to the
     model, which separates padding sensitivity from CP errors.
     """
-    if cp_size <= 1:
-        return seq_len
-    divisor = cp_size * max(model._packed_alignment, 2)
-    return seq_len + (-seq_len) % divisor
+    return padded_length(seq_len, cp_size, cp_size * max(model._packed_alignment, 2))

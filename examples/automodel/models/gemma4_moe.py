@@ -66,21 +66,22 @@ from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.gemma4_moe.model import Gemma4Config, Gemma4ForConditionalGeneration
 
 from examples.automodel.models import _base, model_owned_cp
-from examples.automodel.models._base import (  # noqa: F401  (re-exported: same verbs, same semantics)
-    DTYPES,
-    IGNORE_INDEX,
-    gather_logits,
-    local_labels,
-    loss,
-    num_label_tokens,
-    pad_batch,
-    valid_positions,
-)
+from examples.automodel.models._base import *  # noqa: F403  (re-exported: same verbs, same semantics)
+from examples.automodel.models._base import pad_batch  # noqa: F401
 
 NAME = "gemma4_moe"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.gemma4_moe.model.Gemma4ForConditionalGeneration"
 WORLD_SIZES = (1, 2, 3)  # CP 4 and above never run (3 ranks at most on the machine these were measured on)
 BATCH_KINDS = ("plain", "right_padded", "packed")
+
+_RING_ATTENTION: dict[str, str] = {  # the ring's half of COVERS (in the forward, per attention call)
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._gemma4_cp_manual_attention": "builds the ring context from the captured metadata",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._Gemma4FlexRingAttention.forward": "the ring's autograd function (forward)",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._collect_ring_kv_chunks": "rotates K/V and metadata around the ring",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._direct_exchange": "batch_isend_irecv to cp_rank + 1, from cp_rank - 1",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._run_gemma4_flex_chunk": "one chunk: local-query/global-key block mask, FlexAttention with LSE",
+    "nemo_automodel.components.models.gemma4_moe.cp_attention._merge_flex_chunk": "log-sum-exp merge of the chunk outputs",
+}
 
 FORWARD_ONLY_ON = {
     "cpu": "torch 2.13 has no FlexAttention backward on CPU: in a training step the ring's forward already raises "
@@ -102,14 +103,24 @@ COVERS: dict[str, str] = {
     "nemo_automodel.components.distributed.context_parallel.sharder.shard_batch_contiguous": "pads to 2 x cp, slices labels / position_ids / padding_mask / _packed_seq_ids per rank",
     "nemo_automodel.components.models.gemma4_moe.model.Gemma4ForConditionalGeneration._cp_sunk_prepare_inputs": "embeds the full row, slices embeddings and mm_token_type_ids / vision-group ids per rank",
     "nemo_automodel.components.distributed.context_parallel.sharder.shard_sequence_for_cp_contiguous": "pads and slices the embeddings (differentiable index_select)",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._gemma4_cp_manual_attention": "builds the ring context from the captured metadata",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._Gemma4FlexRingAttention.forward": "the ring's autograd function (forward)",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._collect_ring_kv_chunks": "rotates K/V and metadata around the ring",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._direct_exchange": "batch_isend_irecv to cp_rank + 1, from cp_rank - 1",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._run_gemma4_flex_chunk": "one chunk: local-query/global-key block mask, FlexAttention with LSE",
-    "nemo_automodel.components.models.gemma4_moe.cp_attention._merge_flex_chunk": "log-sum-exp merge of the chunk outputs",
-    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor": "logits back to global order (differentiable all_gather), CP padding trimmed",
+    **_RING_ATTENTION,
+    **_base.COVERS_GATHER_TRIMMED,
 }
+
+# fmt: off
+BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch", experts="torch", dispatcher="torch",
+               fake_balanced_gate=False, enable_hf_state_dict_adapter=False)
+ONE_DEVICE_ATTENTION = "eager"
+
+TINY: dict[str, Any] = dict(
+    vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=4,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"], sliding_window=4,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+    attention_k_eq_v=True, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=8,
+    hidden_size_per_layer_input=0, vocab_size_per_layer_input=64, use_bidirectional_attention="vision",
+    final_logit_softcapping=30.0, max_position_embeddings=256, rms_norm_eps=1e-6, pad_token_id=0, use_cache=False,
+)
+# fmt: on
 
 BATCH_KEYS: dict[str, dict[str, str]] = {
     "required": _base.BATCH_KEYS["required"],
@@ -124,44 +135,6 @@ BATCH_KEYS: dict[str, dict[str, str]] = {
         "_packed_seq_ids": "[B, S_local] (CP; synthesized for unpacked rows: 1 real, 0 padding)",
     },
 }
-
-BACKEND = dict(
-    attn="sdpa",
-    linear="torch",
-    rms_norm="torch",
-    experts="torch",
-    dispatcher="torch",
-    fake_balanced_gate=False,
-    enable_hf_state_dict_adapter=False,
-)
-ONE_DEVICE_ATTENTION = "eager"
-
-TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=16,
-    num_hidden_layers=4,
-    layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-    sliding_window=4,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    global_head_dim=16,
-    num_global_key_value_heads=1,
-    attention_k_eq_v=True,
-    enable_moe_block=True,
-    num_experts=4,
-    top_k_experts=2,
-    moe_intermediate_size=8,
-    hidden_size_per_layer_input=0,
-    vocab_size_per_layer_input=64,
-    use_bidirectional_attention="vision",
-    final_logit_softcapping=30.0,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    pad_token_id=0,
-    use_cache=False,
-)
 
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> Gemma4Config:
@@ -232,43 +205,13 @@ forward = model_owned_cp.twin_forward  # logits [B, S_local, V] in the model dty
 
 def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
     """Global length a row of ``seq_len`` is padded to at ``cp_size`` (a multiple of ``2 x cp_size``)."""
-    if cp_size <= 1:
-        return seq_len
-    return seq_len + (-seq_len) % (2 * cp_size)
+    return _base.padded_length(seq_len, cp_size, 2 * cp_size)
 
 
-def make_batch(
-    kind: str,
-    seq_len: int,
-    *,
-    batch_size: int = 1,
-    seed: int = 0,
-    vocab: int = 64,
-    documents: list[list[int]] | None = None,
-    pad: int = 0,
-    pad_id: int = 0,
-) -> dict[str, Any]:
-    """An example batch: ``"plain"`` and ``"right_padded"`` as ``_base``; ``"packed"`` as the VLM
-    neat-packing collater emits it for CP (see the module docstring for its keys)."""
-    if kind != "packed":
-        return _base.make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad, pad_id=pad_id)
-    if documents is None or len(documents) != batch_size:
-        raise ValueError("packed batches need one list of document lengths per row")
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(1, vocab, (batch_size, seq_len), generator=generator)
-    labels = torch.full_like(input_ids, IGNORE_INDEX)
-    doc_ids = torch.zeros_like(input_ids)
-    position_ids = torch.zeros_like(input_ids)
-    for row, lengths in enumerate(documents):
-        if sum(lengths) > seq_len:
-            raise ValueError(f"documents {lengths} exceed the row of {seq_len}")
-        start = 0
-        for index, length in enumerate(lengths, start=1):
-            labels[row, start : start + length - 1] = input_ids[row, start + 1 : start + length]
-            doc_ids[row, start : start + length] = index
-            position_ids[row, start : start + length] = torch.arange(length)
-            start += length
-        input_ids[row, start:] = pad_id
+def _vlm_packed(tokens: torch.Tensor, documents: list[list[int]], pad_id: int) -> dict[str, Any]:
+    """as the VLM neat-packing collater emits it for CP (see the module docstring for its keys)."""
+    rows = [_base.document_layout(tokens[row], lengths, pad_id) for row, lengths in enumerate(documents)]
+    input_ids, labels, doc_ids, position_ids = (torch.stack(column) for column in zip(*rows))
     return {
         "input_ids": input_ids,
         "labels": labels,
@@ -277,3 +220,6 @@ def make_batch(
         "mm_token_type_ids": torch.zeros_like(input_ids),
         "_packed_seq_ids": doc_ids.clone(),
     }
+
+
+make_batch = _base.packed_kind(_vlm_packed)

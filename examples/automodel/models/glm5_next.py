@@ -52,19 +52,8 @@ from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.glm5_next.config import Glm5NextConfig
 from nemo_automodel.components.models.glm5_next.model import Glm5NextForConditionalGeneration
 
-from examples.automodel.models._base import (  # noqa: F401  (the shared half of the interface)
-    DTYPES,
-    IGNORE_INDEX,
-    build_seeded,
-    dtype_name,
-    gather_logits,
-    local_labels,
-    loss,
-    num_label_tokens,
-    pad_batch,
-    tiny,
-    valid_positions,
-)
+from examples.automodel.models._base import *  # noqa: F403  (the shared half of the interface)
+from examples.automodel.models._base import build_seeded, dtype_name, pad_batch, padded_length, tiny  # noqa: F401
 from examples.automodel.models.qwen3_8_flash_next import forward, make_batch, shard  # noqa: F401
 
 NAME = "glm5_next"
@@ -103,57 +92,23 @@ BATCH_KEYS: dict[str, dict[str, str]] = {
     },
 }
 
-BACKEND = dict(
-    attn="sdpa",
-    linear="torch",
-    rms_norm="torch_fp32",
-    experts="torch",
-    dispatcher="torch",
-    enable_hf_state_dict_adapter=False,
-)
+# fmt: off
+BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch",
+               enable_hf_state_dict_adapter=False)
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=16,
-    moe_intermediate_size=8,
-    num_hidden_layers=2,
-    layer_types=["deepseek_sparse_attention", "deepseek_sparse_attention"],
-    mlp_layer_types=["dense", "sparse"],
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    n_shared_experts=1,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_group=1,
-    topk_group=1,
-    kv_lora_rank=8,
-    q_lora_rank=8,
-    qk_nope_head_dim=8,
-    v_head_dim=8,
-    index_topk=4,
-    index_kpool=2,
-    index_head_dim=8,
-    index_n_heads=2,
-    hc_mult=2,
-    hc_sinkhorn_iters=4,
-    initializer_range=0.2,
-    rms_norm_eps=1e-6,
-    num_nextn_predict_layers=0,
-    max_position_embeddings=4096,
-    pad_token_id=0,
+    vocab_size=64, hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=2,
+    layer_types=["deepseek_sparse_attention", "deepseek_sparse_attention"], mlp_layer_types=["dense", "sparse"],
+    num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+    n_group=1, topk_group=1, kv_lora_rank=8, q_lora_rank=8, qk_nope_head_dim=8, v_head_dim=8, index_topk=4,
+    index_kpool=2, index_head_dim=8, index_n_heads=2, hc_mult=2, hc_sinkhorn_iters=4, initializer_range=0.2,
+    rms_norm_eps=1e-6, num_nextn_predict_layers=0, max_position_embeddings=4096, pad_token_id=0,
 )
 VISION: dict[str, Any] = dict(
-    depth=1,
-    hidden_size=8,
-    num_heads=1,
-    intermediate_size=8,
-    out_hidden_size=16,
-    projection_intermediate_size=8,
-    patch_size=2,
-    image_size=4,
-    spatial_merge_size=1,
+    depth=1, hidden_size=8, num_heads=1, intermediate_size=8, out_hidden_size=16, projection_intermediate_size=8,
+    patch_size=2, image_size=4, spatial_merge_size=1,
 )
+# fmt: on
 
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> Glm5NextConfig:
@@ -178,6 +133,4 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
 
 def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
     """Global length an unpacked row of ``seq_len`` is padded to at ``cp_size`` (a multiple of the CP size)."""
-    if cp_size <= 1:
-        return seq_len
-    return seq_len + (-seq_len) % cp_size
+    return padded_length(seq_len, cp_size, cp_size)

@@ -29,8 +29,10 @@ from nemo_automodel.components.models.kimi_k3 import model as k3_model
 from nemo_automodel.components.models.kimi_k3.config import KimiK3TextConfig
 from nemo_automodel.components.models.kimi_k3.model import KimiK3ForCausalLM, KimiMLAAttention
 
-from examples.automodel.models import _base
+from examples.automodel.models import _base, model_owned_cp
+from examples.automodel.models._kimi_mla import flex_attention_for, mla_cp_kernels, no_cpu_backward
 from examples.automodel.models.kimi_linear import (  # noqa: F401  (re-exported: same verbs, same semantics)
+    BACKEND,
     BATCH_KEYS,
     BATCH_KINDS,
     DTYPES,
@@ -41,14 +43,11 @@ from examples.automodel.models.kimi_linear import (  # noqa: F401  (re-exported:
     local_labels,
     loss,
     make_batch,
-    mla_cp_kernels,
-    no_cpu_backward,
     num_label_tokens,
     pad_batch,
     shard,
     valid_positions,
 )
-from examples.automodel.models.kimi_linear import forward as _kimi_forward
 
 NAME = "kimi_k3"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.kimi_k3.model.KimiK3ForCausalLM"
@@ -65,52 +64,21 @@ COVERS: dict[str, str] = {
     "nemo_automodel.components.models.kimi_k3.cp.all_gather_sequence": "all-gathers the compressed latent along the sequence (autograd: all-reduce + slice)",
     "nemo_automodel.components.models.kimi_k3.cp.document_causal_flex_attention": "FlexAttention of local queries against global keys, causal per document",
     "nemo_automodel.components.models.kimi_k3.cp._document_causal_block_mask": "the block mask (global query offset = the shard start)",
-    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor": "logits back to global order (differentiable all_gather), CP padding trimmed",
+    **_base.COVERS_GATHER_TRIMMED,
 }
 
-BACKEND = dict(
-    attn="eager",
-    linear="torch",
-    rms_norm="torch_fp32",
-    experts="torch",
-    dispatcher="torch",
-    fake_balanced_gate=False,
-    enable_hf_state_dict_adapter=False,
-)
 
+# fmt: off
 TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=16,
-    num_hidden_layers=3,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    q_lora_rank=8,
-    kv_lora_rank=8,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=8,
-    mla_use_nope=True,
-    mla_use_output_gate=True,
-    num_experts=4,
-    num_experts_per_token=2,
-    num_shared_experts=1,
-    moe_intermediate_size=8,
-    routed_expert_hidden_size=8,
-    first_k_dense_replace=1,
-    linear_attn_config={
-        "kda_layers": [],
-        "full_attn_layers": [1, 2, 3],
-        "short_conv_kernel_size": 4,
-        "head_dim": 8,
-        "num_heads": 2,
-    },
-    attn_res_block_size=2,
-    initializer_range=0.2,
-    max_position_embeddings=256,
-    pad_token_id=0,
-    use_cache=False,
+    vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
+    num_key_value_heads=2, q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+    mla_use_nope=True, mla_use_output_gate=True, num_experts=4, num_experts_per_token=2, num_shared_experts=1,
+    moe_intermediate_size=8, routed_expert_hidden_size=8, first_k_dense_replace=1,
+    linear_attn_config={"kda_layers": [], "full_attn_layers": [1, 2, 3], "short_conv_kernel_size": 4,
+                        "head_dim": 8, "num_heads": 2},
+    attn_res_block_size=2, initializer_range=0.2, max_position_embeddings=256, pad_token_id=0, use_cache=False,
 )
+# fmt: on
 
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> KimiK3TextConfig:
@@ -128,7 +96,8 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
 
 def forward(model: torch.nn.Module, local_batch: dict[str, Any]) -> torch.Tensor:
     """The model (or its CP twin) on this rank's shard, in ``ctx_factory()``; logits ``[B, S_local, V]``."""
-    return _kimi_forward(model, local_batch, flex_cache=k3_cp._COMPILED_FLEX_ATTENTION)
+    with flex_attention_for(local_batch.get(model_owned_cp.TWIN_KEY, model), k3_cp._COMPILED_FLEX_ATTENTION):
+        return model_owned_cp.twin_forward(model, local_batch)
 
 
 CP_KERNELS = (
@@ -142,6 +111,6 @@ def cp_kernels(model: torch.nn.Module) -> contextlib.AbstractContextManager[str]
     framework's ``kimi_k3.model.KimiMLAAttention._forward_with_cp`` over a world of one rank: the query LoRA and
     output gate as on one device, attention by FlexAttention under the one-device document map, no shard, no
     gather); its value names those kernels (``CP_KERNELS``). Exactly what changes:
-    ``kimi_linear.mla_cp_kernels`` (here with K3's own module, ``kimi_k3.model``, and its
+    ``_kimi_mla.mla_cp_kernels`` (here with K3's own module, ``kimi_k3.model``, and its
     ``kimi_k3.cp.KimiPackedContext``)."""
     return mla_cp_kernels(model, KimiMLAAttention, k3_model, k3_cp.KimiPackedContext, CP_KERNELS)

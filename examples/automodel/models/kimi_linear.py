@@ -53,8 +53,6 @@ experts (2 active, sigmoid router with score-correction bias) and one shared exp
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -67,35 +65,14 @@ from nemo_automodel.components.models.kimi_linear.config import KimiLinear48BCon
 from nemo_automodel.components.models.kimi_linear.model import KimiLinear48BForCausalLM, KimiMLAAttention
 
 from examples.automodel.models import _base, model_owned_cp
-from examples.automodel.models._base import (  # noqa: F401  (re-exported: same verbs, same semantics)
-    DTYPES,
-    IGNORE_INDEX,
-    gather_logits,
-    local_labels,
-    loss,
-    num_label_tokens,
-    pad_batch,
-    valid_positions,
-)
+from examples.automodel.models._base import *  # noqa: F403  (re-exported: same verbs, same semantics)
+from examples.automodel.models._base import pad_batch  # noqa: F401
+from examples.automodel.models._kimi_mla import flex_attention_for, mla_cp_kernels, no_cpu_backward
 
 NAME = "kimi_linear"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.kimi_linear.model.KimiLinear48BForCausalLM"
 WORLD_SIZES = (1, 2, 3)  # CP 4 and above never run (3 ranks at most on the machine these were measured on)
 BATCH_KINDS = ("plain", "right_padded", "packed")
-
-
-def no_cpu_backward(model: str) -> str:
-    """Why the CP step of ``model`` (``kimi_linear``, ``kimi_k3``: the same Kimi CP code) is judged forward only on
-    CPU: its MLA layers' FlexAttention."""
-    return (
-        "torch 2.13 has no FlexAttention backward on CPU: in a training step the CP forward of every MLA layer "
-        f"({model}/cp.py document_causal_flex_attention) raises 'NotImplementedError: FlexAttention does not "
-        "support backward on CPU. Please set the input requires_grad to False or use another device.' "
-        "(torch/nn/attention/flex_attention.py _validate_device); without grad the compiled kernel fails to "
-        "build ('torch._inductor.exc.InductorError: CppCompileError: C++ compile error ... error: "
-        "'cur_qSplitSize7' was not declared in this scope'), so on CPU the forward runs under torch.no_grad() "
-        "with FlexAttention uncompiled"
-    )
 
 
 FORWARD_ONLY_ON = {"cpu": no_cpu_backward(NAME)}
@@ -110,8 +87,24 @@ COVERS: dict[str, str] = {
     "nemo_automodel.components.models.kimi_linear.cp.all_gather_sequence": "all-gathers the compressed latent along the sequence (autograd: all-reduce + slice)",
     "nemo_automodel.components.models.kimi_linear.cp.document_causal_flex_attention": "FlexAttention of local queries against global keys, causal per document",
     "nemo_automodel.components.models.kimi_linear.cp._document_causal_block_mask": "the block mask (global query offset = the shard start)",
-    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor": "logits back to global order (differentiable all_gather), CP padding trimmed",
+    **_base.COVERS_GATHER_TRIMMED,
 }
+
+# fmt: off
+BACKEND = dict(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch",
+               fake_balanced_gate=False, enable_hf_state_dict_adapter=False)
+
+TINY: dict[str, Any] = dict(
+    vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
+    num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+    mla_use_nope=True, num_experts=4, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=8,
+    first_k_dense_replace=1, moe_layer_freq=1, use_grouped_topk=True, num_expert_group=1, topk_group=1,
+    moe_router_activation_func="sigmoid", moe_renormalize=True, routed_scaling_factor=2.446,
+    linear_attn_config={"kda_layers": [], "full_attn_layers": [1, 2, 3], "short_conv_kernel_size": 4,
+                        "head_dim": 8, "num_heads": 2},
+    initializer_range=0.2, rms_norm_eps=1e-6, pad_token_id=0, use_cache=False,
+)
+# fmt: on
 
 BATCH_KEYS: dict[str, dict[str, str]] = {
     "required": _base.BATCH_KEYS["required"],
@@ -131,54 +124,6 @@ BATCH_KEYS: dict[str, dict[str, str]] = {
         "padding_mask": "[B, S_local] bool, True on padding (CP)",
     },
 }
-
-BACKEND = dict(
-    attn="eager",
-    linear="torch",
-    rms_norm="torch_fp32",
-    experts="torch",
-    dispatcher="torch",
-    fake_balanced_gate=False,
-    enable_hf_state_dict_adapter=False,
-)
-
-TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=16,
-    num_hidden_layers=3,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    q_lora_rank=None,
-    kv_lora_rank=8,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=8,
-    mla_use_nope=True,
-    num_experts=4,
-    num_experts_per_token=2,
-    num_shared_experts=1,
-    moe_intermediate_size=8,
-    first_k_dense_replace=1,
-    moe_layer_freq=1,
-    use_grouped_topk=True,
-    num_expert_group=1,
-    topk_group=1,
-    moe_router_activation_func="sigmoid",
-    moe_renormalize=True,
-    routed_scaling_factor=2.446,
-    linear_attn_config={
-        "kda_layers": [],
-        "full_attn_layers": [1, 2, 3],
-        "short_conv_kernel_size": 4,
-        "head_dim": 8,
-        "num_heads": 2,
-    },
-    initializer_range=0.2,
-    rms_norm_eps=1e-6,
-    pad_token_id=0,
-    use_cache=False,
-)
 
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> KimiLinear48BConfig:
@@ -201,119 +146,12 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
 shard = model_owned_cp.shard_on_twin  # the framework's apply_cp on the CP twin; local_batch holds kimi_packed_context
 
 
-@contextlib.contextmanager
-def flex_attention_for(model: torch.nn.Module, cache: list) -> Iterator[None]:
-    """On CPU, the framework's FlexAttention cache ``cache`` (a one-element list) holds the uncompiled function
-    for the call, and its previous content afterwards."""
-    if next(model.parameters()).device.type != "cpu":
-        yield
-        return
-    saved = cache[0]
-    cache[0] = model_owned_cp.flex_attention_eager()
-    try:
-        yield
-    finally:
-        cache[0] = saved
-
-
 def forward(
     model: torch.nn.Module, local_batch: dict[str, Any], *, flex_cache: list = kimi_cp._COMPILED_FLEX_ATTENTION
 ) -> torch.Tensor:
     """``model_owned_cp.twin_forward`` with the uncompiled FlexAttention on CPU; logits ``[B, S_local, V]``."""
     with flex_attention_for(local_batch.get(model_owned_cp.TWIN_KEY, model), flex_cache):
         return model_owned_cp.twin_forward(model, local_batch)
-
-
-class _OneRank:
-    """A CP mesh of one rank, as ``KimiMLAAttention._forward_with_cp`` uses its mesh: ``get_group()`` returns
-    this object, and over it the all-gather of the latent is the identity (a world of one holds the whole
-    sequence); see ``mla_cp_kernels``."""
-
-    def get_group(self) -> _OneRank:
-        return self
-
-
-_ONE_RANK = _OneRank()
-
-
-def _gather_over_one_rank(gather: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``all_gather_sequence`` that returns its input over the one-rank group (``_ONE_RANK``) and calls
-    ``gather`` over any other group."""
-
-    def all_gather_sequence(tensor: torch.Tensor, cp_group: Any, *, dim: int = 1) -> torch.Tensor:
-        return tensor if cp_group is _ONE_RANK else gather(tensor, cp_group, dim=dim)
-
-    return all_gather_sequence
-
-
-def _mla_forward_with_cp_kernels(
-    layer: Any,
-    framework_module: Any,
-    packed_context_class: type,
-    hidden_states: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    packed_context: Any = None,
-    **kwargs: Any,
-) -> torch.Tensor:
-    """One MLA layer's forward ``[B, S, hidden] -> [B, S, hidden]`` through its CP forward on one rank."""
-    if packed_context is not None and packed_context.cp_enabled:  # a real CP batch: the layer's own forward
-        return type(layer).forward(
-            layer, hidden_states, attention_mask=attention_mask, packed_context=packed_context, **kwargs
-        )
-    if packed_context is None:  # the model derives no document map for rows of one unpadded document each;
-        # the CP sharder's map for such rows is all ones (cp._global_doc_ids_from_batch)
-        rows, length = hidden_states.shape[:2]
-        packed_context = packed_context_class(
-            doc_ids=torch.ones((rows, length), dtype=torch.int32, device=hidden_states.device)
-        )
-    saved = framework_module.all_gather_sequence
-    framework_module.all_gather_sequence = _gather_over_one_rank(saved)
-    try:
-        return layer._forward_with_cp(hidden_states, packed_context)
-    finally:
-        framework_module.all_gather_sequence = saved
-
-
-@contextlib.contextmanager
-def mla_cp_kernels(
-    model: torch.nn.Module, attention_class: type, framework_module: Any, packed_context_class: type, description: str
-) -> Iterator[str]:
-    """Inside: every ``attention_class`` (MLA) module of ``model`` computes its one-device forward with the CP
-    path's attention kernel; ``description`` is the context's value. Shared by ``kimi_linear`` and
-    ``kimi_k3`` (their MLA modules, model modules and ``KimiPackedContext`` classes are distinct copies).
-
-    What changes, for the duration and on ``model``'s MLA modules only:
-
-    * each MLA module's ``forward`` is its CP forward, the framework's ``_forward_with_cp(hidden_states,
-      packed_context)``: the same projections, with attention by ``cp.document_causal_flex_attention``
-      (FlexAttention under the causal per-document block mask ``_document_causal_block_mask``, head dims
-      zero-padded to powers of two, output of padding queries zeroed) instead of matmul, additive mask,
-      float32 softmax rounded to the model dtype, matmul;
-    * the document map is the one the model derives on one device (``packed_context``: from a 2-D
-      ``attention_mask`` or ``_packed_seq_ids``), or all ones ``[B, S]`` where it derives none, which is the
-      map CP's sharder resolves for such rows; ``seq_start`` 0, ``cp_size`` 1: queries and keys are the
-      whole sequence, no shard, no CP padding;
-    * the module's ``_cp_mesh`` is a one-rank stand-in (``_ONE_RANK``), and the framework's
-      ``all_gather_sequence`` over it (the module-level name ``_forward_with_cp`` calls, replaced for each
-      call only) returns its input: the all-gather of a world of one.
-
-    Nothing else changes: the batch, the other modules (MoE routers and experts, norms, the LM head), the
-    parameters; FlexAttention runs as the spec's ``forward`` sets it (uncompiled on CPU). On exit every
-    module's own ``forward`` and ``_cp_mesh`` are back.
-    """
-    layers: list[Any] = [m for m in model.modules() if isinstance(m, attention_class)]
-    saved = [(layer, layer._cp_mesh) for layer in layers]
-    try:
-        for layer in layers:
-            layer.forward = functools.partial(
-                _mla_forward_with_cp_kernels, layer, framework_module, packed_context_class
-            )
-            layer._cp_mesh = _ONE_RANK
-        yield description
-    finally:
-        for layer, mesh in saved:
-            layer.__dict__.pop("forward", None)
-            layer._cp_mesh = mesh
 
 
 CP_KERNELS = (
@@ -326,15 +164,13 @@ def cp_kernels(model: torch.nn.Module) -> contextlib.AbstractContextManager[str]
     """Inside: the one-device forward of ``model`` computes MLA with the kernel the CP path uses (the
     framework's ``KimiMLAAttention._forward_with_cp`` over a world of one rank: FlexAttention under the
     one-device document map, no shard, no gather); its value names those kernels (``CP_KERNELS``). Exactly
-    what changes: ``mla_cp_kernels``."""
+    what changes: ``_kimi_mla.mla_cp_kernels``."""
     return mla_cp_kernels(model, KimiMLAAttention, kimi_model, kimi_cp.KimiPackedContext, CP_KERNELS)
 
 
 def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
     """Global length a row of ``seq_len`` is padded to at ``cp_size`` (a multiple of ``cp_size``)."""
-    if cp_size <= 1:
-        return seq_len
-    return seq_len + (-seq_len) % cp_size
+    return _base.padded_length(seq_len, cp_size, cp_size)
 
 
 _NEAT = PackingCapabilities(  # the contract the model declares (the same for Kimi K3)
@@ -343,63 +179,18 @@ _NEAT = PackingCapabilities(  # the contract the model declares (the same for Ki
 )
 
 
-def make_batch(
-    kind: str,
-    seq_len: int,
-    *,
-    batch_size: int = 1,
-    seed: int = 0,
-    vocab: int = 64,
-    documents: list[list[int]] | None = None,
-    pad: int = 0,
-    pad_id: int = 0,
-    packing: str = "neat",
-) -> dict[str, Any]:
-    """An example batch: ``"plain"`` and ``"right_padded"`` as ``_base``; ``"packed"`` collated by the
-    framework's ``neat_packed_collater`` (``packing="neat"``) or ``packed_sequence_thd_collater``
+def _packed(tokens: torch.Tensor, documents: list[list[int]], pad_id: int, packing: str = "neat") -> dict[str, Any]:
+    """collated by the framework's ``neat_packed_collater`` (``packing="neat"``) or ``packed_sequence_thd_collater``
     (``packing="thd"``) from per-row packs laid out as its packers do (module docstring)."""
-    if kind != "packed":
-        return _base.make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad, pad_id=pad_id)
-    if documents is None or len(documents) != batch_size:
-        raise ValueError("packed batches need one list of document lengths per row")
     if packing not in ("neat", "thd"):
         raise ValueError(f"packing must be 'neat' or 'thd', got {packing!r}")
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(1, vocab, (batch_size, seq_len), generator=generator)
-    rows: list[dict[str, Any]] = []
+    if packing == "thd":  # packed_sequence._pad_pack at cp_size 1: trailing padding joins the last span
+        return packed_sequence_thd_collater([_base.thd_pack(tokens[row], d, pad_id) for row, d in enumerate(documents)])
+    rows = []  # neat_packing._build_packed_sample: indexed mask, positions 0 on padding
     for row, lengths in enumerate(documents):
-        if sum(lengths) > seq_len:
-            raise ValueError(f"documents {lengths} exceed the row of {seq_len}")
-        used = sum(lengths)
-        ids = tokens[row].tolist()
-        ids[used:] = [pad_id] * (seq_len - used)
-        labels, doc_ids, positions, start = [IGNORE_INDEX] * seq_len, [0] * seq_len, [0] * seq_len, 0
-        for index, length in enumerate(lengths, start=1):
-            labels[start : start + length - 1] = ids[start + 1 : start + length]
-            doc_ids[start : start + length] = [index] * length
-            positions[start : start + length] = range(length)
-            start += length
-        if packing == "neat":  # neat_packing._build_packed_sample: indexed mask, positions 0 on padding
-            rows.append(
-                {
-                    "input_ids": torch.tensor(ids),
-                    "labels": torch.tensor(labels),
-                    "attention_mask": torch.tensor(doc_ids),
-                    "position_ids": torch.tensor(positions),
-                }
-            )
-        else:  # packed_sequence._pad_pack at cp_size 1: trailing padding joins the last span, positions continue
-            pad_len = seq_len - used
-            positions[used:] = [min(positions[used - 1] + 1 + i, seq_len - 1) for i in range(pad_len)]
-            rows.append(
-                {
-                    "input_ids": ids,
-                    "labels": labels,
-                    "position_ids": positions,
-                    "seq_lens": list(lengths),
-                    "seq_lens_padded": list(lengths[:-1]) + [lengths[-1] + pad_len],
-                }
-            )
-    if packing == "neat":
-        return neat_packed_collater(rows, packing=_NEAT)
-    return packed_sequence_thd_collater(rows)
+        input_ids, labels, doc_ids, positions = _base.document_layout(tokens[row], lengths, pad_id)
+        rows.append({"input_ids": input_ids, "labels": labels, "attention_mask": doc_ids, "position_ids": positions})
+    return neat_packed_collater(rows, packing=_NEAT)
+
+
+make_batch = _base.packed_kind(_packed)

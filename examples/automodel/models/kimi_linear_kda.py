@@ -58,23 +58,9 @@ from nemo_automodel.components.distributed.context_parallel import ContextParall
 from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.kimi_linear.config import KimiLinear48BConfig
 
-from ._base import (  # noqa: F401 - part of the spec interface
-    DTYPES,
-    IGNORE_INDEX,
-    batch_to,
-    build_seeded,
-    dtype_name,
-    forward,
-    local_labels,
-    loss,
-    make_batch,
-    model_device,
-    num_label_tokens,
-    pad_batch,
-    rank_device,
-    tiny,
-    valid_positions,
-)
+from . import _base
+from ._base import *  # noqa: F403 - part of the spec interface
+from ._base import batch_to, build_seeded, dtype_name, model_device, pad_batch, rank_device, tiny  # noqa: F401
 from ._base import gather_trimmed as gather_logits  # noqa: F401 - the spec interface
 
 NAME = "kimi_linear_kda"
@@ -111,41 +97,18 @@ COVERS: dict[str, str] = {
 
 BACKEND = dict(linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")
 
+# fmt: off
 TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=32,
-    num_hidden_layers=4,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-6,
-    initializer_range=0.2,
-    pad_token_id=0,
-    tie_word_embeddings=False,
-    use_cache=False,
-    q_lora_rank=None,
-    kv_lora_rank=16,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=16,
-    v_head_dim=16,
-    mla_use_nope=True,
-    num_experts=4,
-    num_experts_per_token=2,
-    num_shared_experts=1,
-    moe_intermediate_size=16,
-    moe_router_activation_func="sigmoid",
-    first_k_dense_replace=1,
-    num_expert_group=1,
-    topk_group=1,
-    linear_attn_config={
-        "kda_layers": [1, 3],
-        "full_attn_layers": [2, 4],
-        "head_dim": 32,
-        "num_heads": 2,
-        "short_conv_kernel_size": 4,
-    },
+    vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+    num_key_value_heads=2, rms_norm_eps=1e-6, initializer_range=0.2, pad_token_id=0, tie_word_embeddings=False,
+    use_cache=False, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+    mla_use_nope=True, num_experts=4, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=16,
+    moe_router_activation_func="sigmoid", first_k_dense_replace=1, num_expert_group=1, topk_group=1,
+    linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2, 4], "head_dim": 32, "num_heads": 2,
+                        "short_conv_kernel_size": 4},
     kda_mode="chunk",
 )
+# fmt: on
 
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> KimiLinear48BConfig:
@@ -191,10 +154,7 @@ def shard(
     """
     if mesh is not None and mesh.size() > 1:
         _apply_cp_once(model, mesh)
-    batch = batch_to(batch, model_device(model))
-    sharder = ContextParallelSharder(model, mesh, batch, padding_token_id=padding_token_id)
-    ctx_factory, local_batch = sharder.shard(batch)
-    return ctx_factory, local_batch, sharder
+    return _base.shard(model, mesh, batch_to(batch, model_device(model)), padding_token_id)
 
 
 def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:

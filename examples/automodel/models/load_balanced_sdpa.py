@@ -81,21 +81,9 @@ from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.llama.model import LlamaForCausalLM
 from transformers import LlamaConfig
 
-from ._base import (  # noqa: F401 - part of the spec interface
-    DTYPES,
-    IGNORE_INDEX,
-    batch_to,
-    forward,
-    local_labels,
-    loss,
-    make_batch,
-    model_device,
-    num_label_tokens,
-    pad_batch,
-    rank_device,
-    seeded,
-    valid_positions,
-)
+from . import _base
+from ._base import *  # noqa: F403 - part of the spec interface
+from ._base import DTYPES, batch_to, model_device, pad_batch, rank_device, seeded  # noqa: F401
 from ._base import gather_trimmed as gather_logits  # noqa: F401 - the spec interface
 
 NAME = "load_balanced_sdpa"
@@ -132,26 +120,14 @@ COVERS: dict[str, str] = {
 
 BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch_fp32", rope_fusion=False)
 
+# fmt: off
 TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    head_dim=8,
-    hidden_act="silu",
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    initializer_range=0.2,
-    attention_bias=False,
-    attention_dropout=0.0,
-    mlp_bias=False,
-    tie_word_embeddings=False,
-    use_cache=False,
-    pad_token_id=0,
+    vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=2, head_dim=8, hidden_act="silu", max_position_embeddings=256, rms_norm_eps=1e-6,
+    rope_theta=10000.0, initializer_range=0.2, attention_bias=False, attention_dropout=0.0, mlp_bias=False,
+    tie_word_embeddings=False, use_cache=False, pad_token_id=0,
 )
+# fmt: on
 
 
 def config(**overrides: Any) -> LlamaConfig:
@@ -238,9 +214,7 @@ def shard_with_rotate_method(
 ) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
     """``shard`` with torch's ``set_rotate_method(rotate_method)`` inside ``ctx_factory()`` (``None``: the
     framework's own, ``"allgather"``)."""
-    batch = batch_to(batch, model_device(model))
-    sharder = ContextParallelSharder(model, mesh, batch, padding_token_id=padding_token_id)
-    train_ctx, local_batch = sharder.shard(batch)
+    train_ctx, local_batch, sharder = _base.shard(model, mesh, batch_to(batch, model_device(model)), padding_token_id)
     if mesh is None or mesh.size() <= 1:
         return train_ctx, local_batch, sharder
 
@@ -254,6 +228,4 @@ def shard_with_rotate_method(
 
 def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
     """Global length an unpacked row of ``seq_len`` is padded to at ``cp_size``: a multiple of ``2 * cp_size``."""
-    if cp_size <= 1:
-        return seq_len
-    return seq_len + (-seq_len) % (2 * cp_size)
+    return _base.padded_length(seq_len, cp_size, 2 * cp_size)

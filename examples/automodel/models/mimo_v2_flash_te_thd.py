@@ -55,19 +55,9 @@ from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.mimo_v2_flash.config import MiMoV2FlashConfig
 from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
 
-from ._base import (  # noqa: F401 - part of the spec interface
-    DTYPES,
-    IGNORE_INDEX,
-    build_seeded,
-    dtype_name,
-    loss,
-    make_batch,
-    model_device,
-    num_label_tokens,
-    rank_device,
-    tiny,
-    valid_positions,
-)
+from . import _base
+from ._base import *  # noqa: F403 - part of the spec interface
+from ._base import IGNORE_INDEX, build_seeded, dtype_name, make_batch, model_device, num_label_tokens, rank_device, tiny
 
 NAME = "mimo_v2_flash_te_thd"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.mimo_v2_flash.model.MiMoV2FlashForCausalLM"
@@ -97,36 +87,16 @@ COVERS: dict[str, str] = {
 
 BACKEND = dict(attn="te", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch", rope_fusion=False)
 
+# fmt: off
 TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=64,
-    moe_intermediate_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    head_dim=16,
-    v_head_dim=16,
-    swa_num_attention_heads=8,
-    swa_num_key_value_heads=8,
-    swa_head_dim=16,
-    swa_v_head_dim=16,
-    hybrid_layer_pattern=[0, 1],
-    moe_layer_freq=[0, 1],
-    sliding_window=4,
-    attention_chunk_size=None,
-    partial_rotary_factor=0.5,
-    add_full_attention_sink_bias=False,
-    add_swa_attention_sink_bias=True,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_shared_experts=None,
-    max_position_embeddings=4096,
-    initializer_range=0.2,
-    tie_word_embeddings=False,
-    use_cache=False,
-    pad_token_id=0,
+    vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+    num_attention_heads=8, num_key_value_heads=8, head_dim=16, v_head_dim=16, swa_num_attention_heads=8,
+    swa_num_key_value_heads=8, swa_head_dim=16, swa_v_head_dim=16, hybrid_layer_pattern=[0, 1], moe_layer_freq=[0, 1],
+    sliding_window=4, attention_chunk_size=None, partial_rotary_factor=0.5, add_full_attention_sink_bias=False,
+    add_swa_attention_sink_bias=True, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=None,
+    max_position_embeddings=4096, initializer_range=0.2, tie_word_embeddings=False, use_cache=False, pad_token_id=0,
 )
+# fmt: on
 
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> MiMoV2FlashConfig:
@@ -254,8 +224,7 @@ def gather_logits(sharder: ContextParallelSharder, local_logits: torch.Tensor) -
 
 def cp_padded_length(model: torch.nn.Module, seq_len: int, cp_size: int) -> int:
     """A one-document row of ``seq_len`` padded as the THD packing pads it at ``cp_size``."""
-    factor = 2 * cp_size if cp_size > 1 else 1
-    return seq_len + (-seq_len) % factor
+    return _base.padded_length(seq_len, cp_size, 2 * cp_size)
 
 
 def _check_layout_arithmetic() -> None:  # used by tests/test_real_model_gpu_specs.py

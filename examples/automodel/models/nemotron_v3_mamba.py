@@ -46,23 +46,9 @@ from nemo_automodel.components.distributed.context_parallel import ContextParall
 from nemo_automodel.components.models.common import BackendConfig
 from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHConfig
 
-from ._base import (  # noqa: F401 - part of the spec interface
-    DTYPES,
-    IGNORE_INDEX,
-    batch_to,
-    build_seeded,
-    dtype_name,
-    forward,
-    local_labels,
-    loss,
-    make_batch,
-    model_device,
-    num_label_tokens,
-    pad_batch,
-    rank_device,
-    tiny,
-    valid_positions,
-)
+from . import _base
+from ._base import *  # noqa: F403 - part of the spec interface
+from ._base import batch_to, build_seeded, dtype_name, model_device, pad_batch, rank_device, tiny  # noqa: F401
 from ._base import gather_trimmed as gather_logits  # noqa: F401 - the spec interface
 from .load_balanced_sdpa import BACKEND, _context_parallel_hooks, cp_padded_length  # noqa: F401 - same layout
 
@@ -92,31 +78,15 @@ COVERS: dict[str, str] = {
     "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor": "differentiable all_gather of the logits, round-robin order undone, CP padding trimmed",
 }
 
+# fmt: off
 TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=32,
-    layers_block_type=["mamba", "attention", "mamba", "mlp"],
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=32,
-    mlp_hidden_act="relu2",
-    ssm_state_size=16,
-    mamba_num_heads=8,
-    mamba_head_dim=8,
-    n_groups=8,
-    conv_kernel=4,
-    chunk_size=16,
-    use_conv_bias=True,
-    mamba_hidden_act="silu",
-    max_position_embeddings=4096,
-    initializer_range=0.2,
-    layer_norm_epsilon=1e-5,
-    tie_word_embeddings=False,
-    use_cache=False,
-    pad_token_id=0,
-    num_nextn_predict_layers=0,
+    vocab_size=64, hidden_size=32, layers_block_type=["mamba", "attention", "mamba", "mlp"], num_attention_heads=2,
+    num_key_value_heads=2, head_dim=16, intermediate_size=32, mlp_hidden_act="relu2", ssm_state_size=16,
+    mamba_num_heads=8, mamba_head_dim=8, n_groups=8, conv_kernel=4, chunk_size=16, use_conv_bias=True,
+    mamba_hidden_act="silu", max_position_embeddings=4096, initializer_range=0.2, layer_norm_epsilon=1e-5,
+    tie_word_embeddings=False, use_cache=False, pad_token_id=0, num_nextn_predict_layers=0,
 )
+# fmt: on
 
 
 def config(dtype: torch.dtype = torch.float32, **overrides: Any) -> NemotronHConfig:
@@ -184,9 +154,7 @@ def shard(
     Returns:
         ``(ctx_factory, local_batch, sharder)``; ``local_batch`` tensors ``[B, S_local]`` inside ``ctx_factory()``.
     """
-    batch = batch_to(batch, model_device(model))
-    sharder = ContextParallelSharder(model, mesh, batch, padding_token_id=padding_token_id)
-    train_ctx, local_batch = sharder.shard(batch)
+    train_ctx, local_batch, sharder = _base.shard(model, mesh, batch_to(batch, model_device(model)), padding_token_id)
     if mesh is None or mesh.size() <= 1:
 
         @contextlib.contextmanager

@@ -86,16 +86,8 @@ from nemo_automodel.components.models.qwen3_5_moe.model import (
 )
 
 from examples.automodel.models import _base, model_owned_cp
-from examples.automodel.models._base import (  # noqa: F401  (the shared half of the interface)
-    DTYPES,
-    IGNORE_INDEX,
-    dtype_name,
-    forward,
-    gather_logits,
-    local_labels,
-    loss,
-    num_label_tokens,
-)
+from examples.automodel.models._base import *  # noqa: F403  (the shared half of the interface)
+from examples.automodel.models._base import dtype_name
 
 NAME = "qwen3_5_moe"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.qwen3_5_moe.model.Qwen3_5MoeForConditionalGeneration"
@@ -111,13 +103,30 @@ COVERS: dict[str, str] = {
     "nemo_automodel.components.distributed.blockdiag_cp.batch.make_cp_blockdiag_batch_and_ctx": "pads to 2 x CP, slices every sequence tensor but input_ids contiguously, publishes the step state",
     "nemo_automodel.components.distributed.blockdiag_cp.kernels.precompute_blockdiag_varlen_meta": "this rank's varlen segmentation (computed; the varlen kernel is unavailable on CPU)",
     "nemo_automodel.components.distributed.context_parallel.sharder.shard_sequence_for_cp_contiguous": "in the forward: pads the embedded full sequence and keeps this rank's slice",
-    "nemo_automodel.components.distributed.context_parallel.sharder.contiguous_local_indices": "this rank's global positions (the sharder's index map)",
+    **_base.COVERS_INDEX_MAP,
     "nemo_automodel.components.distributed.blockdiag_cp.runtime.cp_blockdiag_sdpa": "every full-attention layer: K/V exchange and per-document attention",
     "nemo_automodel.components.distributed.blockdiag_cp.kernels._cp_blockdiag_varlen": "asked first (attn_backend flash), reports itself unavailable on CPU",
     "nemo_automodel.components.distributed.blockdiag_cp.exchange._AllGatherSeqDiff": "one all-gather of stacked K and V per layer; backward a reduce-scatter",
     "nemo_automodel.components.distributed.blockdiag_cp.kernels._cp_blockdiag_mask": "the dense per-document causal mask of the local queries against all keys",
-    "nemo_automodel.components.distributed.context_parallel.sharder.gather_token_tensor_by_indices": "gather_logits: the logits back to global order (differentiable all-gather)",
+    **_base.COVERS_GATHER_BY_INDICES,
 }
+
+BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")
+
+# fmt: off
+TEXT: dict[str, Any] = dict(
+    vocab_size=64, hidden_size=16, num_hidden_layers=2, layer_types=["full_attention", "full_attention"],
+    num_attention_heads=2, num_key_value_heads=1, head_dim=8, moe_intermediate_size=8,
+    shared_expert_intermediate_size=8, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.001,
+    rms_norm_eps=1e-6, max_position_embeddings=4096, pad_token_id=0,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                     "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+)
+VISION: dict[str, Any] = dict(
+    depth=1, hidden_size=8, intermediate_size=8, num_heads=1, out_hidden_size=16, patch_size=2,
+    temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=4,
+)
+# fmt: on
 
 BATCH_KEYS: dict[str, dict[str, str]] = {
     "required": _base.BATCH_KEYS["required"],
@@ -135,44 +144,6 @@ BATCH_KEYS: dict[str, dict[str, str]] = {
         "padding_mask": "[B, S_local] bool, True on padding (block-diagonal CP)",
     },
 }
-
-BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")
-
-TEXT: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=16,
-    num_hidden_layers=2,
-    layer_types=["full_attention", "full_attention"],
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    moe_intermediate_size=8,
-    shared_expert_intermediate_size=8,
-    num_experts=4,
-    num_experts_per_tok=2,
-    router_aux_loss_coef=0.001,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=4096,
-    pad_token_id=0,
-    rope_parameters={
-        "rope_type": "default",
-        "rope_theta": 10000.0,
-        "partial_rotary_factor": 0.5,
-        "mrope_section": [1, 1, 0],
-        "mrope_interleaved": True,
-    },
-)
-VISION: dict[str, Any] = dict(
-    depth=1,
-    hidden_size=8,
-    intermediate_size=8,
-    num_heads=1,
-    out_hidden_size=16,
-    patch_size=2,
-    temporal_patch_size=1,
-    spatial_merge_size=1,
-    num_position_embeddings=4,
-)
 
 # The packing contract the framework derives for this model (dense block-causal mask + packed-sequence metadata);
 # ``build`` checks it against ``configure_packing_for_models``, the recipe's own derivation.
@@ -265,45 +236,15 @@ def valid_positions(batch: dict[str, Any]) -> torch.Tensor:
     return torch.ones_like(batch["input_ids"], dtype=torch.bool)
 
 
-def make_batch(
-    kind: str,
-    seq_len: int,
-    *,
-    batch_size: int = 1,
-    seed: int = 0,
-    vocab: int = 64,
-    documents: list[list[int]] | None = None,
-    pad: int = 0,
-    pad_id: int = 0,
-) -> dict[str, Any]:
-    """An example batch with shifted labels (see the module docstring for the keys of each kind).
-
-    Args:
-        kind: ``"plain"``, ``"right_padded"`` (``_base.make_batch``) or ``"packed"`` (``documents[row]``
-            lengths concatenated from column 0, the rest padding, collated by ``neat_packed_vlm_collater``).
-    """
-    if kind != "packed":
-        return _base.make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad, pad_id=pad_id)
-    if documents is None or len(documents) != batch_size:
-        raise ValueError("packed batches need one list of document lengths per row")
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(1, vocab, (batch_size, seq_len), generator=generator)
+def _neat_packed(tokens: torch.Tensor, documents: list[list[int]], pad_id: int) -> dict[str, Any]:
+    """one pack per row as the LLM NEAT packer leaves it (datasets/llm/neat_packing.py ``_build_packed_sample``:
+    documents concatenated, indexed mask 1, 2, ... (0 padding), positions restarting per document), collated by
+    ``neat_packed_collater`` with this model's ``PACKING`` (see the module docstring for the keys)."""
     packs = []
     for row, lengths in enumerate(documents):
-        if sum(lengths) > seq_len or min(lengths, default=1) < 1:
-            raise ValueError(f"documents {lengths} do not fit a row of {seq_len}")
-        # One pack as the LLM NEAT packer leaves it (datasets/llm/neat_packing.py ``_build_packed_sample``):
-        # documents concatenated, indexed mask 1, 2, ... (0 padding), positions restarting per document.
-        ids = torch.full((seq_len,), pad_id, dtype=torch.long)
-        labels = torch.full((seq_len,), IGNORE_INDEX, dtype=torch.long)
-        doc = torch.zeros(seq_len, dtype=torch.long)
-        positions = torch.zeros(seq_len, dtype=torch.long)
-        start = 0
-        for index, length in enumerate(lengths, start=1):
-            ids[start : start + length] = input_ids[row, start : start + length]
-            labels[start : start + length - 1] = input_ids[row, start + 1 : start + length]
-            doc[start : start + length] = index
-            positions[start : start + length] = torch.arange(length)
-            start += length
-        packs.append({"input_ids": ids, "labels": labels, "attention_mask": doc, "position_ids": positions})
+        input_ids, labels, doc_ids, positions = _base.document_layout(tokens[row], lengths, pad_id)
+        packs.append({"input_ids": input_ids, "labels": labels, "attention_mask": doc_ids, "position_ids": positions})
     return neat_packed_collater(packs, packing=PACKING)
+
+
+make_batch = _base.packed_kind(_neat_packed)

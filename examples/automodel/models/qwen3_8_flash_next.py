@@ -71,19 +71,8 @@ from nemo_automodel.components.models.qwen3_8_flash_next.config import Qwen3_8_F
 from nemo_automodel.components.models.qwen3_8_flash_next.engram import Qwen3_8_FlashNextEngramTableConfig
 
 from examples.automodel.models import _base, model_owned_cp
-from examples.automodel.models._base import (  # noqa: F401  (the shared half of the interface)
-    DTYPES,
-    IGNORE_INDEX,
-    build_seeded,
-    dtype_name,
-    gather_logits,
-    local_labels,
-    loss,
-    num_label_tokens,
-    pad_batch,
-    tiny,
-    valid_positions,
-)
+from examples.automodel.models._base import *  # noqa: F403  (the shared half of the interface)
+from examples.automodel.models._base import build_seeded, dtype_name, pad_batch, tiny  # noqa: F401
 
 NAME = "qwen3_8_flash_next"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.qwen3_8_flash_next.model.Qwen3_8_FlashNextForConditionalGeneration"
@@ -127,50 +116,23 @@ BATCH_KEYS: dict[str, dict[str, str]] = {
     },
 }
 
-BACKEND = dict(
-    attn="flex",
-    linear="torch",
-    rms_norm="torch_fp32",
-    experts="torch",
-    dispatcher="torch",
-    enable_hf_state_dict_adapter=False,
-)
+# fmt: off
+BACKEND = dict(attn="flex", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch",
+               enable_hf_state_dict_adapter=False)
 
 TINY: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=16,
-    num_hidden_layers=2,
-    layer_types=["full_attention", "full_attention"],
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
+    vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+    layer_types=["full_attention", "full_attention"], num_attention_heads=2, num_key_value_heads=1, head_dim=8,
     # Rotary width 4 of the head's 8; text positions repeat on the 3 mRoPE axes, so their sections do not matter.
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-    moe_intermediate_size=8,
-    shared_expert_intermediate_size=8,
-    num_experts=4,
-    num_experts_per_tok=2,
+    moe_intermediate_size=8, shared_expert_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
     router_aux_loss_coef=1e-3,  # the released value: the CP path reduces the router's expert load over CP
-    hc_count=2,
-    hc_lowrank=4,
-    ple_layer_ids=[2],
-    ple_embed_dim=16,
-    ple_conv_kernel_size=4,
-    ngram_size=3,
-    heads_per_ngram=8,
-    indexer_budget=4,
-    indexer_compress_ratio=2,
-    indexer_head_dim=8,
-    indexer_kv_heads=1,
-    indexer_n_heads=2,
-    initializer_range=0.2,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=4096,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
+    hc_count=2, hc_lowrank=4, ple_layer_ids=[2], ple_embed_dim=16, ple_conv_kernel_size=4, ngram_size=3,
+    heads_per_ngram=8, indexer_budget=4, indexer_compress_ratio=2, indexer_head_dim=8, indexer_kv_heads=1,
+    indexer_n_heads=2, initializer_range=0.2, rms_norm_eps=1e-6, max_position_embeddings=4096, pad_token_id=0,
+    bos_token_id=1, eos_token_id=2,
 )
+# fmt: on
 # Moduli of the 16 PLE hash heads (the released ones are ~2e7 each: a 320M-row table).
 TABLE_PRIMES = (17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79)
 
@@ -225,67 +187,13 @@ forward = model_owned_cp.twin_forward
 
 def cp_padded_length(model: Any, seq_len: int, cp_size: int) -> int:
     """Global length an unpacked row of ``seq_len`` is padded to at ``cp_size``: ``cp * max(ratio, 2)``."""
-    if cp_size <= 1:
-        return seq_len
-    divisor = cp_size * max(int(model.config.text_config.indexer_compress_ratio), 2)
-    return seq_len + (-seq_len) % divisor
+    return _base.padded_length(seq_len, cp_size, cp_size * max(int(model.config.text_config.indexer_compress_ratio), 2))
 
 
-def make_batch(
-    kind: str,
-    seq_len: int,
-    *,
-    batch_size: int = 1,
-    seed: int = 0,
-    vocab: int = 64,
-    documents: list[list[int]] | None = None,
-    pad: int = 0,
-    pad_id: int = 0,
-) -> dict[str, Any]:
-    """An example batch with shifted labels, in the layout the framework's loaders give.
-
-    Args:
-        kind: ``"plain"`` (every token real: ``input_ids``, ``labels`` [B, S]), ``"right_padded"`` (the last
-            ``pad`` tokens of every row are padding: ``attention_mask`` 0, ``pad_id``, label -100) or
-            ``"packed"`` (``documents[row]`` lengths concatenated from column 0, the rest of the row padding:
-            the THD collater's ``position_ids``, ``seq_lens``, ``seq_lens_padded``, ``qkv_format``).
-    """
-    if kind != "packed":  # the tokens are drawn as for "packed" below
-        return _base.make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad, pad_id=pad_id)
-    if documents is None or len(documents) != batch_size:
-        raise ValueError("packed batches need one list of document lengths per row")
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(1, vocab, (batch_size, seq_len), generator=generator)
-    return _thd_packed(input_ids, documents, pad_id)
+def _thd_packed(tokens: torch.Tensor, documents: list[list[int]], pad_id: int) -> dict[str, Any]:
+    """rows packed as ``packed_sequence._pad_pack`` (cp_size 1) lays them out (the THD collater's ``position_ids``,
+    ``seq_lens``, ``seq_lens_padded``, ``qkv_format``), collated by the framework's ``packed_sequence_thd_collater``."""
+    return packed_sequence_thd_collater([_base.thd_pack(tokens[row], d, pad_id) for row, d in enumerate(documents)])
 
 
-def _thd_packed(input_ids: torch.Tensor, documents: list[list[int]], pad_id: int) -> dict[str, Any]:
-    """Rows packed as ``packed_sequence._pad_pack`` (cp_size 1) lays them out, collated by the framework's
-    ``packed_sequence_thd_collater``."""
-    seq_len = input_ids.shape[1]
-    items = []
-    for row, lengths in enumerate(documents):
-        if sum(lengths) > seq_len or min(lengths) < 1:
-            raise ValueError(f"documents {lengths} do not fit a row of {seq_len}")
-        ids = input_ids[row].tolist()
-        labels, positions, start = [IGNORE_INDEX] * seq_len, [], 0
-        for length in lengths:
-            labels[start : start + length - 1] = ids[start + 1 : start + length]
-            positions += list(range(length))
-            start += length
-        tail = seq_len - start
-        ids[start:] = [pad_id] * tail
-        # The pack's tail: positions continue from the last one, clamped (as _pad_pack does).
-        positions += [min(positions[-1] + i, seq_len - 1) for i in range(1, tail + 1)]
-        spans = list(lengths)
-        spans[-1] += tail
-        items.append(
-            {
-                "input_ids": ids,
-                "labels": labels,
-                "position_ids": positions,
-                "seq_lens": list(lengths),
-                "seq_lens_padded": spans,
-            }
-        )
-    return packed_sequence_thd_collater(items)
+make_batch = _base.packed_kind(_thd_packed)

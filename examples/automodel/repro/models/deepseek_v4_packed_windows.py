@@ -49,37 +49,10 @@ from nemo_automodel.components.models.deepseek_v4.model import DeepseekV4ForCaus
 from nemo_automodel.components.utils.model_utils import filter_forward_kwargs  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 
-CONFIG = dict(
-    vocab_size=64,
-    hidden_size=16,
-    moe_intermediate_size=8,
-    num_hidden_layers=4,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    qk_rope_head_dim=4,
-    q_lora_rank=8,
-    o_lora_rank=8,
-    o_groups=2,
-    n_routed_experts=4,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    compress_ratios=[0, 4, 4, 0],
-    sliding_window=4,
-    num_hash_layers=1,
-    hc_mult=2,
-    hc_sinkhorn_iters=4,
-    index_head_dim=8,
-    index_n_heads=2,
-    index_topk=64,
-    num_nextn_predict_layers=0,
-    vision_n_layers=0,
-    initializer_range=0.2,
-    max_position_embeddings=4096,
-    pad_token_id=0,
-    torch_dtype="float32",
-)
-BACKEND = dict(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")
+from examples.automodel.models.deepseek_v4 import TINY  # noqa: E402  (the spec's data; no harness import)
+from examples.automodel.models.deepseek_v41 import BACKEND  # noqa: E402
+
+CONFIG = {**TINY, "torch_dtype": "float32"}  # the spec's tiny config
 # name: (document lengths, per-document span alignment of the THD packer: ``packed_sequence.pad_to_multiple_of``)
 CASES = {
     "misaligned [7, 5, 6] + 5 pad": ([7, 5, 6], 1),

@@ -34,6 +34,8 @@ from nemo_automodel.components.models.gemma4_moe.model import Gemma4Config, Gemm
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 
+from examples.automodel.models.gemma4_moe import BACKEND  # noqa: E402  (the spec's backend; no harness import)
+
 torch.set_num_threads(1)
 TEXT = dict(
     vocab_size=64,
@@ -65,18 +67,7 @@ def build(attention):
     cfg = Gemma4Config(text_config=dict(TEXT), vision_config=None, audio_config=None, dtype="float32")
     cfg._attn_implementation = cfg.text_config._attn_implementation = attention
     torch.manual_seed(0)
-    model = Gemma4ForConditionalGeneration(
-        cfg,
-        backend=BackendConfig(
-            attn="sdpa",
-            linear="torch",
-            rms_norm="torch",
-            experts="torch",
-            dispatcher="torch",
-            fake_balanced_gate=False,
-            enable_hf_state_dict_adapter=False,
-        ),
-    )
+    model = Gemma4ForConditionalGeneration(cfg, backend=BackendConfig(**BACKEND))
     model.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
     return model
 

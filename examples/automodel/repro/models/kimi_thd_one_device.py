@@ -34,6 +34,8 @@ from nemo_automodel.components.models.kimi_linear.model import KimiLinear48BForC
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 
+from examples.automodel.models.kimi_linear import BACKEND  # noqa: E402  (the spec's backend; no harness import)
+
 torch.set_num_threads(1)
 DOCS = [7, 5, 6]
 
@@ -68,18 +70,7 @@ def build():
         torch_dtype="float32",
     )
     torch.manual_seed(0)
-    model = KimiLinear48BForCausalLM(
-        cfg,
-        backend=BackendConfig(
-            attn="eager",
-            linear="torch",
-            rms_norm="torch_fp32",
-            experts="torch",
-            dispatcher="torch",
-            fake_balanced_gate=False,
-            enable_hf_state_dict_adapter=False,
-        ),
-    )
+    model = KimiLinear48BForCausalLM(cfg, backend=BackendConfig(**BACKEND))
     model.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
     return model
 
