@@ -112,10 +112,8 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         return {}, {}
     runs = {
         rm.Run.CP: _with_norm(step),
-        rm.Run.REFERENCE: _with_norm(model_specs.step(spec, reference_model, None, batch)),
-        rm.Run.REORDERED: _with_norm(
-            model_specs.step(spec, reference_model, None, batch, split=max(2, cp), reverse=True)
-        ),
+        rm.Run.REFERENCE: _with_norm(one_device(spec, reference_model, batch, dp)),
+        rm.Run.REORDERED: _with_norm(one_device(spec, reference_model, batch, dp, split=max(2, cp), reverse=True)),
     }
     valid = spec.valid_positions(batch).to(torch.bool)
     info = {
@@ -125,6 +123,42 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         "dp_label_counts": _label_counts(batch, dp),
     }
     return info, rm._to_wire(valid, runs)
+
+
+def one_device(spec, model, batch: dict, micro_batches: int, *, split: int = 1, reverse: bool = False) -> dict:
+    """The recipe's step on one device over the same global batch: ``micro_batches`` gradient-accumulation
+    micro-batches (the dp ranks' rows, in dp order; reversed with ``reverse``), each ``model_specs.step`` with the
+    loss divided by the *global* label count (``_run_train_optim_step`` counts all micro-batches first), gradients
+    summed, logits in row order, losses summed. The MoE auxiliary-loss scale is the recipe's ``cp / micro-batches``
+    = ``1 / micro_batches`` (restored after): a router's load-balancing loss is a per-micro-batch statistic in the
+    framework (``Gate._compute_aux_loss``: "assumes batch size = 1"), so one device on all rows at once would be
+    another objective than data parallelism computes; the main loss is the same either way."""
+    from nemo_automodel.components.moe.megatron.moe_utils import MoEAuxLossAutoScaler
+
+    count = spec.num_label_tokens(batch)
+    n = batch["input_ids"].shape[0]
+    rows = n // micro_batches
+    parts = {}
+    previous = MoEAuxLossAutoScaler.main_loss_backward_scale
+    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0 / micro_batches)
+    try:
+        order = range(micro_batches)[::-1] if reverse else range(micro_batches)
+        for d in order:
+            part = {
+                k: (v[d * rows : (d + 1) * rows] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == n else v)
+                for k, v in batch.items()
+            }
+            parts[d] = model_specs.step(spec, model, None, part, split=split, reverse=reverse, num_label_tokens=count)
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = previous
+    grads: dict = {}
+    for d in order:
+        for name, grad in parts[d]["grads"].items():
+            grads[name] = grad.float() if name not in grads else grads[name] + grad.float()
+    dtypes = {name: g.dtype for name, g in parts[0]["grads"].items()}
+    loss = sum((parts[d]["loss"] for d in order), torch.zeros(()))
+    logits = torch.cat([parts[d]["logits"] for d in range(micro_batches)], dim=0)
+    return {"logits": logits, "loss": loss, "grads": {k: v.to(dtypes[k]) for k, v in grads.items()}}
 
 
 def _label_counts(batch: dict, dp: int) -> list[int]:
@@ -161,10 +195,9 @@ def _runnable(models: tuple[str, ...], dtype: str) -> tuple[list[str], dict[str,
 
 
 def _global_rows(traits, kind: str) -> tuple[int, ...]:
-    """Global row counts ``dp_shard x r`` where ``r`` (a dp rank's rows) and the global count are both rows a
-    ``kind`` batch of the spec may have (the one-device reference runs all of them at once)."""
-    allowed = traits.rows_for(kind)
-    return tuple(DP_SHARD * r for r in allowed if DP_SHARD * r in allowed)
+    """Global row counts ``dp_shard x r`` where ``r`` (a dp rank's rows, one micro-batch) is a row count a ``kind``
+    batch of the spec may have (the one-device reference runs the same micro-batches, ``one_device``)."""
+    return tuple(DP_SHARD * r for r in traits.rows_for(kind))
 
 
 def _kinds(traits) -> tuple[str, ...]:
