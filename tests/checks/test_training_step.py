@@ -132,7 +132,7 @@ def test_the_rows_are_skipped_saying_why_without_a_pool_of_four():
     from cp_harness.cases.profiles import CaseSpace
     from cp_harness.checks.training_step import TRAINING_STEP
 
-    (row,) = TRAINING_STEP.rows
+    row = TRAINING_STEP.rows[0]
     assert row.step == "training" and row.needs_model
     why = row.skip(CaseSpace(world_sizes=(1, 2, 3), models=(SPEC,)))
     assert why is not None and "--world-sizes 4" in why, why
@@ -153,7 +153,7 @@ def test_step_option_selects_the_training_rows_only():
     from cp_harness.verify.rows import default_rows
 
     modes = {row.id: row.spec.step for row in default_rows() if row.spec.needs_model}
-    assert {i for i, mode in modes.items() if mode == "training"} == {"training_step.float32"}, modes
+    assert {i for i, mode in modes.items() if mode == "training"} == {"training_step.float32", "training_step.float32.linear_ce"}, modes
     assert modes["real_model.float32"] == "forward-backward", modes
     with pytest.raises(SystemExit):
         parser.parse_args(["--step", "optimizer"])  # argparse names the choices
