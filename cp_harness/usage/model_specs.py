@@ -96,12 +96,14 @@ def step(
     split: int = 1,
     reverse: bool = False,
     backward: bool = True,
+    num_label_tokens: int | None = None,
 ) -> dict[str, Any]:
     """One forward and backward; ``{"logits" [B, S, V] global, "loss" [], "grads" {name: tensor}}`` (detached).
 
     With ``mesh`` every rank of the mesh calls this with the same global ``batch`` and gets the same result.
     ``backward=False`` (a device where the model has no backward kernel): the forward and the loss only, under
-    ``torch.no_grad()``, no gradients (``grads`` empty).
+    ``torch.no_grad()``, no gradients (``grads`` empty). ``num_label_tokens``: the loss's divisor (default the batch's
+    own count; a micro-batch of a larger step passes the step's count, as the recipe does).
     """
     group = mesh.get_group() if mesh is not None else None
     rows = batch["input_ids"].shape[0]
@@ -109,7 +111,7 @@ def step(
     if reverse:
         batch = _row_order(batch, order)
     model.zero_grad(set_to_none=True)
-    count = spec.num_label_tokens(batch)
+    count = spec.num_label_tokens(batch) if num_label_tokens is None else num_label_tokens
     ctx_factory, local, sharder = spec.shard(model, mesh, batch)
     # Without a backward the forward runs without autograd too: a kernel without a backward (FlexAttention on the
     # CPU) refuses inputs that require grad.

@@ -20,11 +20,12 @@ import pytest
 from cp_harness.checks.training_step import smoke_cases
 from cp_harness.judging.render import report_text
 
-JUDGES = ("spec:deepseek_v41",)
+JUDGES = ("spec:deepseek_v41", "spec:qwen3_5_moe")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
 SPEC = "examples.automodel.models.deepseek_v41"
+QWEN = "examples.automodel.models.qwen3_5_moe"  # NEAT packing (_packed_seq_ids, 4-D mask), a router aux loss
 # Different label counts on the two dp ranks (15 and 10): a count not summed over dp changes the result.
 UNEVEN = {"kind": "packed", "seq_len": 19, "batch_size": 2, "documents": [[7, 5, 6], [3, 1, 9]], "seed": 1}
 
@@ -45,7 +46,7 @@ def step_runner():
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(FIXTURES), str(ROOT), saved["PYTHONPATH"]) if p)
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
     runner = CaseRunner(PoolConfig(world_size=4, impl="cp_impl", case_timeout=240.0, collective_timeout=120.0,
-                                   preload=(SPEC,)))
+                                   preload=(SPEC, QWEN)))
     try:
         runner.pool.start()
     finally:
@@ -60,8 +61,8 @@ def step_runner():
         runner.close()
 
 
-def _case(batch: dict, driver: str | None = None) -> dict:
-    case = {"check": "training_step", "spec": SPEC, "dtype": "float32", "seed": 0, "batch": batch,
+def _case(batch: dict, driver: str | None = None, spec: str = SPEC) -> dict:
+    case = {"check": "training_step", "spec": spec, "dtype": "float32", "seed": 0, "batch": batch,
             "world_size": 4, "dp_shard": 2, "cp": 2}
     return {**case, "driver": driver} if driver else case
 
@@ -78,6 +79,25 @@ def test_smoke_deepseek_v41_dp2_cp2(step_runner):
         assert sum(n.startswith("grad model.") for n in names) > 50  # every parameter gradient
         assert any("D2" in why for why in report.not_judged.values())  # the gloo stand-in is said
     print(f"training-step smoke: {len(cases)} cases in {time.perf_counter() - started:.1f} s")
+
+
+def test_smoke_qwen3_5_moe_neat_packing_and_router_aux_loss(step_runner):
+    """One NEAT-packed case (``_packed_seq_ids``, the block-diagonal CP path; label counts 15 and 10 on the two dp
+    ranks): the router's load-balancing loss is judged through the recipe's aux-loss scale, against one device's
+    gradient accumulation over the same two micro-batches."""
+    report = step_runner.run(_case(UNEVEN, spec=QWEN))
+    assert report.ok, report_text(report)
+    names = {c.name.split(" (")[0] for c in report.comparisons}
+    assert "grad model.language_model.layers.0.mlp.gate.weight" in names and "grad_norm" in names, names
+    assert report.info["dp_label_counts"] == [15, 10], report.info
+
+
+def test_aux_loss_scale_left_at_one_fails_on_the_routers(step_runner):
+    text, failing = _failures(_case(UNEVEN, "training_step_driver_aux_scale", spec=QWEN), step_runner)
+    assert {"grad model.language_model.layers.0.mlp.gate.weight",
+            "grad model.language_model.layers.1.mlp.gate.weight"} <= failing, text
+    assert "loss" not in failing and "logits" not in failing, text  # the forward is untouched
+    assert not any(".self_attn." in n for n in failing), text  # only what the aux loss reaches
 
 
 def _failures(case: dict, runner) -> tuple[str, set[str]]:
@@ -112,7 +132,7 @@ def test_the_rows_are_skipped_saying_why_without_a_pool_of_four():
     from cp_harness.cases.profiles import CaseSpace
     from cp_harness.checks.training_step import TRAINING_STEP
 
-    (row,) = TRAINING_STEP.rows
+    row = TRAINING_STEP.rows[0]
     assert row.step == "training" and row.needs_model
     why = row.skip(CaseSpace(world_sizes=(1, 2, 3), models=(SPEC,)))
     assert why is not None and "--world-sizes 4" in why, why
@@ -133,7 +153,20 @@ def test_step_option_selects_the_training_rows_only():
     from cp_harness.verify.rows import default_rows
 
     modes = {row.id: row.spec.step for row in default_rows() if row.spec.needs_model}
-    assert {i for i, mode in modes.items() if mode == "training"} == {"training_step.float32"}, modes
+    assert {i for i, mode in modes.items() if mode == "training"} == {"training_step.float32", "training_step.float32.linear_ce"}, modes
     assert modes["real_model.float32"] == "forward-backward", modes
     with pytest.raises(SystemExit):
         parser.parse_args(["--step", "optimizer"])  # argparse names the choices
+
+
+def test_real_clients_runs_the_training_step_subjects_on_four_ranks(tmp_path, capsys):
+    import argparse
+
+    from examples.automodel.tools import run
+
+    every = run._subjects([])
+    assert {f"training:{s}" for s in ("deepseek_v41", "deepseek_v4", "qwen3_5_moe")} <= set(every), every
+    assert run._subjects(["training:qwen3_5_moe"]) == ["training:qwen3_5_moe"]
+    args = argparse.Namespace(world_sizes="1,2,3", examples=1, seed=0, backend="gloo", shrink_seconds=1.0)
+    assert run.run_training_step("qwen3_5_moe", args, tmp_path / "x.json") == 0  # no pool of 4: not run, said
+    assert "needs --world-sizes with 4" in capsys.readouterr().out and not (tmp_path / "x.json").exists()

@@ -6,7 +6,8 @@ installs the pinned framework first, then runs this). Subjects are the adapters 
 ``examples.automodel.adapters.ADAPTERS`` (each: ``python -m cp_harness verify --impl examples.automodel.adapters.<adapter>``, on the
 rows and CP sizes the adapter declares) and the model specs of ``examples.automodel.models.SPECS`` (each:
 ``verify --model examples.automodel.models.<spec>``; a spec whose ``REQUIRES`` is unmet here is skipped, with its
-reason, and left to the nightly GPU job). Then the case of every row a documented defect reaches
+reason, and left to the nightly GPU job) and, for the specs of ``TRAINING_STEP_SPECS``, their training step (subject
+``training:<spec>``: ``verify --model ... --step training --world-sizes 4``, ``docs/training_step.md``). Then the case of every row a documented defect reaches
 (``known_defects.json``, ``examples/automodel/tools/defects.py``) is replayed on one pool, and ``<reports>/summary.json``
 and ``<reports>/summary.md`` get the status, the verdicts, the coverage table (``examples/automodel/tools/coverage.py``:
 every CP function of the installed framework, what exercises it, where it runs) and the verify tables.
@@ -50,6 +51,12 @@ STATUS_TEXT = {
     CANNOT_RUN: "status 2: the gate could not run",
 }
 SPEC_WORLD_SIZES = (1, 2, 3)  # real models on 2 cores: CP 4 and more where a spec asks for them (WORLD_SIZES)
+# The model specs whose training step (``verify --step training``: dp_shard x cp = 2 x 2 on 4 ranks, the framework's
+# mesh and FSDP2, docs/training_step.md) the gate runs, as subjects ``training:<spec>``. Not every CPU spec: those
+# that enter CP on a deep copy of the model (``model_owned_cp.cp_twin``: qwen3_8_flash_next, glm5_next) cannot run
+# under FSDP2 ("FSDP does not support deepcopy"), the forward-only ones have no backward.
+TRAINING_STEP_SPECS = ("deepseek_v41", "deepseek_v4", "qwen3_5_moe")
+TRAINING_STEP_WORLD = 4
 
 
 def pinned_version() -> str:
@@ -189,6 +196,39 @@ def run_spec(spec: str, args, json_path: Path) -> int:
     return subprocess.run(cmd, cwd=ROOT).returncode
 
 
+def run_training_step(spec: str, args, json_path: Path) -> int:
+    """``cp_harness verify --model <spec> --step training`` on a pool of exactly 4 ranks (the framework's mesh
+    covers the whole default group), in its own process; exit 0 without running when ``--world-sizes`` leaves 4
+    out (the report says so)."""
+    if str(TRAINING_STEP_WORLD) not in args.world_sizes.split(","):
+        print(f"\nreal clients: training:{spec} needs --world-sizes with {TRAINING_STEP_WORLD}; not run", flush=True)
+        return 0
+    cmd = [
+        sys.executable,
+        "-m",
+        "cp_harness",
+        "verify",
+        "--model",
+        f"examples.automodel.models.{spec}",
+        "--step",
+        "training",
+        "--examples",
+        str(args.examples),
+        "--seed",
+        str(args.seed),
+        "--world-sizes",
+        str(TRAINING_STEP_WORLD),
+        "--backend",
+        args.backend,
+        "--shrink-seconds",
+        str(args.shrink_seconds),
+        "--json",
+        str(json_path),
+    ]
+    print(f"\n$ {' '.join(cmd[1:])}", flush=True)
+    return subprocess.run(cmd, cwd=ROOT).returncode
+
+
 def replay(defect: dict, backend: str, pool=None) -> tuple[bool, str]:
     """Run a documented row's case again (``defect``: an entry of ``load_known``); ``(fails with its signature,
     account)``. ``pool``: a warm ``RankPool`` of at least the case's world size to run it on (else one is started)."""
@@ -302,6 +342,7 @@ def _subjects(names: list[str]) -> list[str]:
     from examples.automodel.models import SPECS
 
     every = [f"adapter:{a}" for a in ADAPTERS] + [f"spec:{s}" for s in SPECS]
+    every += [f"training:{s}" for s in TRAINING_STEP_SPECS]
     if not names:
         return every
     chosen = []
@@ -362,17 +403,24 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
     crashed = []
     for subject in subjects:
         kind, name = subject.split(":", 1)
-        path = reports / f"{name}.json"
+        path = reports / (f"{name}.training_step.json" if kind == "training" else f"{name}.json")
         if path.exists():
             path.unlink()
-        if kind == "spec":
+        if kind in ("spec", "training"):
             unmet = coverage.spec_unmet(name)
             if unmet:
                 summary["skipped"][subject] = unmet
                 print(f"\nreal clients: skipped {subject}: {unmet} (the nightly GPU job runs it)", flush=True)
                 continue
         try:
-            code = run_adapter(name, args, path, pool=pool) if kind == "adapter" else run_spec(name, args, path)
+            if kind == "adapter":
+                code = run_adapter(name, args, path, pool=pool)
+            elif kind == "training":
+                code = run_training_step(name, args, path)
+                if not path.exists() and code == 0:
+                    continue  # --world-sizes without 4: not run, said above
+            else:
+                code = run_spec(name, args, path)
         except Exception as exc:  # noqa: BLE001 - a subject that does not import cannot be gated
             crashed.append(f"{subject}: {type(exc).__name__}: {exc}")
             continue

@@ -150,9 +150,46 @@ class RecipeStep:
         """On gloo, ``gather_backward_as_on_nccl()`` (finding D2, the module docstring); elsewhere nothing."""
         return gather_backward_as_on_nccl() if dist.get_backend() == "gloo" else contextlib.nullcontext()
 
-    def run(self, spec, model, context, global_batch: dict, rows: int) -> dict[str, Any]:
+    def linear_ce_loss_fn(self):
+        """The recipe's linear-projection loss that runs on a CPU: ``ChunkedCrossEntropy`` (a ``LinearCrossEntropy``:
+        hidden states and the LM-head weight, no logits), ``compile=False`` (the per-chunk ``torch.compile`` is an
+        optimisation; the rank processes run with dynamo disabled, where it is the same eager function)."""
+        from nemo_automodel.components.loss.chunked_ce import ChunkedCrossEntropy
+
+        return ChunkedCrossEntropy(compile=False)
+
+    def linear_ce_forward(self, model, mesh, local: dict, labels: torch.Tensor, count: int) -> torch.Tensor:
+        """``_forward_backward_step``'s linear-CE branch: ``model(**batch, logits_to_keep=1,
+        output_hidden_states=True)``, the LM head gathered once outside its FSDP module
+        (``prepare_lm_weight(loss_fn, model, grad_reduce_group=dp_cp)``: ``materialize_lm_weight``'s
+        ``full_tensor(grad_placements=Partial)`` and the ``1 / dp_cp`` hook), then ``calculate_loss`` with the
+        final hidden states. Returns the local loss."""
+        from nemo_automodel.components.loss.utils import calculate_loss, prepare_lm_weight
+        from nemo_automodel.components.training.model_output_utils import get_final_hidden_states
+        from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
+
+        loss_fn = self.linear_ce_loss_fn()
+        kwargs = {k: v for k, v in local.items() if k != "labels" and not k.startswith("_spec")}
+        out = model(**{**filter_forward_kwargs(model, kwargs), "logits_to_keep": 1, "output_hidden_states": True})
+        group = self.flat(mesh, "dp_cp").get_group()
+        weight = prepare_lm_weight(loss_fn, model, grad_reduce_group=group)
+        return calculate_loss(
+            loss_fn,
+            logits=out.logits,
+            labels=labels,
+            model=model,
+            hidden_states=get_final_hidden_states(out),
+            num_label_tokens=count,
+            lm_weight=weight,
+            grad_reduce_group=group,
+            logits_dtype=out.logits.dtype,
+        )
+
+    def run(self, spec, model, context, global_batch: dict, rows: int, loss: str = "masked") -> dict[str, Any]:
         """One step: ``{"logits" [B_global, S, V], "loss" [], "grads" {name: full gradient}, "grad_norm" []}``,
-        the same on every rank. ``model``: already through ``parallelize_model``; ``rows``: rows per dp rank."""
+        the same on every rank. ``model``: already through ``parallelize_model``; ``rows``: rows per dp rank;
+        ``loss``: ``"masked"`` (the spec's loss, ``MaskedCrossEntropy``) or ``"linear_ce"`` (``linear_ce_forward``:
+        no logits are materialised, so none come back)."""
         from nemo_automodel.components.distributed.utils import get_sync_ctx
         from nemo_automodel.components.moe.megatron.moe_utils import MoEAuxLossAutoScaler
         from nemo_automodel.components.training.utils import (
@@ -176,9 +213,13 @@ class RecipeStep:
             # which slices the same "cp" dimension).
             ctx_factory, local, sharder = spec.shard(model, mesh["cp"], batch)
             with stand_in, ctx_factory(), get_sync_ctx(model, True, defer_fsdp_grad_sync=True):
-                logits = spec.forward(model, local)
                 labels = spec.local_labels(local) if hasattr(spec, "local_labels") else local["labels"]
-                local_loss = spec.loss(logits, labels, count)
+                if loss == "linear_ce":
+                    logits = None
+                    local_loss = self.linear_ce_forward(model, mesh, local, labels, count)
+                else:
+                    logits = spec.forward(model, local)
+                    local_loss = spec.loss(logits, labels, count)
                 (local_loss * self.loss_scale(mesh)).backward()
         finally:
             MoEAuxLossAutoScaler.main_loss_backward_scale = previous
@@ -209,8 +250,9 @@ class RecipeStep:
             grad_norm_backend="triton",
         )
         norm = norm.full_tensor() if isinstance(norm, DTensor) else torch.as_tensor(norm)
+        out = {} if logits is None else {"logits": self.gather_logits(spec, sharder, mesh, logits.detach())}
         return {
-            "logits": self.gather_logits(spec, sharder, mesh, logits.detach()),
+            **out,
             "loss": self.reported_loss(mesh, local_loss),
             "grads": grads,
             "grad_norm": norm.detach().double().reshape(()),
