@@ -170,3 +170,14 @@ def test_real_clients_runs_the_training_step_subjects_on_four_ranks(tmp_path, ca
     args = argparse.Namespace(world_sizes="1,2,3", examples=1, seed=0, backend="gloo", shrink_seconds=1.0)
     assert run.run_training_step("qwen3_5_moe", args, tmp_path / "x.json") == 0  # no pool of 4: not run, said
     assert "needs --world-sizes with 4" in capsys.readouterr().out and not (tmp_path / "x.json").exists()
+
+
+def test_linear_ce_qwen3_5_moe_passes_without_logits(step_runner):
+    """The recipe's linear-CE branch (``ChunkedCrossEntropy``: the FSDP-sharded LM head gathered outside its
+    module): loss, every gradient and the norm judged; the logits are never computed, and the report says so."""
+    report = step_runner.run({**_case(UNEVEN, spec=QWEN), "loss": "linear_ce"})
+    assert report.ok, report_text(report)
+    names = {c.name.split(" (")[0] for c in report.comparisons}
+    assert {"loss", "grad_norm", "grad lm_head.weight"} <= names and "logits" not in names, names
+    assert report.info["loss"] == "linear_ce"
+
