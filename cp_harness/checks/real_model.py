@@ -202,7 +202,10 @@ def _explaining_runs(
     def one_device(inputs: dict, kernels: bool) -> dict[Quantity, torch.Tensor]:
         traits, device_type = stand_ins
         names = getattr(traits, "standins", ()) if kernels else ()
-        with standins.entered(names, device_type), spec.cp_kernels(model) if kernels else contextlib.nullcontext() as what:
+        with (
+            standins.entered(names, device_type),
+            spec.cp_kernels(model) if kernels else contextlib.nullcontext() as what,
+        ):
             result = model_specs.step(spec, model, None, inputs, backward=backward)
         if kernels:
             info["kernels"] = str(what) if what else f"{spec.__name__}.cp_kernels"

@@ -16,7 +16,6 @@ one-device packed-mask finding (G2, ``docs/models/gemma4_moe.md``) is pinned. Sk
 
 from __future__ import annotations
 
-
 import pytest
 
 from cp_harness.judging.render import report_text

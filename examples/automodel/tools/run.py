@@ -278,9 +278,7 @@ def _replay_all(rows: list[dict], backend: str, pool=None) -> list[dict]:
         # verify's rule (VerifySettings.resolved_case_timeout): a model spec's first case builds the model, and with
         # gradients judged on a stand-in (Gemma4's recomputing ring backward) a loaded machine needs more than 60 s
         timeout = {"case_timeout": 300.0} if specs else {}
-        own = pool = RankPool(
-            PoolConfig(world_size=size, backend=backend, impl="cp_impl", preload=specs, **timeout)
-        )
+        own = pool = RankPool(PoolConfig(world_size=size, backend=backend, impl="cp_impl", preload=specs, **timeout))
     out = []
     try:
         for row in rows:

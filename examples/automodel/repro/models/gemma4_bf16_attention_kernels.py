@@ -60,8 +60,10 @@ def main() -> int:
     moved = sorted(((ulp(sdpa[n], eager[n]), n) for n in eager), reverse=True)
     print(f"Gemma4 MoE bfloat16, one device, {args.kind} seq_len {args.seq_len} seed {args.seed}: sdpa vs eager")
     for value, name in moved[:6]:
-        print(f"  {name}: {value:.1f} ULP  (eager vs float32: {ulp(eager[name], truth[name]):.1f}, "
-              f"sdpa vs float32: {ulp(sdpa[name], truth[name]):.1f})")
+        print(
+            f"  {name}: {value:.1f} ULP  (eager vs float32: {ulp(eager[name], truth[name]):.1f}, "
+            f"sdpa vs float32: {ulp(sdpa[name], truth[name]):.1f})"
+        )
     worst = moved[0][0]
     print(f"worst {worst:.1f} ULP {'>' if worst > BOUND_ULP else '<='} bound {BOUND_ULP}")
     return 1 if worst > BOUND_ULP else 0
