@@ -208,7 +208,7 @@ def replay(defect: dict, backend: str, pool=None) -> tuple[bool, str]:
                 backend=backend,
                 impl=case.get("impl", "cp_impl"),
                 preload=(case["spec"],) if "spec" in case else (),
-                **({"case_timeout": 300.0} if "spec" in case else {}),
+                case_timeout=300.0 if "spec" in case else 60.0,
             )
         )
     try:
@@ -277,8 +277,8 @@ def _replay_all(rows: list[dict], backend: str, pool=None) -> list[dict]:
         specs = tuple(sorted({r["case"]["spec"] for r in rows if "spec" in r["case"]}))
         # verify's rule (VerifySettings.resolved_case_timeout): a model spec's first case builds the model, and with
         # gradients judged on a stand-in (Gemma4's recomputing ring backward) a loaded machine needs more than 60 s
-        timeout = {"case_timeout": 300.0} if specs else {}
-        own = pool = RankPool(PoolConfig(world_size=size, backend=backend, impl="cp_impl", preload=specs, **timeout))
+        timeout = 300.0 if specs else 60.0
+        own = pool = RankPool(PoolConfig(world_size=size, backend=backend, impl="cp_impl", preload=specs, case_timeout=timeout))
     out = []
     try:
         for row in rows:
