@@ -27,7 +27,8 @@ with a one-process repro command; where only padding and the kernels together ex
 case still fails; the problem's ``kind`` is ``"kernel sensitivity"`` (``"padding and kernel sensitivity"``).
 
 **Stand-ins.** A spec's declared kernel stand-ins (``STANDINS``, ``cp_harness.standins``) are entered on every
-rank around the CP step only (the one-device runs use the real kernel); the ones whose computation ran are named
+rank around the CP step only (the one-device runs use the real kernel; the kernel-sensitivity runs, which compute
+with the CP path's kernels, enter them too); the ones whose computation ran in the CP step are named
 in the report (``CaseReport.standins``: "CPU, stand-in: ...").
 
 Case keys: ``spec`` (module path of a model spec), ``dtype`` (``float32``, ``bfloat16``), ``seed`` (model
@@ -176,22 +177,35 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         info["not_judged"][f"the gradients of all {count} parameters on {ctx.device.type}"] = forward_only
     arrays = {run: {q: _np(t) for q, t in tensors.items()} for run, tensors in runs.items()}
     if not all(r["ok"] for r in _judged(case, _np(valid), arrays).values()):
-        runs.update(_explaining_runs(spec, model, batch, case["batch"]["kind"], ctx.cp_size, backward, info))
+        runs.update(
+            _explaining_runs(
+                spec, model, batch, case["batch"]["kind"], ctx.cp_size, backward, info, (traits, ctx.device.type)
+            )
+        )
     return info, _to_wire(valid, runs)
 
 
-def _explaining_runs(spec, model, batch: dict, kind: str, cp_size: int, backward: bool, info: dict) -> dict:
+def _explaining_runs(
+    spec, model, batch: dict, kind: str, cp_size: int, backward: bool, info: dict, stand_ins: tuple = ((), "cpu")
+) -> dict:
     """The one-device runs that may explain a failure without a CP defect (``EXPLANATIONS``), on rank 0:
     ``PADDED`` where the CP padded length exceeds the batch's, ``KERNELS`` where the spec has ``cp_kernels``
     and CP > 1, ``PADDED_KERNELS`` where both. Logits ``[B, S, V]`` (padded runs cut back to ``S``). Records
     ``padded_len``, ``kernels`` (what the spec's context names) and ``kernels_error`` (the kernel runs raised:
-    not run) in ``info``."""
+    not run) in ``info``. The kernel runs compute with the CP path's kernels, so they enter the spec's stand-ins
+    (``stand_ins``: its traits and the device type) as the CP step does (FlexAttention's CPU backward for Kimi);
+    the plain and padded runs never do."""
     seq_len = batch["input_ids"].shape[1]
     padded_len = _padded_length(spec, model, batch, cp_size, kind)
     padded_batch = spec.pad_batch(batch, padded_len) if padded_len is not None else None
 
     def one_device(inputs: dict, kernels: bool) -> dict[Quantity, torch.Tensor]:
-        with spec.cp_kernels(model) if kernels else contextlib.nullcontext() as what:
+        traits, device_type = stand_ins
+        names = getattr(traits, "standins", ()) if kernels else ()
+        with (
+            standins.entered(names, device_type),
+            spec.cp_kernels(model) if kernels else contextlib.nullcontext() as what,
+        ):
             result = model_specs.step(spec, model, None, inputs, backward=backward)
         if kernels:
             info["kernels"] = str(what) if what else f"{spec.__name__}.cp_kernels"

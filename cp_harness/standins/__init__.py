@@ -6,9 +6,11 @@ whose only device-specific part is that kernel runs, unchanged otherwise, on a C
 * ``ring_sdpa_cpu`` -- torch ``context_parallel``'s own ring SDPA with
   ``aten._scaled_dot_product_flash_attention_for_cpu`` as its per-step op (DTensor handlers that call torch's
   ring templates; nothing of the ring re-implemented).
+* ``flex_backward_cpu`` -- FlexAttention's eager (dense) path differentiated on a CPU: torch's device refusal of
+  CPU backward (``flex_attention._validate_device``) replaced, nothing else.
 """
 
-from cp_harness.standins import ring_sdpa_cpu  # noqa: F401 - registers the bundled stand-ins
+from cp_harness.standins import flex_backward_cpu, ring_sdpa_cpu  # noqa: F401 - registers the bundled stand-ins
 from cp_harness.standins.registry import Entered, StandIn, entered, get, known
 
 __all__ = ["Entered", "StandIn", "entered", "get", "known"]

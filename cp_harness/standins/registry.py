@@ -24,7 +24,8 @@ class StandIn:
     """One stand-in. ``name``: how a spec names it; ``device_type``: the device it runs on (``"cpu"``);
     ``replaces``: the device kernel it stands in for; ``role``: what that kernel is in the CP path (report
     wording); ``computes_with``: the computation that runs instead; ``meets``: the spec requirement
-    (``REQUIRES`` key) it makes unnecessary on ``device_type``; ``install``: a context manager entering it in
+    (``REQUIRES`` key) it makes unnecessary on ``device_type`` (``""``: none, e.g. one that lifts a refusal of
+    backward that ``FORWARD_ONLY_ON`` would otherwise declare); ``install``: a context manager entering it in
     this process (undone on exit); ``calls``: how many times its computation ran in this process so far."""
 
     name: str

@@ -83,7 +83,9 @@ _RING_ATTENTION: dict[str, str] = {  # the ring's half of COVERS (in the forward
     "nemo_automodel.components.models.gemma4_moe.cp_attention._merge_flex_chunk": "log-sum-exp merge of the chunk outputs",
 }
 
-FORWARD_ONLY_ON = {
+STANDINS = ("flex_backward_cpu",)  # lifts the CPU refusal below; docs/standins.md
+FORWARD_ONLY_ON: dict[str, str] = {}
+FORWARD_ONLY_WITHOUT_STANDIN = {  # what the CPU gives without the stand-in (tests' forward-only fixtures)
     "cpu": "torch 2.13 has no FlexAttention backward on CPU: in a training step the ring's forward already raises "
     "'RuntimeError: Gemma4 CP ring requires FlexAttention for local-query/ring-KV attention. FlexAttention "
     "failed for Q=(1, 2, 8, 8) K=(1, 1, 8, 8) V=(1, 1, 8, 8) cp_rank=0 seq_local=8 kv_global_start=0.' from "

@@ -52,7 +52,9 @@ from examples.automodel.models.kimi_linear import (  # noqa: F401  (re-exported:
 NAME = "kimi_k3"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.kimi_k3.model.KimiK3ForCausalLM"
 
-FORWARD_ONLY_ON = {"cpu": no_cpu_backward(NAME)}
+STANDINS = ("flex_backward_cpu",)  # lifts the CPU refusal no_cpu_backward quotes; docs/standins.md
+FORWARD_ONLY_ON: dict[str, str] = {}
+FORWARD_ONLY_WITHOUT_STANDIN = {"cpu": no_cpu_backward(NAME)}  # tests' forward-only fixtures
 
 COVERS: dict[str, str] = {
     "nemo_automodel.components.moe.parallelizer.apply_cp": "sets model.cp_mesh (which K3's CP hook requires) and each MoE module's cp_mesh",

@@ -75,7 +75,9 @@ WORLD_SIZES = (1, 2, 3)  # CP 4 and above never run (3 ranks at most on the mach
 BATCH_KINDS = ("plain", "right_padded", "packed")
 
 
-FORWARD_ONLY_ON = {"cpu": no_cpu_backward(NAME)}
+STANDINS = ("flex_backward_cpu",)  # lifts the CPU refusal no_cpu_backward quotes; docs/standins.md
+FORWARD_ONLY_ON: dict[str, str] = {}
+FORWARD_ONLY_WITHOUT_STANDIN = {"cpu": no_cpu_backward(NAME)}  # tests' forward-only fixtures
 
 COVERS: dict[str, str] = {
     "nemo_automodel.components.moe.parallelizer.apply_cp": "hands the CP mesh to every MLA module (setup_cp_attention) and MoE module",

@@ -248,6 +248,7 @@ def replay(defect: dict, backend: str, pool=None) -> tuple[bool, str]:
                 backend=backend,
                 impl=case.get("impl", "cp_impl"),
                 preload=(case["spec"],) if "spec" in case else (),
+                case_timeout=300.0 if "spec" in case else 60.0,
             )
         )
     try:
@@ -314,7 +315,10 @@ def _replay_all(rows: list[dict], backend: str, pool=None) -> list[dict]:
     if pool is None:
         size = max(ranks_needed(r["case"]) for r in rows)  # a case on a world mesh needs all of the mesh's ranks
         specs = tuple(sorted({r["case"]["spec"] for r in rows if "spec" in r["case"]}))
-        own = pool = RankPool(PoolConfig(world_size=size, backend=backend, impl="cp_impl", preload=specs))
+        # verify's rule (VerifySettings.resolved_case_timeout): a model spec's first case builds the model, and with
+        # gradients judged on a stand-in (Gemma4's recomputing ring backward) a loaded machine needs more than 60 s
+        timeout = 300.0 if specs else 60.0
+        own = pool = RankPool(PoolConfig(world_size=size, backend=backend, impl="cp_impl", preload=specs, case_timeout=timeout))
     out = []
     try:
         for row in rows:
