@@ -14,8 +14,8 @@ ring (``_Gemma4FlexRingAttention``): K/V and the mask metadata rotate rank to ra
 ``batch_isend_irecv`` (``_ring_exchange``), each received chunk is attended with FlexAttention under a
 local-query/global-key mask (causal, sliding window, document, padding, vision groups) and merged by its
 log-sum-exp (``_merge_flex_chunk``). Sliding layers collect ``ceil(window / S_local)`` prior chunks, full
-layers (and any layer when vision metadata is present) all ``cp - 1``. Backward (GPU only, see
-``FORWARD_ONLY_ON``) recomputes the chunks, and sends each owner's dK/dV back to it
+layers (and any layer when vision metadata is present) all ``cp - 1``. Backward (on CPU through the
+``flex_backward_cpu`` stand-in) recomputes the chunks, and sends each owner's dK/dV back to it
 (``_route_kv_grads_to_owners``, p2p).
 
 How the spec enters CP: as a run with ``ep_size > 1`` does (the Gemma4 MoE recipes run EP 8): the framework's
@@ -36,9 +36,9 @@ G1, rows that are all single documents lose the sliding window (any attention); 
 packs of two or more documents get no masking at all. ``overrides={"attn_implementation": "sdpa"}`` removes
 G2 (the CP path does not depend on it).
 
-On CPU (``FORWARD_ONLY_ON``): the forward must run under ``torch.no_grad()``, and the twin's FlexAttention
-runs uncompiled (``_gemma4_cp_compiled_flex_attn``, the framework's per-module compile cache; see
-``model_owned_cp.flex_attention_eager`` for the two inductor errors). Logits and loss are judged, no gradient.
+On CPU the twin's FlexAttention runs uncompiled (``_gemma4_cp_compiled_flex_attn``, the framework's per-module
+compile cache; see ``model_owned_cp.flex_attention_eager`` for the two inductor errors) and its backward runs
+through the ``flex_backward_cpu`` stand-in (``STANDINS``; without it: ``FORWARD_ONLY_WITHOUT_STANDIN``).
 
 Batch keys: plain and right-padded batches are ``_base``'s (``input_ids``, ``labels``, optional
 ``attention_mask`` 1/0). Packed rows (``documents`` per row, concatenated from column 0): ``input_ids``,

@@ -12,8 +12,8 @@ global document-id map ``[B, S]`` from the batch (``_packed_seq_ids``, else a 2-
 offset). Each MLA layer keeps its queries local, all-gathers the compressed latent
 (``kv_a_proj_with_mqa`` output, ``kv_lora_rank + qk_rope_head_dim`` per token; ``all_gather_sequence``),
 expands K/V from the full latent and runs FlexAttention with a causal per-document block mask of local
-queries against global keys (``document_causal_flex_attention``). Backward (GPU only, see
-``FORWARD_ONLY_ON``): the all-gather's backward all-reduces the latent gradient and keeps this rank's slice.
+queries against global keys (``document_causal_flex_attention``). Backward (on CPU through the
+``flex_backward_cpu`` stand-in): the all-gather's backward all-reduces the latent gradient and keeps this rank's slice.
 
 Restricted to MLA: the real model interleaves Kimi Delta Attention (KDA) layers, whose one-device and CP paths
 (``chunk_kda`` with FLA's ``cp_context``, short-convolution boundary exchange) are Triton kernels from
@@ -29,8 +29,7 @@ forward raises ``RuntimeError: Kimi MLA attention received a context-parallel ba
 ``docs/models/kimi_linear.md``.
 
 One-device reference: the untouched model through the identity sharder (the batch as given). On CPU
-(``FORWARD_ONLY_ON``) the forward must run under ``torch.no_grad()`` and the CP forward runs FlexAttention
-uncompiled (the framework's cache ``kimi_linear.cp._COMPILED_FLEX_ATTENTION``, set for the call and restored).
+the CP forward runs FlexAttention uncompiled, its backward through the ``flex_backward_cpu`` stand-in, (the framework's cache ``kimi_linear.cp._COMPILED_FLEX_ATTENTION``, set for the call and restored).
 
 Batch keys: plain and right-padded batches are ``_base``'s. Packed rows (``documents`` per row,
 concatenated from column 0), two forms, both from the framework's collaters:

@@ -318,7 +318,9 @@ def _replay_all(rows: list[dict], backend: str, pool=None) -> list[dict]:
         # verify's rule (VerifySettings.resolved_case_timeout): a model spec's first case builds the model, and with
         # gradients judged on a stand-in (Gemma4's recomputing ring backward) a loaded machine needs more than 60 s
         timeout = 300.0 if specs else 60.0
-        own = pool = RankPool(PoolConfig(world_size=size, backend=backend, impl="cp_impl", preload=specs, case_timeout=timeout))
+        own = pool = RankPool(
+            PoolConfig(world_size=size, backend=backend, impl="cp_impl", preload=specs, case_timeout=timeout)
+        )
     out = []
     try:
         for row in rows:

@@ -37,16 +37,25 @@ def main(fixed: bool) -> int:
     print(f"model(..., logits_to_keep=1, {next(iter(flag))}=True): final hidden states {list(hidden.shape)}")
     loss_fn = ChunkedCrossEntropy(compile=False)
     try:
-        loss = calculate_loss(loss_fn, logits=out.logits, labels=labels, model=model, hidden_states=hidden,
-                              num_label_tokens=7, lm_weight=prepare_lm_weight(loss_fn, model),
-                              logits_dtype=out.logits.dtype)
+        loss = calculate_loss(
+            loss_fn,
+            logits=out.logits,
+            labels=labels,
+            model=model,
+            hidden_states=hidden,
+            num_label_tokens=7,
+            lm_weight=prepare_lm_weight(loss_fn, model),
+            logits_dtype=out.logits.dtype,
+        )
     except ValueError as exc:
         print(f"calculate_loss(ChunkedCrossEntropy, ...) raised ValueError: {exc}")
         return 1
     full = MaskedCrossEntropy()(model(input_ids=ids).logits, labels, num_label_tokens=7)
     ok = torch.allclose(loss, full, rtol=1e-5, atol=1e-6)
-    print(f"linear-CE loss {loss.item():.6f}, MaskedCrossEntropy on the full logits {full.item():.6f}: "
-          f"{'ok' if ok else 'WRONG'}")
+    print(
+        f"linear-CE loss {loss.item():.6f}, MaskedCrossEntropy on the full logits {full.item():.6f}: "
+        f"{'ok' if ok else 'WRONG'}"
+    )
     return 0 if ok else 1
 
 
