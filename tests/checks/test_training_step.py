@@ -20,7 +20,7 @@ import pytest
 from cp_harness.checks.training_step import smoke_cases
 from cp_harness.judging.render import report_text
 
-JUDGES = ("spec:deepseek_v41", "spec:qwen3_5_moe")
+JUDGES = ("spec:deepseek_v41", "spec:qwen3_5_moe", "training:deepseek_v41", "training:qwen3_5_moe")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"

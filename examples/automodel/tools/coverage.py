@@ -6,9 +6,13 @@ Generated, never written by hand, from what the code declares:
   ``components/distributed/context_parallel/``, ``components/distributed/blockdiag_cp/`` and
   ``components/models/*/cp*.py`` (read from the installed sources with ``ast``: nothing is imported), plus every
   other callable an adapter or spec names;
+- the CP-relevant training-step code (``TRAINING_SOURCES``, part "training step"): the recipe's losses, THD input
+  processing, MTP target preparation, the mesh, the parallelizer and the FSDP patches it applies, the grad-
+  accumulation and clip-grad helpers, plus the recipes' CP step methods (``training/covers.py``'s ``REBUILT``);
 - what exercises it: each adapter's ``SERVES`` (documented function -> framework callable) and ``ALSO_USES``
-  (other framework callables its hooks run), and each model spec's ``COVERS`` (framework callable -> what its CP
-  path does with it);
+  (other framework callables its hooks run), each model spec's ``COVERS`` (framework callable -> what its CP
+  path does with it), and the training-step driver's ``COVERS`` / ``REBUILT`` for the subjects
+  ``training:<spec>`` (``run.TRAINING_STEP_SPECS``);
 - where it runs: the **default command** (the test files under ``tests/`` whose ``JUDGES`` name the adapter or
   spec: the subjects whose CP path they run and judge),
   **real_clients** (this run: passed, failed as documented, a new finding, or skipped with the spec's unmet
@@ -17,8 +21,8 @@ Generated, never written by hand, from what the code declares:
   two CPU places: on the framework's and torch's own kernels, on a kernel stand-in (``cp_harness.standins``,
   the spec's ``STANDINS``: "CPU, stand-in: ..."), forward only (the spec's ``FORWARD_ONLY_ON``), or not at all
   (unmet ``REQUIRES``); the nightly GPU runs the real kernels;
-- why a function is not judged: ``examples.automodel.adapters.NOT_ADAPTED`` (looked at, and why no adapter fits), else "no
-  adapter or spec exercises it".
+- why a function is not judged: ``examples.automodel.adapters.NOT_ADAPTED`` (looked at, and why no adapter fits) or
+  ``training/covers.py``'s ``NOT_RUN``, else "no adapter or spec exercises it".
 """
 
 from __future__ import annotations
@@ -36,27 +40,53 @@ CP_SOURCES = (
     "components/distributed/blockdiag_cp/*.py",
     "components/models/*/cp*.py",
 )
+# The training step's CP-relevant modules (issue 34): the losses train_ft's step can use (the distillation and
+# retrieval losses of loss/ belong to other recipes), THD input processing, MTP's CP target preparation, the mesh,
+# the parallelizer and the FSDP2 patches it applies, and the step helpers of components/training/utils.py.
+TRAINING_SOURCES = (
+    "components/loss/masked_ce.py",
+    "components/loss/linear_ce_base.py",
+    "components/loss/chunked_ce.py",
+    "components/loss/linear_ce.py",
+    "components/loss/te_parallel_ce.py",
+    "components/loss/mtp.py",
+    "components/loss/utils.py",
+    "components/loss/dist_utils.py",
+    "components/distributed/thd_utils.py",
+    "components/models/common/mtp/*.py",
+    "components/distributed/mesh.py",
+    "components/distributed/mesh_utils.py",
+    "components/distributed/model_parallelizer.py",
+    "components/distributed/fsdp_patches.py",
+    "components/distributed/utils.py",
+    "components/training/utils.py",
+)
+PARTS = {"CP": CP_SOURCES, "training step": TRAINING_SOURCES}
 
 
-def framework_functions() -> list[str]:
-    """Dotted paths of the public top-level functions and classes of the framework's CP modules (sources only)."""
+def framework_functions(sources: tuple[str, ...] = CP_SOURCES) -> list[str]:
+    """Dotted paths of the public top-level functions and classes of the framework modules matching ``sources``
+    (globs under the installed package; read with ``ast``, sources only), each once (``typing.overload``
+    definitions repeat a name), in file order."""
     spec = importlib.util.find_spec("nemo_automodel")
     if spec is None or not spec.submodule_search_locations:
         return []
     package = Path(list(spec.submodule_search_locations)[0])
-    out = []
-    for pattern in CP_SOURCES:
+    out: list[str] = []
+    for pattern in sources:
         for path in sorted(package.glob(pattern)):
             if path.name == "__init__.py":
                 continue
             module = "nemo_automodel." + ".".join(path.relative_to(package).with_suffix("").parts)
             tree = ast.parse(path.read_text())
-            out += [
-                f"{module}.{node.name}"
-                for node in tree.body
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                and not node.name.startswith("_")
-            ]
+            for node in tree.body:
+                dotted = f"{module}.{getattr(node, 'name', '')}"
+                if (
+                    isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                    and not node.name.startswith("_")
+                    and dotted not in out
+                ):
+                    out.append(dotted)
     return out
 
 
@@ -102,6 +132,20 @@ def _spec_claims() -> tuple[dict[str, list[tuple[str, str]]], dict[str, str]]:
     return claims, broken
 
 
+def _training_claims() -> dict[str, list[tuple[str, str]]]:
+    """The training-step driver's ``COVERS``, one subject ``training:<spec>`` per spec whose step the gate runs
+    (the linear-CE entries only for the specs its linear-CE rows run)."""
+    from cp_harness.checks.training_step import LINEAR_CE_UNSUPPORTED
+    from examples.automodel.tools.run import TRAINING_STEP_SPECS
+    from examples.automodel.training import covers
+
+    claims: dict[str, list[tuple[str, str]]] = {}
+    for spec in TRAINING_STEP_SPECS:
+        for dotted, what in covers.covers("masked" if spec in LINEAR_CE_UNSUPPORTED else "linear_ce").items():
+            claims.setdefault(dotted, []).append((f"training:{spec}", what))
+    return claims
+
+
 def _judges(path: Path) -> tuple[str, ...]:
     """A test module's ``JUDGES``: the subjects (``adapter:X`` / ``spec:X``) whose CP path its tests run and judge
     (read with ``ast``; a module that only loads or builds a subject does not list it)."""
@@ -138,6 +182,12 @@ def cpu_mode(subject: str) -> str:
     (every line and kernel the framework's and torch's), ``"CPU, stand-in: ..."`` (each declared stand-in's
     report line), with ``"forward only"`` where gradients are not judged there, or ``"not on CPU (...)"``."""
     kind, name = subject.split(":", 1)
+    if kind == "training":
+        # The step on gloo takes all_gather's NCCL backward (finding D2): a stand-in of the step, said as one.
+        from examples.automodel.training.train_ft_step import STAND_IN
+
+        model = cpu_mode(f"spec:{name}")
+        return "; ".join(m for m in (model if model != "real kernels" else "", f"CPU, stand-in: {STAND_IN}") if m)
     if kind != "spec":
         return "real kernels"
     from cp_harness import standins
@@ -161,6 +211,7 @@ class CoverageRow:
     nightly: list[str]
     why_not: str | None = None
     on_cpu: list[str] = dataclasses.field(default_factory=list)  # "subject: cpu_mode(subject)"
+    part: str = "CP"  # "CP" (the CP modules) or "training step" (TRAINING_SOURCES and the recipes' step methods)
 
 
 @dataclasses.dataclass
@@ -168,28 +219,42 @@ class CoverageTable:
     rows: list[CoverageRow]
     problems: dict[str, str]
 
+    def counts(self) -> dict[str, tuple[int, int]]:
+        """Per part (``"CP"``, ``"training step"``): (functions exercised, functions)."""
+        return {
+            part: (
+                sum(1 for r in self.rows if r.part == part and r.exercised_by),
+                sum(r.part == part for r in self.rows),
+            )
+            for part in PARTS
+        }
+
     def as_dict(self) -> dict:
         return {
             "rows": [dataclasses.asdict(r) for r in self.rows],
             "problems": self.problems,
             "judged": sum(1 for r in self.rows if r.exercised_by),
             "functions": len(self.rows),
+            "by_part": {part: {"judged": j, "functions": n} for part, (j, n) in self.counts().items()},
         }
+
+    def _headline(self) -> str:
+        return ", ".join(f"{j} of {n} framework {part} functions" for part, (j, n) in self.counts().items())
 
     def markdown(self) -> str:
         lines = [
-            f"{sum(1 for r in self.rows if r.exercised_by)} of {len(self.rows)} framework CP functions are "
-            "exercised (generated by `examples/automodel/tools/coverage.py` from the adapters' `SERVES`, the specs' "
-            "`COVERS`, the tests and the nightly workflow).",
+            f"{self._headline()} are exercised (generated by `examples/automodel/tools/coverage.py` from the "
+            "adapters' `SERVES`, the specs' `COVERS`, the training-step driver's `COVERS`, the tests and the nightly "
+            "workflow).",
             "",
-            "| framework function | exercised by | default command | real_clients (this run) | on CPU | "
+            "| framework function | part | exercised by | default command | real_clients (this run) | on CPU | "
             "nightly GPU (real kernels) |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in self.rows:
             by = "; ".join(f"`{s}` ({what})" for s, what in r.exercised_by) or f"not judged: {r.why_not}"
             lines.append(
-                f"| `{r.function}` | {by} | {', '.join(r.default_command) or '-'} | "
+                f"| `{r.function}` | {r.part} | {by} | {', '.join(r.default_command) or '-'} | "
                 f"{'; '.join(r.real_clients) or '-'} | {'; '.join(r.on_cpu) or '-'} | {'; '.join(r.nightly) or '-'} |"
             )
         lines += [f"- {what}: {why}" for what, why in self.problems.items()]
@@ -200,10 +265,7 @@ class CoverageTable:
         by_module: dict[str, list[CoverageRow]] = {}
         for r in self.rows:
             by_module.setdefault(r.function.rsplit(".", 1)[0].removeprefix("nemo_automodel.components."), []).append(r)
-        lines = [
-            f"{sum(1 for r in self.rows if r.exercised_by)} of {len(self.rows)} framework CP functions "
-            f"exercised (full table: summary.md)"
-        ]
+        lines = [f"{self._headline()} exercised (full table: summary.md)"]
         for module, rows in by_module.items():
             judged = [r for r in rows if r.exercised_by]
             lines.append(f"  {module}: {len(judged)} of {len(rows)}")
@@ -244,13 +306,26 @@ def _outcome(subject: str, summary: dict) -> str:
 def build(summary: dict, known: list[dict]) -> CoverageTable:
     """The table for the run described by ``summary`` (``examples.automodel.tools.run``)."""
     from examples.automodel.adapters import NOT_ADAPTED
+    from examples.automodel.training.covers import NOT_RUN, REBUILT
 
     claims = _adapter_claims()
     spec_claims, problems = _spec_claims()
-    for dotted, entries in spec_claims.items():
-        claims.setdefault(dotted, []).extend(entries)
-    functions = framework_functions()
-    functions += sorted((set(claims) | set(NOT_ADAPTED)) - set(functions))
+    for extra in (spec_claims, _training_claims()):
+        for dotted, entries in extra.items():
+            claims.setdefault(dotted, []).extend(entries)
+    cp, training = framework_functions(), framework_functions(TRAINING_SOURCES)
+    named = set(claims) | set(NOT_ADAPTED) | set(NOT_RUN) | set(REBUILT)
+    # A named callable outside both source sets belongs to the training step when only training subjects name it.
+    training_named = {
+        d
+        for d in named - set(cp)
+        if d in NOT_RUN or d in REBUILT or (d in claims and all(s.startswith("training:") for s, _ in claims[d]))
+    }
+    cp += sorted(named - set(cp) - set(training) - training_named)
+    training = [f for f in training if f not in cp] + sorted(training_named - set(training))
+    functions = cp + training
+    part_of = dict.fromkeys(training, "training step")
+    not_judged = {**NOT_ADAPTED, **NOT_RUN, **REBUILT}
     modes = {s: cpu_mode(s) for entries in claims.values() for s, _ in entries if not s.startswith("(")}
     rows = []
     for function in functions:
@@ -263,8 +338,9 @@ def build(summary: dict, known: list[dict]) -> CoverageTable:
                 sorted({t for s in subjects for t in default_command_tests(s)}),
                 [f"{s}: {o}" for s in subjects if (o := _outcome(s, summary))],
                 [s for s in subjects if nightly_runs(s)],
-                None if entries else NOT_ADAPTED.get(function, "no adapter or spec exercises it"),
+                None if entries else not_judged.get(function, "no adapter or spec exercises it"),
                 [f"{s}: {modes[s]}" for s in subjects],
+                part_of.get(function, "CP"),
             )
         )
     return CoverageTable(rows, problems)

@@ -1,6 +1,8 @@
 """Check a model spec's ``COVERS``: every framework CP callable it names is really executed by its CP path.
 
     PYTHONPATH=. python examples/automodel/tools/covers_check.py --model examples.automodel.models.glm5_next
+    PYTHONPATH=. python examples/automodel/tools/covers_check.py --model examples.automodel.models.qwen3_5_moe \
+        --step training [--loss linear_ce]
 
 Forks ``max(--cp)`` gloo ranks (no harness). Each rank builds the spec's model, replaces every reference to each
 ``COVERS`` callable (in every loaded module, and on its class for methods) by a counting wrapper, runs one
@@ -8,6 +10,10 @@ training step the spec's way (``spec.shard``, forward in ``ctx_factory()``, loca
 count, backward) per batch and CP size, and restores the originals. Rank 0 prints, per callable, the calls per
 CP size summed over ranks (forward and backward of the step), and how many of them had a ``DeviceMesh`` or
 process-group argument. Exit status 1 when a declared callable was never called under CP.
+
+``--step training``: the training-step driver's ``COVERS`` (``examples/automodel/training/covers.py``) instead,
+counted over 4 ranks as ``dp_shard x cp = 2 x 2``: the framework's mesh and parallelizer built, then one step of
+``train_ft_step.STEP.run`` per batch of ``TRAINING_BATCHES`` (two rows: one per dp rank).
 """
 
 from __future__ import annotations
@@ -32,6 +38,13 @@ BATCHES = [
     ("right_padded", 17, {"pad": 4, "batch_size": 2, "seed": 2}),
     ("packed", 21, {"documents": [[1, 9, 6, 5]], "seed": 3}),
     ("packed", 21, {"documents": [[21]], "seed": 4}),
+]
+
+
+TRAINING_BATCHES = [
+    ("packed", 19, {"documents": [[7, 5, 6], [3, 1, 9]], "batch_size": 2, "seed": 1}),
+    ("right_padded", 13, {"pad": 4, "batch_size": 2, "seed": 4}),
+    ("plain", 11, {"batch_size": 2, "seed": 5}),
 ]
 
 
@@ -121,19 +134,48 @@ def _rank(rank, world, store, sizes, spec_name, queue):
     dist.destroy_process_group()
 
 
+def _training_rank(rank, world, store, sizes, spec_name, queue, loss="masked"):
+    """One rank of ``--step training``: the mesh and FSDP2 model built and one step per batch run, all counted."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    from examples.automodel.training import covers, train_ft_step
+
+    spec = importlib.import_module(spec_name)
+    counting = Counting(covers.covers(loss))
+    with counting:
+        context = train_ft_step.mesh_context(world // 2, 2)
+        model = train_ft_step.parallelized(spec, torch.float32, 0, context)
+        for kind, seq_len, keys in TRAINING_BATCHES:
+            if kind in getattr(spec, "BATCH_KINDS", (kind,)):
+                batch = spec.make_batch(kind, seq_len, **keys)
+                train_ft_step.STEP.run(spec, model, context, batch, 1, loss=loss)
+    queue.put((rank, {world: (dict(counting.calls), dict(counting.with_group))}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--cp", default="2,3")
+    parser.add_argument("--step", choices=("forward-backward", "training"), default="forward-backward")
+    parser.add_argument("--loss", choices=("masked", "linear_ce"), default="masked", help="with --step training")
     args = parser.parse_args()
-    sizes = sorted({int(n) for n in args.cp.split(",")})
     spec = importlib.import_module(args.model)
+    if args.step == "training":
+        from examples.automodel.training import covers
+
+        sizes, target, declared = [4], _training_rank, covers.covers(args.loss)
+        extra: tuple = (args.loss,)
+    else:
+        sizes, target, declared = sorted({int(n) for n in args.cp.split(",")}), _rank, spec.COVERS
+        extra = ()
     world = max(sizes)
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [
-            ctx.Process(target=_rank, args=(r, world, os.path.join(tmp, "store"), sizes, args.model, queue))
+            ctx.Process(target=target, args=(r, world, os.path.join(tmp, "store"), sizes, args.model, queue, *extra))
             for r in range(world)
         ]
         for p in procs:
@@ -143,7 +185,7 @@ def main() -> int:
             p.join(timeout=60)
     missing = []
     print(f"{args.model}: COVERS calls per CP size (all ranks, forward + backward); '/m' = with a mesh or group arg")
-    for path, what in spec.COVERS.items():
+    for path, what in declared.items():
         row = []
         for n in sizes:
             calls = sum(r[1][n][0].get(path, 0) for r in reports)
