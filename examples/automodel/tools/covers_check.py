@@ -25,6 +25,7 @@ import importlib
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -162,6 +163,7 @@ def main() -> int:
     parser.add_argument("--loss", choices=("masked", "linear_ce"), default="masked", help="with --step training")
     args = parser.parse_args()
     spec = importlib.import_module(args.model)
+    target: Callable[..., None]
     if args.step == "training":
         from examples.automodel.training import covers
 
