@@ -110,7 +110,7 @@ def test_the_training_step_code_is_its_own_part_with_what_runs_it(table):
     assert "nemo_automodel.components.distributed.thd_utils.process_input_for_thd" in training
     assert len(training) == len(set(training))  # typing.overload repeats calculate_mtp_loss: one row
     assert all(rows[f].part == "training step" for f in training)
-    for dotted in covers.COVERS:
+    for dotted in {**covers.COVERS, **covers.COVERS_MASKED, **covers.COVERS_LINEAR_CE}:
         row = rows[dotted]
         assert row.part == "training step" and "training:qwen3_5_moe" in {s for s, _ in row.exercised_by}, dotted
         assert "tests/checks/test_training_step.py" in row.default_command, dotted

@@ -1,7 +1,8 @@
 """What the training-step driver (``train_ft_step.py``) does with the framework's training-step code: the
 coverage table's entries for the subjects ``training:<spec>`` (``examples/automodel/tools/coverage.py``).
 
-``COVERS``: framework callable -> what the step does with it; each is called by the framework's own code path or
+``COVERS`` (every step), ``COVERS_MASKED`` and ``COVERS_LINEAR_CE`` (by loss): framework callable -> what the step
+does with it; each is called by the framework's own code path or
 the driver on every rank of a step (counted by ``tools/covers_check.py --step training``, which exits 1 when a
 declared callable is never called). ``REBUILT``: the recipe's methods whose CP lines the driver rebuilds with torch
 API because the recipe does not import on a CPU (it needs ``torchao`` and ``torchdata``): never called, so the
@@ -24,9 +25,14 @@ COVERS: dict[str, str] = {
     f"{_D}.training.utils.prepare_for_final_backward": "FSDP2 state before the last backward (reduce-scatter on)",
     f"{_D}.training.utils.scale_grads_and_clip_grad_norm": "the clip-grad norm over the FSDP2 gradient shards",
     f"{_D}.loss.utils._count_label_tokens": "each dp rank's label count (summed over dp: num_label_tokens)",
+}
+"""Called in every training step the driver runs, whatever its loss."""
+
+COVERS_MASKED: dict[str, str] = {
     f"{_D}.loss.masked_ce.MaskedCrossEntropy.forward": "the spec's loss, sum over the global label count",
 }
-"""Called in every training step the driver runs (masked cross entropy)."""
+"""Called by the masked cross-entropy rows (the default loss) on top of ``COVERS`` (the linear-CE step does not:
+``covers_check --step training --loss linear_ce`` counted 0 calls when it was declared for every step)."""
 
 COVERS_LINEAR_CE: dict[str, str] = {
     f"{_D}.loss.utils.prepare_lm_weight": "the LM head gathered once outside its FSDP2 unit, gradient reduced over "
@@ -67,4 +73,4 @@ NOT_RUN: dict[str, str] = {
 
 def covers(loss: str = "masked") -> dict[str, str]:
     """The callables a training step with ``loss`` (``"masked"`` / ``"linear_ce"``) calls."""
-    return {**COVERS, **(COVERS_LINEAR_CE if loss == "linear_ce" else {})}
+    return {**COVERS, **(COVERS_LINEAR_CE if loss == "linear_ce" else COVERS_MASKED)}
