@@ -229,7 +229,7 @@ def test_drawn_cases_hold_the_pad_id_as_content_inside_and_ending_documents():
 
 
 # The MTP smoke's case with the routers' load-balancing loss off: what remains of the objective (main CE + MTP CE)
-# must match one device exactly; with it on, finding M4 (docs/training_step.md).
+# must match one device exactly; with it on, finding T4 (docs/training_step.md).
 def _mtp(case: dict, aux: bool = True) -> dict:
     from cp_harness.checks.training_step import mtp_case
 
@@ -250,11 +250,11 @@ def test_mtp_qwen3_5_moe_cross_entropy_terms_pass_against_one_device(step_runner
     names = {c.name.split(" (")[0] for c in report.comparisons}
     mtp = {n for n in names if n.startswith("grad mtp.")}
     assert any("eh_proj" in n for n in mtp) and {"loss", "logits", "grad_norm"} <= names, names
-    assert report.info["loss"] == "mtp" and any("M2" in k for k in report.not_judged), report.not_judged
+    assert report.info["loss"] == "mtp" and any("T2" in k for k in report.not_judged), report.not_judged
 
 
 def test_mtp_qwen3_5_moe_router_aux_loss_differs_from_one_device(step_runner):
-    """Finding M4: with the framework's default aux-loss coefficient only the MTP sublayer's router (and what its
+    """Finding T4: with the framework's default aux-loss coefficient only the MTP sublayer's router (and what its
     load-balancing loss reaches) differs from one device; the loss, the logits and the main model pass."""
     report = step_runner.run(_mtp(_case(UNEVEN, spec=QWEN)))
     failing = {c.name.split(" (")[0] for c in report.failures()}
@@ -279,7 +279,7 @@ def test_mtp_targets_shifted_on_the_local_shard_fail_on_the_loss_and_mtp_gradien
 
 
 def test_mtp_with_train_ft_lines_alone_raises_on_every_rank_naming_the_masks(step_runner):
-    """Finding M2 (last in the module: the forward raises inside FSDP2's hooks): ``train_ft.py``'s MTP inputs
+    """Finding T2 (last in the module: the forward raises inside FSDP2's hooks): ``train_ft.py``'s MTP inputs
     under CP do not carry the validity masks ``Qwen3_5MoeForConditionalGeneration``'s CP forward needs."""
     report = step_runner.run(_mtp(_case(UNEVEN, "training_step_driver_mtp_train_ft", spec=QWEN), aux=False))
     text = report_text(report)

@@ -121,7 +121,7 @@ MTP_OVERRIDES: dict[str, Any] = {"mtp_num_hidden_layers": 1}
 def mtp_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     """One MTP depth's global position ids ``[B, S]`` as the model's mRoPE axes ``[3, B, S]``
     (``_split_qwen3_5_moe_position_ids``, the framework's own expansion on its one-device MTP path); ``[3, B, S]``
-    unchanged. The training-step MTP step's stand-in for finding M3 (``train_ft_step.MTP_STAND_INS``)."""
+    unchanged. The training-step MTP step's stand-in for finding T3 (``train_ft_step.MTP_STAND_INS``)."""
     from nemo_automodel.components.models.qwen3_5_moe.model import _split_qwen3_5_moe_position_ids
 
     if position_ids.dim() != 2:

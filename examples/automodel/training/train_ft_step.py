@@ -51,13 +51,13 @@ STAND_IN = (
 )
 MAX_GRAD_NORM = 1.0  # the recipe's default clip_grad_norm.max_norm
 MTP_STAND_INS = {
-    "train_ft.py's MTP inputs under CP (finding M2)": "the per-depth validity masks are sharded into the batch as "
+    "train_ft.py's MTP inputs under CP (finding T2)": "the per-depth validity masks are sharded into the batch as "
     "recipes/vlm/finetune.py does (train_ft.py does not: Qwen3_5MoeForConditionalGeneration's CP forward raises "
     "'requires precomputed per-depth inputs, positions, and masks')",
-    "the MTP position ids under CP (finding M3)": "each depth's [B, S] position ids expanded to the model's 3 mRoPE "
+    "the MTP position ids under CP (finding T3)": "each depth's [B, S] position ids expanded to the model's 3 mRoPE "
     "axes before sharding (the CP MTP sublayer indexes them as [3, B, S]: 'IndexError: too many indices for tensor "
     "of dimension 2'; the one-device path expands them itself)",
-    "the one-device MTP reference (finding M1)": "padding_mask (the block-causal mask's diagonal, what the decoder "
+    "the one-device MTP reference (finding T1)": "padding_mask (the block-causal mask's diagonal, what the decoder "
     "derives itself) passed to the forward: without it the MTP sublayer's MoE raises on a NEAT-packed batch",
 }
 
@@ -219,7 +219,7 @@ class RecipeStep:
         ``cp_sharder.shard_token_tensor(..., seq_dim=1, fill=0)``, the targets with ``fill=ignore_index``
         (returned, ``[B, S_local]`` each).
 
-        Two stand-ins (``MTP_STAND_INS``, said in every MTP report; findings M2 and M3, docs/training_step.md):
+        Two stand-ins (``MTP_STAND_INS``, said in every MTP report; findings T2 and T3, docs/training_step.md):
         the validity masks are sharded too (``fill=False``), the line of ``recipes/vlm/finetune.py``
         (``batch["mtp_per_depth_valid_masks"]``) that ``train_ft.py`` lacks, without which
         ``Qwen3_5MoeForConditionalGeneration``'s CP forward raises; and where the spec has ``mtp_position_ids``
@@ -394,7 +394,7 @@ def one_device_mtp_step(spec, model, batch: dict, count: int, *, reverse: bool =
     ``{"logits" [B, S, V], "loss" [], "grads" {name: tensor}}`` like ``model_specs.step``, rows reversed with
     ``reverse`` (the spread; logits back in row order).
 
-    One addition, finding M1 (docs/training_step.md): with a NEAT-packed batch the one-device forward raises in
+    One addition, finding T1 (docs/training_step.md): with a NEAT-packed batch the one-device forward raises in
     the MTP sublayer's MoE (``RuntimeError: The size of tensor a (38) must match the size of tensor b (722)``:
     ``Qwen3_5MoeForConditionalGeneration.forward`` hands the MTP head ``padding_mask=None`` with the 4-D
     block-causal mask, which ``qwen3_next.Block`` inverts whole as a padding mask). The batch therefore carries

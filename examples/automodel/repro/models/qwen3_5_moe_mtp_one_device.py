@@ -1,5 +1,5 @@
 """Qwen3.5-MoE (nemo-automodel 0.7.0): MTP training on one device (no CP) raises on a NEAT-packed batch (finding
-M1, docs/training_step.md). ``Qwen3_5MoeForConditionalGeneration.forward`` hands its MTP head the batch's 4-D
+T1, docs/training_step.md). ``Qwen3_5MoeForConditionalGeneration.forward`` hands its MTP head the batch's 4-D
 block-causal ``attention_mask`` ``[B, 1, S, S]`` with ``padding_mask=None`` (the decoder derives its padding mask
 from the mask's diagonal for itself, ``Qwen3_5MoeTextModelBackend.forward``, but keeps it local);
 ``qwen3_next.Block.forward`` then inverts the whole 4-D mask as a padding mask (``attention_mask.bool()
