@@ -228,6 +228,19 @@ def test_drawn_cases_hold_the_pad_id_as_content_inside_and_ending_documents():
     assert "pad_content" not in plain["batch"]  # both are drawn
 
 
+def test_pad_id_as_content_qwen3_5_moe_passes_masked_and_mtp(step_runner):
+    """The smoke's pad-as-content batch (the pad id ending and inside documents, one document over every shard
+    boundary, a single-token one) on the NEAT/block-diagonal path, with the masked loss and with MTP (aux loss
+    off, finding T4): nothing of the step treats a pad-id token as padding."""
+    from cp_harness.checks.training_step import smoke_cases
+
+    (batch,) = [c["batch"] for c in smoke_cases(QWEN) if c["batch"].get("pad_content")]
+    for case in (_case(batch, spec=QWEN), _mtp(_case(batch, spec=QWEN), aux=False)):
+        report = step_runner.run(case)
+        assert report.ok, report_text(report)
+        assert report.info["dp_label_counts"] == [20, 13], report.info  # every pad-id token kept as a label
+
+
 # The MTP smoke's case with the routers' load-balancing loss off: what remains of the objective (main CE + MTP CE)
 # must match one device exactly; with it on, finding T4 (docs/training_step.md).
 def _mtp(case: dict, aux: bool = True) -> dict:
