@@ -372,7 +372,10 @@ def mtp_loss(model, out, local: dict, labels: torch.Tensor, count: int, targets)
     per_depth_logits = getattr(out, "mtp_per_depth_logits", None)
     if per_depth_h is None and per_depth_logits is None:
         raise ValueError(f"training step loss='mtp': {type(model).__name__} returned no MTP outputs (train mode?)")
-    filtered = {k: v for k, v in local.items() if k != "labels"}
+    from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
+
+    # the recipe tests `"packed_token_indices" in batch` on the batch after filter_forward_kwargs
+    filtered = filter_forward_kwargs(model, {k: v for k, v in local.items() if k != "labels"})
     return calculate_mtp_loss(
         MaskedCrossEntropy(ignore_index=IGNORE_INDEX, reduction="sum"),
         mtp_per_depth_h=per_depth_h,
