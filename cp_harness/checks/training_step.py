@@ -47,7 +47,8 @@ _FSDP_MODELS: dict[tuple, torch.nn.Module] = {}
 
 
 def _sizes(case: dict) -> tuple[int, int, int]:
-    """``(dp_shard, cp, rows per dp rank)``; a case that cannot run raises naming the field and the fix."""
+    """``(dp_shard, cp, rows per dp rank)``; a case that cannot run (sizes, rows, an unknown ``loss``) raises naming
+    the field and the fix."""
     dp, cp = int(case.get("dp_shard", DP_SHARD)), int(case.get("cp", CP))
     if dp < 1 or cp < 2:
         raise ValueError(f"training_step case: dp_shard={dp}, cp={cp}; give dp_shard >= 1 and cp >= 2")
@@ -56,6 +57,9 @@ def _sizes(case: dict) -> tuple[int, int, int]:
             f"training_step case: world_size={case.get('world_size')} but dp_shard x cp = {dp} x {cp}; "
             f"give world_size {dp * cp}"
         )
+    loss = case.get("loss", "masked")
+    if loss not in LOSSES:
+        raise ValueError(f"training_step case: loss={loss!r}; give one of {list(LOSSES)}")
     rows = int(case["batch"].get("batch_size", 1))
     if rows % dp:
         raise ValueError(

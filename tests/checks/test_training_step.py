@@ -140,6 +140,20 @@ def test_global_rows_that_do_not_split_over_dp_are_refused_on_every_rank(step_ru
     text = report_text(report)
     assert "batch.batch_size=1" in text and "multiple of dp_shard=2" in text, text
     assert "failed on rank(s) [0, 1, 2, 3]" in text, text  # every rank raised it, before any collective
+    report = step_runner.run({**_case(UNEVEN, spec=QWEN), "loss": "mtpp"})
+    text = report_text(report)
+    assert not report.ok and "loss='mtpp'" in text and "'mtp'" in text, text
+    assert "failed on rank(s) [0, 1, 2, 3]" in text, text
+
+
+def test_the_mtp_row_skips_the_deepseek_specs_saying_why():
+    """DeepSeek V4 / V4.1 have MTP heads but declare supports_mtp_cp=False: their MTP rows are skipped with that
+    reason; qwen3_5_moe runs them."""
+    from cp_harness.checks.training_step import _runnable
+
+    runnable, skipped = _runnable((SPEC, QWEN), "float32", "mtp")
+    assert runnable == [QWEN], (runnable, skipped)
+    assert "supports_mtp_cp=False" in skipped[SPEC], skipped
 
 
 def test_the_rows_are_skipped_saying_why_without_a_pool_of_four():

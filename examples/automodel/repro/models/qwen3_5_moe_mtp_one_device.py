@@ -17,6 +17,7 @@ when it could not run.
 
 import os
 import sys
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -26,7 +27,7 @@ from examples.automodel.models import qwen3_5_moe as spec  # noqa: E402  (spec.b
 
 
 def main(fixed: bool) -> int:
-    model = spec.build(torch.float32, 0, **spec.MTP_OVERRIDES)
+    model: Any = spec.build(torch.float32, 0, **spec.MTP_OVERRIDES)  # the framework ships no types
     batch = spec.make_batch("packed", 19, batch_size=2, documents=[[7, 5, 6], [3, 1, 9]], seed=1)
     kwargs = {k: v for k, v in batch.items() if k != "labels"}
     print(f"NEAT batch: attention_mask {list(batch['attention_mask'].shape)}, MTP depths {model.mtp_config.num_layers}")
