@@ -289,6 +289,15 @@ def test_mtp_qwen3_5_moe_router_aux_loss_differs_from_one_device(step_runner):
     assert all(n.startswith("grad mtp.layers.0.") for n in failing), report_text(report)
 
 
+def test_mtp_passes_with_the_aux_loss_once_one_device_masks_the_mtp_inputs_as_cp_does(step_runner):
+    """T4's mechanism: the same MTP case as the failing one, router aux loss on, against a one-device reference whose
+    MTP inputs are masked where the future token leaves the document, as the model's CP forward masks them
+    (``training_step_driver_mtp_masked_reference``): every quantity passes, the MTP router's gradient included."""
+    report = step_runner.run(_mtp(_case(UNEVEN, "training_step_driver_mtp_masked_reference", spec=QWEN)))
+    assert report.ok, report_text(report)
+    assert "grad mtp.layers.0.mlp.gate.weight" in {c.name.split(" (")[0] for c in report.comparisons}
+
+
 def test_mtp_targets_sharded_with_the_ids_fill_fail_on_the_reported_loss(step_runner):
     """Targets padded with token 0 instead of ``ignore_index``: each CP padding position adds ``log V`` x
     ``scaling / depths / count`` to the loss (measured: 5.3027 against 5.2694, two padded positions, 64 tokens,
