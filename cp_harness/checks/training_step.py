@@ -231,8 +231,9 @@ LINEAR_CE_UNSUPPORTED = {
 # runs MTP when it declares MTP_OVERRIDES (the framework's config field that turns the head on).
 MTP_UNSUPPORTED = {
     "deepseek_v41": "DeepseekV41ForCausalLM has an MTP head (num_nextn_predict_layers) but declares "
-    "supports_mtp_cp=False: parallelize_model raises 'does not support MTP with context parallelism' "
-    "(reject_unsupported_mtp_cp) and the recipe's step raises NotImplementedError before sharding",
+    "supports_mtp_cp=False: in the recipe parallelize_model raises 'does not support MTP with context "
+    "parallelism' (reject_unsupported_mtp_cp) and the step's gate raises NotImplementedError before sharding "
+    "(read from the framework's code)",
     "deepseek_v4": "DeepseekV4ForCausalLM has an MTP head (num_nextn_predict_layers) but declares "
     "supports_mtp_cp=False (as DeepSeek V4.1): the framework refuses MTP with CP",
 }
