@@ -47,7 +47,8 @@ _FSDP_MODELS: dict[tuple, torch.nn.Module] = {}
 
 
 def _sizes(case: dict) -> tuple[int, int, int]:
-    """``(dp_shard, cp, rows per dp rank)``; a case that cannot run raises naming the field and the fix."""
+    """``(dp_shard, cp, rows per dp rank)``; a case that cannot run (sizes, rows, an unknown ``loss``) raises naming
+    the field and the fix."""
     dp, cp = int(case.get("dp_shard", DP_SHARD)), int(case.get("cp", CP))
     if dp < 1 or cp < 2:
         raise ValueError(f"training_step case: dp_shard={dp}, cp={cp}; give dp_shard >= 1 and cp >= 2")
@@ -56,6 +57,9 @@ def _sizes(case: dict) -> tuple[int, int, int]:
             f"training_step case: world_size={case.get('world_size')} but dp_shard x cp = {dp} x {cp}; "
             f"give world_size {dp * cp}"
         )
+    loss = case.get("loss", "masked")
+    if loss not in LOSSES:
+        raise ValueError(f"training_step case: loss={loss!r}; give one of {list(LOSSES)}")
     rows = int(case["batch"].get("batch_size", 1))
     if rows % dp:
         raise ValueError(
@@ -81,7 +85,8 @@ def _fsdp_model(driver, spec, case: dict, context) -> torch.nn.Module:
     return _FSDP_MODELS[key]
 
 
-LOSSES = ("masked", "linear_ce")
+LOSSES = ("masked", "linear_ce", "mtp")
+LOSS_LABELS = {"masked": "", "linear_ce": ", linear CE", "mtp": ", MTP"}
 LINEAR_CE_LOGITS = (
     "the recipe's linear-CE step runs the model with logits_to_keep=1 and computes the loss from the final hidden "
     "states and the gathered LM head: no logits exist to judge (the loss, every gradient and the norm are judged)"
@@ -123,10 +128,13 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
     step = driver.STEP.run(spec, model, context, batch, rows, **({"loss": loss} if loss != "masked" else {}))
     if ctx.rank != 0:
         return {}, {}
+    mtp = getattr(driver, "one_device_mtp_step", None) if loss == "mtp" else None
     runs = {
         rm.Run.CP: _with_norm(step),
-        rm.Run.REFERENCE: _with_norm(one_device(spec, reference_model, batch, dp)),
-        rm.Run.REORDERED: _with_norm(one_device(spec, reference_model, batch, dp, split=max(2, cp), reverse=True)),
+        rm.Run.REFERENCE: _with_norm(one_device(spec, reference_model, batch, dp, mtp=mtp)),
+        rm.Run.REORDERED: _with_norm(
+            one_device(spec, reference_model, batch, dp, split=max(2, cp), reverse=True, mtp=mtp)
+        ),
     }
     valid = spec.valid_positions(batch).to(torch.bool)
     not_judged = (
@@ -134,6 +142,8 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         if ctx.backend == "gloo"
         else {}
     )
+    if loss == "mtp":
+        not_judged.update(getattr(driver, "MTP_STAND_INS", {}))
     if "logits" not in step:  # the linear-CE path never materialises them (logits_to_keep=1)
         for run in (rm.Run.REFERENCE, rm.Run.REORDERED):
             runs[run].pop(rm.Quantity("logits"))
@@ -142,14 +152,19 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
     return info, rm._to_wire(valid, runs)
 
 
-def one_device(spec, model, batch: dict, micro_batches: int, *, split: int = 1, reverse: bool = False) -> dict:
+def one_device(
+    spec, model, batch: dict, micro_batches: int, *, split: int = 1, reverse: bool = False, mtp=None
+) -> dict:
     """The recipe's step on one device over the same global batch: ``micro_batches`` gradient-accumulation
     micro-batches (the dp ranks' rows, in dp order; reversed with ``reverse``), each ``model_specs.step`` with the
     loss divided by the *global* label count (``_run_train_optim_step`` counts all micro-batches first), gradients
     summed, logits in row order, losses summed. The MoE auxiliary-loss scale is the recipe's ``cp / micro-batches``
     = ``1 / micro_batches`` (restored after): a router's load-balancing loss is a per-micro-batch statistic in the
     framework (``Gate._compute_aux_loss``: "assumes batch size = 1"), so one device on all rows at once would be
-    another objective than data parallelism computes; the main loss is the same either way."""
+    another objective than data parallelism computes; the main loss is the same either way. ``mtp`` (MTP cases:
+    the driver's ``one_device_mtp_step(spec, model, part, count, reverse=...)``, the recipe's CP-1 MTP step) runs
+    each micro-batch instead of ``model_specs.step``; its spread is the reversed row and micro-batch order only (no
+    chunked backward)."""
     from nemo_automodel.components.moe.megatron.moe_utils import MoEAuxLossAutoScaler
 
     count = spec.num_label_tokens(batch)
@@ -165,7 +180,12 @@ def one_device(spec, model, batch: dict, micro_batches: int, *, split: int = 1, 
                 k: (v[d * rows : (d + 1) * rows] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == n else v)
                 for k, v in batch.items()
             }
-            parts[d] = model_specs.step(spec, model, None, part, split=split, reverse=reverse, num_label_tokens=count)
+            if mtp is not None:
+                parts[d] = mtp(spec, model, part, count, reverse=reverse)
+            else:
+                parts[d] = model_specs.step(
+                    spec, model, None, part, split=split, reverse=reverse, num_label_tokens=count
+                )
     finally:
         MoEAuxLossAutoScaler.main_loss_backward_scale = previous
     grads: dict = {}
@@ -207,6 +227,24 @@ LINEAR_CE_UNSUPPORTED = {
 }
 
 
+# Specs with an MTP head in the framework whose MTP rows do not run, with why (docs/training_step.md, MTP). A spec
+# runs MTP when it declares MTP_OVERRIDES (the framework's config field that turns the head on).
+MTP_UNSUPPORTED = {
+    "deepseek_v41": "DeepseekV41ForCausalLM has an MTP head (num_nextn_predict_layers) but declares "
+    "supports_mtp_cp=False: in the recipe parallelize_model raises 'does not support MTP with context "
+    "parallelism' (reject_unsupported_mtp_cp) and the step's gate raises NotImplementedError before sharding "
+    "(read from the framework's code)",
+    "deepseek_v4": "DeepseekV4ForCausalLM has an MTP head (num_nextn_predict_layers) but declares "
+    "supports_mtp_cp=False (as DeepSeek V4.1): the framework refuses MTP with CP",
+}
+
+
+def mtp_overrides(spec: str) -> dict | None:
+    """The spec's ``MTP_OVERRIDES`` (config fields that enable its MTP head), or ``None`` without them."""
+    overrides = getattr(model_specs.load_spec(spec), "MTP_OVERRIDES", None)
+    return dict(overrides) if overrides else None
+
+
 def _runnable(models: tuple[str, ...], dtype: str, loss: str = "masked") -> tuple[list[str], dict[str, str]]:
     runnable, skipped = rm._runnable(models, dtype)
     for name in list(runnable):
@@ -215,6 +253,8 @@ def _runnable(models: tuple[str, ...], dtype: str, loss: str = "masked") -> tupl
         short = name.rsplit(".", 1)[-1]
         if loss == "linear_ce" and short in LINEAR_CE_UNSUPPORTED:
             skipped[name] = f"linear CE: {LINEAR_CE_UNSUPPORTED[short]}"
+        elif loss == "mtp" and mtp_overrides(name) is None:
+            skipped[name] = f"MTP: {MTP_UNSUPPORTED.get(short, 'the spec declares no MTP_OVERRIDES (no MTP head)')}"
         elif why is not None:
             skipped[name] = f"forward only on this machine ({why}); the training step needs a backward"
         elif traits.world_sizes is not None and CP not in traits.world_sizes:
@@ -265,6 +305,8 @@ def training_step_cases(dtype: str, loss: str = "masked"):
         spec = draw(st.sampled_from(runnable)) if runnable else draw(st.nothing())
         traits = model_specs.spec_traits(spec)
         batch = draw(rm._batches(_kinds(traits), lambda kind: _global_rows(traits, kind)))
+        if draw(st.booleans()):  # the pad id as content: each document's end (an EOS = pad) and middle
+            batch["pad_content"] = True
         return {
             "check": "training_step",
             "spec": spec,
@@ -274,21 +316,50 @@ def training_step_cases(dtype: str, loss: str = "masked"):
             "world_size": DP_SHARD * CP,
             "dp_shard": DP_SHARD,
             "cp": CP,
-            **({"loss": loss} if loss != "masked" else {}),
+            **_loss_keys(spec, loss),
         }
 
     return cases
 
 
+def _loss_keys(spec: str, loss: str) -> dict:
+    """The case keys of a loss: none for ``masked``; ``loss`` otherwise, and for ``mtp`` the spec's
+    ``MTP_OVERRIDES`` as ``overrides`` (the CP model and the one-device reference both get the MTP head)."""
+    if loss == "masked":
+        return {}
+    if loss == "mtp":
+        overrides = mtp_overrides(spec)
+        if overrides is None:
+            raise ValueError(f"training_step case: loss='mtp' but {spec} declares no MTP_OVERRIDES")
+        return {"loss": loss, "overrides": overrides}
+    return {"loss": loss}
+
+
+def mtp_case(case: dict) -> dict:
+    """``case`` as an MTP case (``loss: mtp`` and the spec's ``MTP_OVERRIDES``)."""
+    return {**case, **_loss_keys(case["spec"], "mtp")}
+
+
 def smoke_cases(spec: str, dtype: str = "float32", driver: str | None = None) -> list[dict]:
     """Named cases for the default command: two dp ranks whose rows hold different label counts (packed rows with
     other documents: 15 and 10 labels; one dp rank's row of single-token documents only: no label at all), right
-    padding, an odd length."""
+    padding, an odd length, and a packed batch whose documents hold and end with the pad id (``pad_content``),
+    one of them spanning its whole row (every shard boundary)."""
     batches = [
         {"kind": "packed", "seq_len": 19, "batch_size": 2, "documents": [[7, 5, 6], [3, 1, 9]], "seed": 1},
         {"kind": "packed", "seq_len": 17, "batch_size": 2, "documents": [[9, 8], [1, 1, 1]], "seed": 2},
         {"kind": "right_padded", "seq_len": 13, "pad": 4, "batch_size": 2, "seed": 4},
         {"kind": "plain", "seq_len": 11, "batch_size": 2, "seed": 5},
+        # the pad id (0, the recipe's padding_token_id without a tokenizer) inside documents and ending them; a
+        # document crossing every shard boundary, a single-token one
+        {
+            "kind": "packed",
+            "seq_len": 21,
+            "batch_size": 2,
+            "documents": [[21], [6, 1, 9]],
+            "seed": 6,
+            "pad_content": True,
+        },
     ]
     extra = {"driver": driver} if driver else {}
     return [
@@ -313,7 +384,7 @@ TRAINING_STEP = register(
     evaluate=_evaluate,
     rows=tuple(
         VerifyRow(
-            f"training step dp_shard x cp = {DP_SHARD} x {CP} ({dtype}{', linear CE' if loss == 'linear_ce' else ''})",
+            f"training step dp_shard x cp = {DP_SHARD} x {CP} ({dtype}{LOSS_LABELS[loss]})",
             training_step_cases(dtype, loss),
             (),
             dtypes=(dtype,),

@@ -29,10 +29,13 @@ QWEN = "examples.automodel.models.qwen3_5_moe"  # NEAT packing (_packed_seq_ids,
 # Different label counts on the two dp ranks (15 and 10): a count not summed over dp changes the result.
 UNEVEN = {"kind": "packed", "seq_len": 19, "batch_size": 2, "documents": [[7, 5, 6], [3, 1, 9]], "seed": 1}
 
-pytestmark = [pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
-    reason="the training-step check needs transformers and nemo-automodel (the 'models' extra)"),
-    pytest.mark.xdist_group("training_step")]
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("transformers") is None or importlib.util.find_spec("nemo_automodel") is None,
+        reason="the training-step check needs transformers and nemo-automodel (the 'models' extra)",
+    ),
+    pytest.mark.xdist_group("training_step"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +48,9 @@ def step_runner():
     saved = {key: os.environ.get(key) for key in ("PYTHONPATH", "TORCHDYNAMO_DISABLE")}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(FIXTURES), str(ROOT), saved["PYTHONPATH"]) if p)
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
-    runner = CaseRunner(PoolConfig(world_size=4, impl="cp_impl", case_timeout=240.0, collective_timeout=120.0,
-                                   preload=(SPEC, QWEN)))
+    runner = CaseRunner(
+        PoolConfig(world_size=4, impl="cp_impl", case_timeout=240.0, collective_timeout=120.0, preload=(SPEC, QWEN))
+    )
     try:
         runner.pool.start()
     finally:
@@ -62,8 +66,16 @@ def step_runner():
 
 
 def _case(batch: dict, driver: str | None = None, spec: str = SPEC) -> dict:
-    case = {"check": "training_step", "spec": spec, "dtype": "float32", "seed": 0, "batch": batch,
-            "world_size": 4, "dp_shard": 2, "cp": 2}
+    case = {
+        "check": "training_step",
+        "spec": spec,
+        "dtype": "float32",
+        "seed": 0,
+        "batch": batch,
+        "world_size": 4,
+        "dp_shard": 2,
+        "cp": 2,
+    }
     return {**case, "driver": driver} if driver else case
 
 
@@ -94,8 +106,10 @@ def test_smoke_qwen3_5_moe_neat_packing_and_router_aux_loss(step_runner):
 
 def test_aux_loss_scale_left_at_one_fails_on_the_routers(step_runner):
     text, failing = _failures(_case(UNEVEN, "training_step_driver_aux_scale", spec=QWEN), step_runner)
-    assert {"grad model.language_model.layers.0.mlp.gate.weight",
-            "grad model.language_model.layers.1.mlp.gate.weight"} <= failing, text
+    assert {
+        "grad model.language_model.layers.0.mlp.gate.weight",
+        "grad model.language_model.layers.1.mlp.gate.weight",
+    } <= failing, text
     assert "loss" not in failing and "logits" not in failing, text  # the forward is untouched
     assert not any(".self_attn." in n for n in failing), text  # only what the aux loss reaches
 
@@ -126,6 +140,20 @@ def test_global_rows_that_do_not_split_over_dp_are_refused_on_every_rank(step_ru
     text = report_text(report)
     assert "batch.batch_size=1" in text and "multiple of dp_shard=2" in text, text
     assert "failed on rank(s) [0, 1, 2, 3]" in text, text  # every rank raised it, before any collective
+    report = step_runner.run({**_case(UNEVEN, spec=QWEN), "loss": "mtpp"})
+    text = report_text(report)
+    assert not report.ok and "loss='mtpp'" in text and "'mtp'" in text, text
+    assert "failed on rank(s) [0, 1, 2, 3]" in text, text
+
+
+def test_the_mtp_row_skips_the_deepseek_specs_saying_why():
+    """DeepSeek V4 / V4.1 have MTP heads but declare supports_mtp_cp=False: their MTP rows are skipped with that
+    reason; qwen3_5_moe runs them."""
+    from cp_harness.checks.training_step import _runnable
+
+    runnable, skipped = _runnable((SPEC, QWEN), "float32", "mtp")
+    assert runnable == [QWEN], (runnable, skipped)
+    assert "supports_mtp_cp=False" in skipped[SPEC], skipped
 
 
 def test_the_rows_are_skipped_saying_why_without_a_pool_of_four():
@@ -153,7 +181,11 @@ def test_step_option_selects_the_training_rows_only():
     from cp_harness.verify.rows import default_rows
 
     modes = {row.id: row.spec.step for row in default_rows() if row.spec.needs_model}
-    assert {i for i, mode in modes.items() if mode == "training"} == {"training_step.float32", "training_step.float32.linear_ce"}, modes
+    assert {i for i, mode in modes.items() if mode == "training"} == {
+        "training_step.float32",
+        "training_step.float32.linear_ce",
+        "training_step.float32.mtp",
+    }, modes
     assert modes["real_model.float32"] == "forward-backward", modes
     with pytest.raises(SystemExit):
         parser.parse_args(["--step", "optimizer"])  # argparse names the choices
@@ -181,3 +213,110 @@ def test_linear_ce_qwen3_5_moe_passes_without_logits(step_runner):
     assert {"loss", "grad_norm", "grad lm_head.weight"} <= names and "logits" not in names, names
     assert report.info["loss"] == "linear_ce"
 
+
+def test_drawn_cases_hold_the_pad_id_as_content_inside_and_ending_documents():
+    """The training-step rows draw batches whose documents hold the pad id (0: the recipe's ``padding_token_id``
+    without a tokenizer) as real tokens, inside a document and as its last token (an EOS equal to pad), and say so
+    in the case key (``batch.pad_content``); a mask derived from ``input_ids == pad_id`` would be caught."""
+    from hypothesis import HealthCheck, find, settings
+
+    from cp_harness.cases.profiles import CaseSpace
+    from cp_harness.checks.training_step import training_step_cases
+    from cp_harness.usage import model_specs
+
+    space = CaseSpace(world_sizes=(4,), models=(QWEN,))
+    quick = settings(max_examples=200, database=None, suppress_health_check=list(HealthCheck))
+    case = find(
+        training_step_cases("float32")(space),
+        lambda c: c["batch"].get("pad_content") and any(max(d) >= 3 for d in c["batch"]["documents"]),
+        settings=quick,
+    )
+    batch = model_specs.make_batch(model_specs.load_spec(QWEN), case["batch"])
+    real = batch["_packed_seq_ids"] > 0
+    assert bool(((batch["input_ids"] == 0) & real).any()), batch  # the pad id on real tokens
+    for row, lengths in enumerate(case["batch"]["documents"]):
+        ends = [sum(lengths[: k + 1]) - 1 for k, n in enumerate(lengths) if n >= 2]
+        assert all(int(batch["input_ids"][row, e]) == 0 for e in ends), (lengths, batch["input_ids"][row])
+        assert all(bool(real[row, e]) for e in ends)  # ... and still a real token of its document
+    plain = find(training_step_cases("float32")(space), lambda c: not c["batch"].get("pad_content"), settings=quick)
+    assert "pad_content" not in plain["batch"]  # both are drawn
+
+
+def test_pad_id_as_content_qwen3_5_moe_passes_masked_and_mtp(step_runner):
+    """The smoke's pad-as-content batch (the pad id ending and inside documents, one document over every shard
+    boundary, a single-token one) on the NEAT/block-diagonal path, with the masked loss and with MTP (aux loss
+    off, finding T4): nothing of the step treats a pad-id token as padding."""
+    from cp_harness.checks.training_step import smoke_cases
+
+    (batch,) = [c["batch"] for c in smoke_cases(QWEN) if c["batch"].get("pad_content")]
+    for case in (_case(batch, spec=QWEN), _mtp(_case(batch, spec=QWEN), aux=False)):
+        report = step_runner.run(case)
+        assert report.ok, report_text(report)
+        assert report.info["dp_label_counts"] == [20, 13], report.info  # every pad-id token kept as a label
+
+
+# The MTP smoke's case with the routers' load-balancing loss off: what remains of the objective (main CE + MTP CE)
+# must match one device exactly; with it on, finding T4 (docs/training_step.md).
+def _mtp(case: dict, aux: bool = True) -> dict:
+    from cp_harness.checks.training_step import mtp_case
+
+    case = mtp_case(case)
+    return case if aux else {**case, "overrides": {**case["overrides"], "router_aux_loss_coef": 0.0}}
+
+
+def test_mtp_qwen3_5_moe_cross_entropy_terms_pass_against_one_device(step_runner):
+    """The recipe's MTP step at CP 2 (``prepare_mtp_inputs_for_cp`` on each dp rank's global rows,
+    ``shard_token_tensor`` of the per-depth ids, positions, masks and targets, ``calculate_mtp_loss`` added to the
+    main loss) against one device's MTP on the whole sequence (targets shifted by ``calculate_mtp_loss`` itself,
+    masked across documents with ``_packed_seq_ids``), router aux loss off: the loss, the logits, every gradient
+    (the MTP head's included) and the norm pass."""
+    case = _mtp(_case(UNEVEN, spec=QWEN), aux=False)
+    assert case["loss"] == "mtp" and case["overrides"]["mtp_num_hidden_layers"] == 1, case
+    report = step_runner.run(case)
+    assert report.ok, report_text(report)
+    names = {c.name.split(" (")[0] for c in report.comparisons}
+    mtp = {n for n in names if n.startswith("grad mtp.")}
+    assert any("eh_proj" in n for n in mtp) and {"loss", "logits", "grad_norm"} <= names, names
+    assert report.info["loss"] == "mtp" and any("T2" in k for k in report.not_judged), report.not_judged
+
+
+def test_mtp_qwen3_5_moe_router_aux_loss_differs_from_one_device(step_runner):
+    """Finding T4: with the framework's default aux-loss coefficient only the MTP sublayer's router (and what its
+    load-balancing loss reaches) differs from one device; the loss, the logits and the main model pass."""
+    report = step_runner.run(_mtp(_case(UNEVEN, spec=QWEN)))
+    failing = {c.name.split(" (")[0] for c in report.failures()}
+    assert "grad mtp.layers.0.mlp.gate.weight" in failing, report_text(report)
+    assert all(n.startswith("grad mtp.layers.0.") for n in failing), report_text(report)
+
+
+def test_mtp_passes_with_the_aux_loss_once_one_device_masks_the_mtp_inputs_as_cp_does(step_runner):
+    """T4's mechanism: the same MTP case as the failing one, router aux loss on, against a one-device reference whose
+    MTP inputs are masked where the future token leaves the document, as the model's CP forward masks them
+    (``training_step_driver_mtp_masked_reference``): every quantity passes, the MTP router's gradient included."""
+    report = step_runner.run(_mtp(_case(UNEVEN, "training_step_driver_mtp_masked_reference", spec=QWEN)))
+    assert report.ok, report_text(report)
+    assert "grad mtp.layers.0.mlp.gate.weight" in {c.name.split(" (")[0] for c in report.comparisons}
+
+
+def test_mtp_targets_sharded_with_the_ids_fill_fail_on_the_reported_loss(step_runner):
+    """Targets padded with token 0 instead of ``ignore_index``: each CP padding position adds ``log V`` x
+    ``scaling / depths / count`` to the loss (measured: 5.3027 against 5.2694, two padded positions, 64 tokens,
+    25 labels); the gradients pass, the padding positions' MTP hidden states being constant zeros."""
+    case = _mtp(_case(UNEVEN, "training_step_driver_mtp_target_fill", spec=QWEN), aux=False)
+    text, failing = _failures(case, step_runner)
+    assert failing == {"loss"}, text
+
+
+def test_mtp_targets_shifted_on_the_local_shard_fail_on_the_loss_and_mtp_gradients(step_runner):
+    case = _mtp(_case(UNEVEN, "training_step_driver_mtp_local_targets", spec=QWEN), aux=False)
+    text, failing = _failures(case, step_runner)
+    assert "loss" in failing and "grad mtp.layers.0.eh_proj.weight" in failing, text
+    assert "logits" not in failing, text  # the forward is untouched: only the MTP targets are
+
+
+def test_mtp_with_train_ft_lines_alone_raises_on_every_rank_naming_the_masks(step_runner):
+    """Finding T2 (last in the module: the forward raises inside FSDP2's hooks): ``train_ft.py``'s MTP inputs
+    under CP do not carry the validity masks ``Qwen3_5MoeForConditionalGeneration``'s CP forward needs."""
+    report = step_runner.run(_mtp(_case(UNEVEN, "training_step_driver_mtp_train_ft", spec=QWEN), aux=False))
+    text = report_text(report)
+    assert not report.ok and "positions, and masks" in text, text

@@ -293,6 +293,7 @@ def make_batch(
     documents: list[list[int]] | None = None,
     pad: int = 0,
     pad_id: int = 0,
+    pad_content: bool = False,
 ) -> dict[str, Any]:
     """An example batch with shifted labels.
 
@@ -300,6 +301,8 @@ def make_batch(
         kind: ``"plain"`` (every token real), ``"right_padded"`` (the last ``pad`` tokens of every row
             are padding, ``attention_mask`` 0, ``pad_id``), or ``"packed"`` (``documents[row]`` lengths
             concatenated from column 0, the rest padding; ``seq_lens`` [B, D]).
+        pad_content: ``pad_id`` as real content too (``plant_pad``: each document's last token, an EOS equal
+            to the pad id, and its middle one), so that a mask derived from ``input_ids == pad_id`` is wrong.
     """
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(1, vocab, (batch_size, seq_len), generator=generator)
@@ -308,6 +311,8 @@ def make_batch(
         real = seq_len - (pad if kind == "right_padded" else 0)
         if not 0 < real <= seq_len:
             raise ValueError(f"pad={pad} leaves no real token in {seq_len}")
+        if pad_content:
+            input_ids = plant_pad(input_ids, [[real]] * batch_size, pad_id)
         input_ids[:, real:] = pad_id
         labels[:, : real - 1] = input_ids[:, 1:real]
         batch = {"input_ids": input_ids, "labels": labels}
@@ -319,6 +324,8 @@ def make_batch(
     if kind == "packed":
         if documents is None or len(documents) != batch_size:
             raise ValueError("packed batches need one list of document lengths per row")
+        if pad_content:
+            input_ids = plant_pad(input_ids, documents, pad_id)
         width = max(len(row) for row in documents)
         seq_lens = torch.zeros(batch_size, width, dtype=torch.long)
         for row, lengths in enumerate(documents):
@@ -332,6 +339,22 @@ def make_batch(
             input_ids[row, start:] = pad_id
         return {"input_ids": input_ids, "labels": labels, "seq_lens": seq_lens}
     raise ValueError(f"unknown batch kind {kind!r}")
+
+
+def plant_pad(tokens: torch.Tensor, documents: list[list[int]], pad_id: int = 0) -> torch.Tensor:
+    """A copy of the drawn tokens ``[B, S]`` with ``pad_id`` as content: in row ``r``, each document of
+    ``documents[r]`` (lengths from column 0) of 2 tokens or more ends with ``pad_id`` (an EOS equal to the
+    tokenizer's pad id, as the recipe's ``padding_token_id``), and each of 3 or more has it in its middle too."""
+    tokens = tokens.clone()
+    for row, lengths in enumerate(documents):
+        start = 0
+        for length in lengths:
+            if length >= 2:
+                tokens[row, start + length - 1] = pad_id
+            if length >= 3:
+                tokens[row, start + length // 2] = pad_id
+            start += length
+    return tokens
 
 
 def packed_kind(packed: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
@@ -349,13 +372,25 @@ def packed_kind(packed: Callable[..., dict[str, Any]]) -> Callable[..., dict[str
         documents: list[list[int]] | None = None,
         pad: int = 0,
         pad_id: int = 0,
+        pad_content: bool = False,
         **options: Any,
     ) -> dict[str, Any]:
         if kind != "packed":
-            return make_batch(kind, seq_len, batch_size=batch_size, seed=seed, vocab=vocab, pad=pad, pad_id=pad_id)
+            return make_batch(
+                kind,
+                seq_len,
+                batch_size=batch_size,
+                seed=seed,
+                vocab=vocab,
+                pad=pad,
+                pad_id=pad_id,
+                pad_content=pad_content,
+            )
         if documents is None or len(documents) != batch_size:
             raise ValueError("packed batches need one list of document lengths per row")
         tokens = torch.randint(1, vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(seed))
+        if pad_content:
+            tokens = plant_pad(tokens, documents, pad_id)
         return packed(tokens, documents, pad_id, **options)
 
     spec_make_batch.__doc__ = f"An example batch with shifted labels; ``packed``: {packed.__doc__}"

@@ -111,6 +111,27 @@ COVERS: dict[str, str] = {
     **_base.COVERS_GATHER_BY_INDICES,
 }
 
+# The HF config field that turns the framework's MTP head on (``_resolve_mtp_num_layers`` reads
+# ``num_nextn_predict_layers``, then ``mtp_num_hidden_layers``, Qwen3.5's own name): one depth, one full-attention
+# MoE sublayer with the eh_proj fusion and final norm (``build_qwen3_5_moe_mtp``). The training-step MTP row
+# (``loss: mtp``) builds the CP model and the one-device reference with it; every other row builds without.
+MTP_OVERRIDES: dict[str, Any] = {"mtp_num_hidden_layers": 1}
+
+
+def mtp_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """One MTP depth's global position ids ``[B, S]`` as the model's mRoPE axes ``[3, B, S]``
+    (``_split_qwen3_5_moe_position_ids``, the framework's own expansion on its one-device MTP path); ``[3, B, S]``
+    unchanged. The training-step MTP step's stand-in for finding T3 (``train_ft_step.MTP_STAND_INS``)."""
+    from nemo_automodel.components.models.qwen3_5_moe.model import _split_qwen3_5_moe_position_ids
+
+    if position_ids.dim() != 2:
+        return position_ids
+    rows, length = position_ids.shape
+    return _split_qwen3_5_moe_position_ids(
+        position_ids, batch_size=rows, seq_len=length, device=position_ids.device
+    ).contiguous()
+
+
 BACKEND = dict(attn="sdpa", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch")
 
 # fmt: off

@@ -27,7 +27,7 @@ KNOWN = HERE.parent / "known_defects.json"
 
 DEFECT_FIELDS = ("id", "title", "classification", "doc", "repro", "backends", "signature", "rows")
 ROW_FIELDS = ("row", "why", "case")
-SUBJECTS = ("adapter", "spec")
+SUBJECTS = ("adapter", "spec", "training")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +131,7 @@ def holds(when: dict | None, case: dict | None) -> bool:
 
 
 def subject_of(row: dict) -> str:
-    """``"adapter:<name>"`` or ``"spec:<name>"``: what a documented row is about."""
+    """``"adapter:<name>"``, ``"spec:<name>"`` or ``"training:<spec>"``: what a documented row is about."""
     return next(f"{key}:{row[key]}" for key in SUBJECTS if key in row)
 
 

@@ -50,6 +50,16 @@ STAND_IN = (
     "as global rank i) replaced by its NCCL branch, a reduce-scatter on the group"
 )
 MAX_GRAD_NORM = 1.0  # the recipe's default clip_grad_norm.max_norm
+MTP_STAND_INS = {
+    "train_ft.py's MTP inputs under CP (finding T2)": "the per-depth validity masks are sharded into the batch as "
+    "recipes/vlm/finetune.py does (train_ft.py does not: Qwen3_5MoeForConditionalGeneration's CP forward raises "
+    "'requires precomputed per-depth inputs, positions, and masks')",
+    "the MTP position ids under CP (finding T3)": "each depth's [B, S] position ids expanded to the model's 3 mRoPE "
+    "axes before sharding (the CP MTP sublayer indexes them as [3, B, S]: 'IndexError: too many indices for tensor "
+    "of dimension 2'; the one-device path expands them itself)",
+    "the one-device MTP reference (finding T1)": "padding_mask (the block-causal mask's diagonal, what the decoder "
+    "derives itself) passed to the forward: without it the MTP sublayer's MoE raises on a NEAT-packed batch",
+}
 
 
 @contextlib.contextmanager
@@ -185,11 +195,62 @@ class RecipeStep:
             logits_dtype=out.logits.dtype,
         )
 
+    def mtp_prepare(self, model, batch: dict):
+        """``_forward_backward_step`` before the sharder (CP > 1, no PP, ``model.supports.mtp_enabled``): the
+        ``supports_mtp_cp`` gate (the recipe's ``NotImplementedError``), then
+        ``model.prepare_mtp_inputs_for_cp(batch, ignore_index=-100)`` on the dp rank's *global* rows ``[B, S]``
+        (per-depth token ids, position ids, targets and validity masks, shifted in global order without crossing
+        a document). ``batch`` may gain ``position_ids`` (the framework materialises them there)."""
+        supports = model_supports(model)
+        if not supports.mtp_enabled:
+            raise ValueError(
+                f"training step loss='mtp': {type(model).__name__} has no MTP head (mtp_config.enabled is False); "
+                "give the spec's MTP_OVERRIDES in the case's overrides"
+            )
+        if not supports.supports_mtp_cp:
+            raise NotImplementedError(
+                f"{type(model).__name__} declares supports_mtp_cp=False; "
+                "MTP target preparation for context parallelism is unavailable"
+            )
+        return model.prepare_mtp_inputs_for_cp(batch, ignore_index=IGNORE_INDEX)
+
+    def mtp_shard(self, spec, sharder, local: dict, mtp_inputs) -> tuple[torch.Tensor, ...]:
+        """After ``cp_sharder.shard``: each depth's token ids and position ids into the local batch through
+        ``cp_sharder.shard_token_tensor(..., seq_dim=1, fill=0)``, the targets with ``fill=ignore_index``
+        (returned, ``[B, S_local]`` each).
+
+        Two stand-ins (``MTP_STAND_INS``, said in every MTP report; findings T2 and T3, docs/training_step.md):
+        the validity masks are sharded too (``fill=False``), the line of ``recipes/vlm/finetune.py``
+        (``batch["mtp_per_depth_valid_masks"]``) that ``train_ft.py`` lacks, without which
+        ``Qwen3_5MoeForConditionalGeneration``'s CP forward raises; and where the spec has ``mtp_position_ids``
+        each depth's position ids go through it first (``[B, S]`` -> the model's ``[3, B, S]`` mRoPE axes, which
+        its CP MTP sublayer needs and only its one-device path makes), sharded on their sequence dim 2
+        (``position_ids_seq_dim``, the VLM recipe's argument). ``training_step_driver_mtp_train_ft`` runs
+        ``train_ft.py``'s lines alone."""
+        positions = mtp_inputs.position_ids
+        seq_dim = mtp_inputs.position_ids_seq_dim
+        if hasattr(spec, "mtp_position_ids"):
+            positions = tuple(spec.mtp_position_ids(p) for p in positions)
+            seq_dim = positions[0].dim() - 1
+        local["mtp_per_depth_input_ids"] = tuple(
+            sharder.shard_token_tensor(ids, seq_dim=1, fill=0) for ids in mtp_inputs.input_ids
+        )
+        local["mtp_per_depth_position_ids"] = tuple(
+            sharder.shard_token_tensor(ids, seq_dim=seq_dim, fill=0) for ids in positions
+        )
+        local["mtp_per_depth_valid_masks"] = tuple(
+            sharder.shard_token_tensor(mask, seq_dim=1, fill=False) for mask in mtp_inputs.valid_masks
+        )
+        return tuple(
+            sharder.shard_token_tensor(targets, seq_dim=1, fill=IGNORE_INDEX) for targets in mtp_inputs.targets
+        )
+
     def run(self, spec, model, context, global_batch: dict, rows: int, loss: str = "masked") -> dict[str, Any]:
         """One step: ``{"logits" [B_global, S, V], "loss" [], "grads" {name: full gradient}, "grad_norm" []}``,
         the same on every rank. ``model``: already through ``parallelize_model``; ``rows``: rows per dp rank;
-        ``loss``: ``"masked"`` (the spec's loss, ``MaskedCrossEntropy``) or ``"linear_ce"`` (``linear_ce_forward``:
-        no logits are materialised, so none come back)."""
+        ``loss``: ``"masked"`` (the spec's loss, ``MaskedCrossEntropy``), ``"linear_ce"`` (``linear_ce_forward``:
+        no logits are materialised, so none come back) or ``"mtp"`` (the spec's loss plus the recipe's MTP loss:
+        ``mtp_prepare`` on this dp rank's global rows before the sharder, ``mtp_shard`` after it, ``mtp_loss``)."""
         from nemo_automodel.components.distributed.utils import get_sync_ctx
         from nemo_automodel.components.moe.megatron.moe_utils import MoEAuxLossAutoScaler
         from nemo_automodel.components.training.utils import (
@@ -211,12 +272,18 @@ class RecipeStep:
             prepare_for_final_backward([model])
             # The spec contract's CP mesh, mesh["cp"] (the recipe hands ContextParallelSharder the world mesh,
             # which slices the same "cp" dimension).
+            mtp_inputs = self.mtp_prepare(model, batch) if loss == "mtp" else None
             ctx_factory, local, sharder = spec.shard(model, mesh["cp"], batch)
+            targets = None if mtp_inputs is None else self.mtp_shard(spec, sharder, local, mtp_inputs)
             with stand_in, ctx_factory(), get_sync_ctx(model, True, defer_fsdp_grad_sync=True):
                 labels = spec.local_labels(local) if hasattr(spec, "local_labels") else local["labels"]
                 if loss == "linear_ce":
                     logits = None
                     local_loss = self.linear_ce_forward(model, mesh, local, labels, count)
+                elif loss == "mtp":
+                    out = forward_output(model, local)
+                    logits = out.logits
+                    local_loss = spec.loss(logits, labels, count) + mtp_loss(model, out, local, labels, count, targets)
                 else:
                     logits = spec.forward(model, local)
                     local_loss = spec.loss(logits, labels, count)
@@ -268,6 +335,99 @@ class RecipeStep:
 
 
 STEP = RecipeStep()
+IGNORE_INDEX = -100  # the recipe's ignore index (MaskedCrossEntropy's, _get_loss_ignore_index)
+
+
+def model_supports(model):
+    """``model.supports`` as the recipe reads it (the framework's ``ModelSupports``; a model built by the spec, not
+    through ``NeMoAutoModel``, has none attached, so one is made for it, mesh ``None``)."""
+    from nemo_automodel._transformers.capabilities import ModelSupports
+
+    supports = getattr(model, "supports", None)
+    return supports if isinstance(supports, ModelSupports) else ModelSupports(model, None)
+
+
+def forward_output(model, local: dict):
+    """``out = model(**filter_forward_kwargs(model, batch))`` without the labels: the model's whole output (the
+    spec's ``forward`` returns only ``out.logits``)."""
+    from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
+
+    kwargs = {k: v for k, v in local.items() if k != "labels" and not k.startswith("_spec")}
+    return model(**filter_forward_kwargs(model, kwargs))
+
+
+def mtp_loss(model, out, local: dict, labels: torch.Tensor, count: int, targets) -> torch.Tensor:
+    """``_forward_backward_step``'s MTP term: ``calculate_mtp_loss(loss_fn, mtp_per_depth_h=...,
+    mtp_per_depth_targets=targets, seq_idx=..., labels=labels, model=model, scaling_factor=
+    out.mtp_loss_scaling_factor, num_label_tokens=count, ignore_index=-100, cu_seqlens=...)`` with the recipe's
+    arguments: ``seq_idx`` is the batch's ``_packed_seq_ids`` only without per-depth targets (one device), and
+    ``cu_seqlens`` is passed only without targets and without NEAT's ``packed_token_indices``. ``loss_fn`` the
+    spec's ``MaskedCrossEntropy(reduction="sum")``: each depth's CE through the shared LM head, summed over depths,
+    times ``scaling_factor / depths``. Raises, as the recipe does, when the model emits MTP outputs under CP
+    without targets."""
+    from nemo_automodel.components.loss.masked_ce import MaskedCrossEntropy
+    from nemo_automodel.components.loss.mtp import calculate_mtp_loss
+
+    per_depth_h = getattr(out, "mtp_per_depth_h", None)
+    per_depth_logits = getattr(out, "mtp_per_depth_logits", None)
+    if per_depth_h is None and per_depth_logits is None:
+        raise ValueError(f"training step loss='mtp': {type(model).__name__} returned no MTP outputs (train mode?)")
+    from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
+
+    # the recipe tests `"packed_token_indices" in batch` on the batch after filter_forward_kwargs
+    filtered = filter_forward_kwargs(model, {k: v for k, v in local.items() if k != "labels"})
+    return calculate_mtp_loss(
+        MaskedCrossEntropy(ignore_index=IGNORE_INDEX, reduction="sum"),
+        mtp_per_depth_h=per_depth_h,
+        mtp_per_depth_logits=per_depth_logits,
+        mtp_per_depth_targets=targets,
+        seq_idx=local.get("_packed_seq_ids") if targets is None else None,
+        labels=labels,
+        model=model,
+        scaling_factor=out.mtp_loss_scaling_factor,
+        num_label_tokens=count,
+        ignore_index=IGNORE_INDEX,
+        cu_seqlens=None if targets is not None or "packed_token_indices" in filtered else filtered.get("cu_seqlens"),
+    )
+
+
+def one_device_mtp_step(spec, model, batch: dict, count: int, *, reverse: bool = False) -> dict[str, Any]:
+    """The recipe's MTP step on one device (CP 1: no per-depth targets, ``calculate_mtp_loss`` shifts the labels
+    itself and masks across documents with ``seq_idx = _packed_seq_ids``; the model rolls its own MTP inputs):
+    ``{"logits" [B, S, V], "loss" [], "grads" {name: tensor}}`` like ``model_specs.step``, rows reversed with
+    ``reverse`` (the spread; logits back in row order).
+
+    One addition, finding T1 (docs/training_step.md): with a NEAT-packed batch the one-device forward raises in
+    the MTP sublayer's MoE (``RuntimeError: The size of tensor a (38) must match the size of tensor b (722)``:
+    ``Qwen3_5MoeForConditionalGeneration.forward`` hands the MTP head ``padding_mask=None`` with the 4-D
+    block-causal mask, which ``qwen3_next.Block`` inverts whole as a padding mask). The batch therefore carries
+    ``padding_mask`` = the mask's diagonal inverted, exactly what the decoder derives for itself
+    (``Qwen3_5MoeTextModelBackend.forward``), so the main model is unchanged and the MTP head sees the same
+    padding (``examples/automodel/repro/models/qwen3_5_moe_mtp_one_device.py``)."""
+    rows = batch["input_ids"].shape[0]
+    order = list(range(rows))[::-1] if reverse else list(range(rows))
+    batch = {
+        k: (v[order] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == rows else v) for k, v in batch.items()
+    }
+    model.zero_grad(set_to_none=True)
+    ctx_factory, local, sharder = spec.shard(model, None, batch)
+    mask = local.get("attention_mask")
+    if "padding_mask" not in local and isinstance(mask, torch.Tensor) and mask.ndim == 4:
+        local = {**local, "padding_mask": mask[:, 0].diagonal(dim1=-2, dim2=-1).bool().logical_not()}
+    with ctx_factory():
+        out = forward_output(model, local)
+        labels = spec.local_labels(local) if hasattr(spec, "local_labels") else local["labels"]
+        value = spec.loss(out.logits, labels, count) + mtp_loss(model, out, local, labels, count, None)
+        value.backward()
+    logits = spec.gather_logits(sharder, out.logits.detach())
+    if reverse:
+        logits = logits[[order.index(r) for r in range(rows)]]
+    grads = {
+        name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+    return {"logits": logits, "loss": value.detach().float().clone(), "grads": grads}
 
 
 def parallelized(spec, dtype: torch.dtype, seed: int, context, **overrides) -> torch.nn.Module:
