@@ -110,13 +110,15 @@ def test_the_training_step_code_is_its_own_part_with_what_runs_it(table):
     assert "nemo_automodel.components.distributed.thd_utils.process_input_for_thd" in training
     assert len(training) == len(set(training))  # typing.overload repeats calculate_mtp_loss: one row
     assert all(rows[f].part == "training step" for f in training)
-    for dotted in {**covers.COVERS, **covers.COVERS_MASKED, **covers.COVERS_LINEAR_CE}:
+    for dotted in {**covers.covers("masked"), **covers.covers("linear_ce"), **covers.covers("mtp", "qwen3_5_moe")}:
         row = rows[dotted]
         assert row.part == "training step" and "training:qwen3_5_moe" in {s for s, _ in row.exercised_by}, dotted
         assert "tests/checks/test_training_step.py" in row.default_command, dotted
         assert any("stand-in" in mode and "all_gather" in mode for mode in row.on_cpu), row.on_cpu
     linear = rows["nemo_automodel.components.loss.utils.prepare_lm_weight"]
     assert "training:deepseek_v41" not in {s for s, _ in linear.exercised_by}  # its linear-CE rows do not run
+    mtp = rows["nemo_automodel.components.loss.mtp.calculate_mtp_loss"]
+    assert {s for s, _ in mtp.exercised_by} == {"training:qwen3_5_moe"}  # DeepSeek: supports_mtp_cp=False
     for dotted in covers.REBUILT:
         assert not rows[dotted].exercised_by and rows[dotted].why_not.startswith("rebuilt"), dotted
     counts = table.counts()

@@ -134,15 +134,16 @@ def _spec_claims() -> tuple[dict[str, list[tuple[str, str]]], dict[str, str]]:
 
 def _training_claims() -> dict[str, list[tuple[str, str]]]:
     """The training-step driver's ``COVERS``, one subject ``training:<spec>`` per spec whose step the gate runs
-    (the linear-CE entries only for the specs its linear-CE rows run)."""
+    (the linear-CE and MTP entries only for the specs those rows run)."""
     from cp_harness.checks.training_step import LINEAR_CE_UNSUPPORTED
     from examples.automodel.tools.run import TRAINING_STEP_SPECS
     from examples.automodel.training import covers
 
     claims: dict[str, list[tuple[str, str]]] = {}
     for spec in TRAINING_STEP_SPECS:
-        losses = ("masked",) if spec in LINEAR_CE_UNSUPPORTED else ("masked", "linear_ce")
-        for dotted, what in {k: v for loss in losses for k, v in covers.covers(loss).items()}.items():
+        losses = ["masked"] + ["linear_ce"] * (spec not in LINEAR_CE_UNSUPPORTED)
+        losses += ["mtp"] * (spec in covers.COVERS_MTP_BY_SPEC)  # the specs whose MTP rows run
+        for dotted, what in {k: v for loss in losses for k, v in covers.covers(loss, spec).items()}.items():
             claims.setdefault(dotted, []).append((f"training:{spec}", what))
     return claims
 

@@ -142,10 +142,11 @@ def _training_rank(rank, world, store, sizes, spec_name, queue, loss="masked"):
     from examples.automodel.training import covers, train_ft_step
 
     spec = importlib.import_module(spec_name)
-    counting = Counting(covers.covers(loss))
+    counting = Counting(covers.covers(loss, spec_name.rsplit(".", 1)[-1]))
+    overrides = getattr(spec, "MTP_OVERRIDES", {}) if loss == "mtp" else {}
     with counting:
         context = train_ft_step.mesh_context(world // 2, 2)
-        model = train_ft_step.parallelized(spec, torch.float32, 0, context)
+        model = train_ft_step.parallelized(spec, torch.float32, 0, context, **overrides)
         for kind, seq_len, keys in TRAINING_BATCHES:
             if kind in getattr(spec, "BATCH_KINDS", (kind,)):
                 batch = spec.make_batch(kind, seq_len, **keys)
@@ -160,14 +161,14 @@ def main() -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--cp", default="2,3")
     parser.add_argument("--step", choices=("forward-backward", "training"), default="forward-backward")
-    parser.add_argument("--loss", choices=("masked", "linear_ce"), default="masked", help="with --step training")
+    parser.add_argument("--loss", choices=("masked", "linear_ce", "mtp"), default="masked", help="with --step training")
     args = parser.parse_args()
     spec = importlib.import_module(args.model)
     target: Callable[..., None]
     if args.step == "training":
         from examples.automodel.training import covers
 
-        sizes, target, declared = [4], _training_rank, covers.covers(args.loss)
+        sizes, target, declared = [4], _training_rank, covers.covers(args.loss, args.model.rsplit(".", 1)[-1])
         extra: tuple = (args.loss,)
     else:
         sizes, target, declared = sorted({int(n) for n in args.cp.split(",")}), _rank, spec.COVERS

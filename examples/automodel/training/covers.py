@@ -1,7 +1,7 @@
 """What the training-step driver (``train_ft_step.py``) does with the framework's training-step code: the
 coverage table's entries for the subjects ``training:<spec>`` (``examples/automodel/tools/coverage.py``).
 
-``COVERS`` (every step), ``COVERS_MASKED`` and ``COVERS_LINEAR_CE`` (by loss): framework callable -> what the step
+``COVERS`` (every step), ``COVERS_MASKED``, ``COVERS_LINEAR_CE``, ``COVERS_MTP`` (by loss): framework callable -> what the step
 does with it; each is called by the framework's own code path or
 the driver on every rank of a step (counted by ``tools/covers_check.py --step training``, which exits 1 when a
 declared callable is never called). ``REBUILT``: the recipe's methods whose CP lines the driver rebuilds with torch
@@ -45,6 +45,22 @@ COVERS_LINEAR_CE: dict[str, str] = {
 }
 """Called by the linear-CE rows (``loss: linear_ce``) on top of ``COVERS``."""
 
+COVERS_MTP: dict[str, str] = {
+    f"{_D}.loss.mtp.calculate_mtp_loss": "the MTP term added to the main loss (CP: the globally prepared targets)",
+    f"{_D}.loss.masked_ce.MaskedCrossEntropy.forward": "the main loss and each MTP depth's cross entropy",
+}
+"""Called by the MTP rows (``loss: mtp``) on top of ``COVERS``; the model's own ``prepare_mtp_inputs_for_cp`` is in
+``COVERS_MTP_BY_SPEC``."""
+
+COVERS_MTP_BY_SPEC: dict[str, dict[str, str]] = {
+    "qwen3_5_moe": {
+        f"{_D}.models.qwen3_5_moe.model.Qwen3_5MoeForConditionalGeneration.prepare_mtp_inputs_for_cp": (
+            "MTP ids, positions, targets and validity masks prepared on the global rows before the sharder"
+        ),
+    },
+}
+"""The MTP preparation each spec's model class owns (the recipe calls ``model.prepare_mtp_inputs_for_cp``)."""
+
 REBUILT: dict[str, str] = {
     "nemo_automodel.recipes.llm.train_ft.TrainFinetuneRecipeForNextTokenPrediction._forward_backward_step": (
         "rebuilt, not called (the recipe does not import here: torchao, torchdata): RecipeStep.run and "
@@ -71,6 +87,11 @@ NOT_RUN: dict[str, str] = {
 }
 
 
-def covers(loss: str = "masked") -> dict[str, str]:
-    """The callables a training step with ``loss`` (``"masked"`` / ``"linear_ce"``) calls."""
-    return {**COVERS, **(COVERS_LINEAR_CE if loss == "linear_ce" else COVERS_MASKED)}
+def covers(loss: str = "masked", spec: str | None = None) -> dict[str, str]:
+    """The callables a training step with ``loss`` (``"masked"`` / ``"linear_ce"`` / ``"mtp"``) of spec ``spec``
+    (its short name; only the MTP rows depend on it) calls."""
+    by_loss = {"masked": COVERS_MASKED, "linear_ce": COVERS_LINEAR_CE, "mtp": COVERS_MTP}
+    if loss not in by_loss:
+        raise ValueError(f"loss={loss!r}: give one of {list(by_loss)}")
+    mtp = COVERS_MTP_BY_SPEC.get(spec or "", {}) if loss == "mtp" else {}
+    return {**COVERS, **by_loss[loss], **mtp}
