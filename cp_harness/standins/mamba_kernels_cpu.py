@@ -130,7 +130,9 @@ def _by_sequence(ref, row, seq_idx):
     the kernel's ``seq_idx`` contract (the convolution and the scan state start afresh where ``seq_idx``
     changes), which ``mamba_split_conv1d_scan_ref`` does not take."""
     if seq_idx.shape != row.shape[1:2]:
-        raise ValueError(f"stand-in mamba_kernels_cpu: seq_idx of shape {tuple(seq_idx.shape)} for a row {tuple(row.shape)}")
+        raise ValueError(
+            f"stand-in mamba_kernels_cpu: seq_idx of shape {tuple(seq_idx.shape)} for a row {tuple(row.shape)}"
+        )
     starts = [0] + [int(i) + 1 for i in torch.nonzero(seq_idx[1:] != seq_idx[:-1]).flatten()] + [row.shape[1]]
     return torch.cat([ref(row[:, a:b]) for a, b in zip(starts[:-1], starts[1:])], dim=1)
 
