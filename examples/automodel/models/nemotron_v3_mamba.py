@@ -13,7 +13,9 @@ have no CPU implementation at all, so that stand-in also serves the one-device r
 compute with the same references, and what is judged, logits and every parameter gradient, is the framework's CP
 code (the all-to-alls, the layout undo / redo, the head and group slices), not the Triton kernels' rounding, which
 only the GPU nightly judges. The packages are the CPU build of ``constraints/mamba.txt`` (no CUDA extension). The
-page: ``docs/models/nemotron_v3_mamba.md``.
+page: ``docs/models/nemotron_v3_mamba.md`` (verify: float32 passes with every gradient judged; bfloat16 fails on the
+float32 parameter ``D``'s gradient only, M6: the CP mixer's kernel calls round differently from the one-device
+mixer's fused call, which ``cp_kernels`` makes the one-device forward use).
 
 How the spec enters CP (as the recipe does):
 
@@ -46,7 +48,7 @@ Backend ``BackendConfig(attn="sdpa", linear="torch", rms_norm="torch_fp32", rope
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -178,7 +180,7 @@ class _OneRank:
 
 
 @contextlib.contextmanager
-def cp_kernels(model: torch.nn.Module):
+def cp_kernels(model: Any) -> Iterator[str]:
     """Inside: the one-device forward of ``model`` computes every Mamba mixer with the kernel calls its CP path
     makes (the mixer's ``self.cp is not None`` branch: the scan with the gate, the separate ``rmsnorm_fn``, the
     output projection), through the framework's ``MambaContextParallel`` over a group of one rank (``_OneRank``:
