@@ -8,7 +8,7 @@
 # dependencies: the pins of constraints/models.txt (the `models` extra), installed the same
 # way (--no-deps) and left out the same way. mamba-ssm and causal-conv1d (constraints/mamba.txt, nemotron_v3_mamba's
 # kernels' torch references) are sdists, built here without CUDA (their setup.py's FORCE / SKIP_CUDA switches),
-# with --no-build-isolation (setup.py imports torch); left out the same way too.
+# with --no-build-isolation (setup.py imports torch), only with a CPU torch; left out the same way too.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${CP_HARNESS_VENV:-$root/.venv}"
@@ -39,9 +39,13 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
       -r "$root/constraints/framework.txt"
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile --no-deps \
       -r "$root/constraints/models.txt"
-    MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE \
-      "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile --no-deps \
-      --no-build-isolation -r "$root/constraints/mamba.txt"
+    # CPU torch only: with a CUDA torch (the nightly's GPU job) the same versions come as CUDA builds from
+    # constraints/gpu.txt, which pip would skip if this CPU build (no CUDA extension) were already installed.
+    if "$venv/bin/python" -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then
+      MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE \
+        "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile --no-deps \
+        --no-build-isolation -r "$root/constraints/mamba.txt"
+    fi
   fi
   "$venv/bin/python" -c "import torch, torch.distributed, torch.distributed.device_mesh, numpy, hypothesis, pytest, xdist
 import cp_harness.checks, cp_harness.ranks.pool, cp_harness.verify, cp_impl, oracle"
