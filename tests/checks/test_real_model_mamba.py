@@ -75,3 +75,14 @@ def test_a_gradient_only_defect_fails_on_gradients_and_passes_forward_only(real_
     assert forward_only.ok and _kinds(forward_only) == {"logits", "loss"}, report_text(forward_only)
     (what, why), = forward_only.not_judged.items()
     assert "gradients" in what and "gradient-only defect" in why, (what, why)
+
+
+def test_m6_right_padded_one_row_case_is_kernel_sensitivity_without_the_ring(real_models):
+    """M6 (docs/models/nemotron_v3_mamba.md): the bfloat16 right-padded one-row case fails on the ``D`` gradients
+    with no explanation in the full model; with the attention block replaced by an MLP (no ring, the same Mamba
+    CP) the harness explains it: CP matches the one-device run with the CP path's kernel calls (``cp_kernels``)."""
+    batch = {"batch_size": 1, "kind": "right_padded", "pad": 2, "seed": 790, "seq_len": 7}
+    report = real_models.run(_case("real_model_spec_nemotron_v3_mamba_no_attention", "bfloat16", 2, **batch))
+    assert not report.ok and not report.failures(), report_text(report)  # each tensor within its bound of a run
+    (problem,) = report.problems
+    assert "KERNEL SENSITIVITY" in problem.message and "_fp32_params.D" in problem.message, problem.message
