@@ -28,8 +28,9 @@ case still fails; the problem's ``kind`` is ``"kernel sensitivity"`` (``"padding
 
 **Stand-ins.** A spec's declared kernel stand-ins (``STANDINS``, ``cp_harness.standins``) are entered on every
 rank around the CP step only (the one-device runs use the real kernel; the kernel-sensitivity runs, which compute
-with the CP path's kernels, enter them too); the ones whose computation ran in the CP step are named
-in the report (``CaseReport.standins``: "CPU, stand-in: ...").
+with the CP path's kernels, enter them too); a stand-in for a kernel the device has no implementation of at all
+(``StandIn.reference_too``: Mamba's kernels) is entered around every one-device run as well. The ones whose
+computation ran in the CP step are named in the report (``CaseReport.standins``: "CPU, stand-in: ...").
 
 Case keys: ``spec`` (module path of a model spec), ``dtype`` (``float32``, ``bfloat16``), ``seed`` (model
 weights), ``overrides`` (optional config fields), ``batch`` (``kind``, ``seq_len`` and ``spec.make_batch``'s
@@ -159,17 +160,19 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
     traits = model_specs.spec_traits(case["spec"])
     forward_only = traits.forward_only(ctx.device.type)
     backward = forward_only is None
-    with standins.entered(traits.standins, ctx.device.type) as stood_in:  # the CP step only: never the reference
+    with standins.entered(traits.standins, ctx.device.type) as stood_in:  # the CP step (reference runs: below)
         cp = model_specs.step(spec, model, ctx.mesh, batch, backward=backward)
     if ctx.rank != 0:
         return {}, {}
-    runs = {
-        Run.CP: _quantities(cp),
-        Run.REFERENCE: _quantities(model_specs.step(spec, model, None, batch, backward=backward)),
-        Run.REORDERED: _quantities(
-            model_specs.step(spec, model, None, batch, split=max(2, ctx.cp_size), reverse=True, backward=backward)
-        ),
-    }
+    # the one-device runs: only stand-ins for kernels the device has no implementation of (reference_too)
+    with standins.entered(traits.standins, ctx.device.type, reference=True):
+        runs = {
+            Run.CP: _quantities(cp),
+            Run.REFERENCE: _quantities(model_specs.step(spec, model, None, batch, backward=backward)),
+            Run.REORDERED: _quantities(
+                model_specs.step(spec, model, None, batch, split=max(2, ctx.cp_size), reverse=True, backward=backward)
+            ),
+        }
     valid = spec.valid_positions(batch).to(torch.bool)
     info: dict[str, Any] = {"padded_len": None, "not_judged": {}, "standins": stood_in.used()}
     if forward_only is not None:
@@ -201,9 +204,9 @@ def _explaining_runs(
 
     def one_device(inputs: dict, kernels: bool) -> dict[Quantity, torch.Tensor]:
         traits, device_type = stand_ins
-        names = getattr(traits, "standins", ()) if kernels else ()
+        names = getattr(traits, "standins", ())
         with (
-            standins.entered(names, device_type),
+            standins.entered(names, device_type, reference=not kernels),
             spec.cp_kernels(model) if kernels else contextlib.nullcontext() as what,
         ):
             result = model_specs.step(spec, model, None, inputs, backward=backward)

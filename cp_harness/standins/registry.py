@@ -26,7 +26,9 @@ class StandIn:
     wording); ``computes_with``: the computation that runs instead; ``meets``: the spec requirement
     (``REQUIRES`` key) it makes unnecessary on ``device_type`` (``""``: none, e.g. one that lifts a refusal of
     backward that ``FORWARD_ONLY_ON`` would otherwise declare); ``install``: a context manager entering it in
-    this process (undone on exit); ``calls``: how many times its computation ran in this process so far."""
+    this process (undone on exit); ``calls``: how many times its computation ran in this process so far;
+    ``reference_too``: the kernel has no implementation at all on ``device_type`` (not only none the CP path can
+    use), so the one-device runs compute with the stand-in as well (``entered(..., reference=True)``)."""
 
     name: str
     device_type: str
@@ -36,6 +38,7 @@ class StandIn:
     meets: str
     install: Callable[[], AbstractContextManager[None]]
     calls: Callable[[], int]
+    reference_too: bool = False
 
     @property
     def description(self) -> str:
@@ -81,10 +84,13 @@ class Entered:
 
 
 @contextlib.contextmanager
-def entered(names: tuple[str, ...] | list[str], device_type: str) -> Iterator[Entered]:
+def entered(names: tuple[str, ...] | list[str], device_type: str, reference: bool = False) -> Iterator[Entered]:
     """Enter the stand-ins ``names`` that run on ``device_type`` (the others are left out: on a GPU the real
-    kernel runs), in order, and leave them in reverse order; yields the ``Entered`` record."""
+    kernel runs), in order, and leave them in reverse order; yields the ``Entered`` record. ``reference``: for a
+    one-device run, so only the stand-ins whose kernel has no implementation on the device (``reference_too``)."""
     chosen = [get(name) for name in names]
+    if reference:
+        chosen = [standin for standin in chosen if standin.reference_too]
     with contextlib.ExitStack() as stack:
         record = Entered({}, {})
         for standin in chosen:

@@ -131,8 +131,10 @@ class SpecTraits:
     def stood_in(self) -> dict[str, str]:
         """The ``REQUIRES`` entries this process does not meet that a declared stand-in meets: key -> the
         stand-in's report line (the spec then runs here, on the stand-in)."""
-        meets = {standins.get(name).meets: standins.get(name).description for name in self.standins}
-        return {key: meets[key] for key in self._missing() if key in meets}
+        meets: dict[str, list[str]] = {}
+        for name in self.standins:  # several stand-ins may meet one key ("cuda": the ring and Mamba's kernels)
+            meets.setdefault(standins.get(name).meets, []).append(standins.get(name).description)
+        return {key: "; ".join(meets[key]) for key in self._missing() if key in meets}
 
     def unmet(self) -> dict[str, str]:
         """The ``REQUIRES`` entries this process does not meet, and no declared stand-in meets: ``"cuda"``

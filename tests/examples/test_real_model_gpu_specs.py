@@ -33,7 +33,7 @@ def _gpu_specs() -> tuple[str, ...]:
 
 
 GPU_SPECS = _gpu_specs()
-REQUIREMENT_KEYS = {"cuda", "fla", "transformer_engine", "mamba_ssm"}
+REQUIREMENT_KEYS = {"cuda", "fla", "transformer_engine", "mamba_ssm", "causal_conv1d"}
 
 
 def _spec(name: str):

@@ -53,5 +53,5 @@ NOT_ADAPTED = {
     f"{_FW}.models.deepseek_v4.cp.dsv4_cp_all_gather": "the same torch call as DeepSeek V4.1's gather (D1): covered by gather_permuted_grad.py --function all",
     f"{_FW}.models.glm_moe_dsa.cp.glm_dsa_cp_all_gather": "the same torch call as DeepSeek V4.1's gather (D1): covered by gather_permuted_grad.py --function all",
     f"{_FW}.distributed.context_parallel.magi.make_magi_attn_func": "an attention kernel (magi), no documented function of ours; needs the magi package and a GPU",
-    f"{_FW}.distributed.context_parallel.mamba.MambaContextParallel": "a head all-to-all inside the Mamba mixer: judged through a model (nemotron_v3_mamba, GPU only)",
+    f"{_FW}.distributed.context_parallel.mamba.MambaContextParallel": "a head all-to-all inside the Mamba mixer: judged through a model (nemotron_v3_mamba; on a CPU with the stand-ins ring_sdpa_cpu and mamba_kernels_cpu)",
 }

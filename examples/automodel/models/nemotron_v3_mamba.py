@@ -2,10 +2,20 @@
 random config with SDPA attention: the Mamba all-to-all ("hidden parallel") CP together with the framework's
 default load-balanced ring SDPA for the attention layers.
 
-GPU only (``REQUIRES``): the Mamba2 mixer's training path is ``mamba_ssm``'s fused Triton kernel
-(``mamba_split_conv1d_scan_combined``) and its gated RMSNorm is ``mamba_ssm``'s Triton ``rmsnorm_fn``; the
-framework gives no torch path, so not even the one-device forward runs on a CPU. The attention layers' CP is torch's
-ring SDPA (CUDA kernels only, see ``load_balanced_sdpa``). Never run end to end (``docs/models/gpu_only.md``).
+On a GPU the Mamba2 mixer's training path is ``mamba_ssm``'s fused Triton kernel
+(``mamba_split_conv1d_scan_combined``) and its gated RMSNorm ``mamba_ssm``'s Triton ``rmsnorm_fn``; the framework
+gives no torch path, and the attention layers' CP is torch's ring SDPA (CUDA kernels only, see
+``load_balanced_sdpa``). On a CPU both run on stand-ins (``STANDINS``, ``docs/standins.md``): ``ring_sdpa_cpu``
+(torch's whole ring, the CPU flash kernel per step) and ``mamba_kernels_cpu`` (mamba_ssm's and causal_conv1d's
+kernel entry points routed to the packages' own torch references, ``mamba_split_conv1d_scan_ref`` with the fused
+kernel's RMSNorm group size, ``rms_norm_ref``, ``causal_conv1d_ref``, ``selective_scan_ref``). The Mamba kernels
+have no CPU implementation at all, so that stand-in also serves the one-device reference: CP and one device
+compute with the same references, and what is judged, logits and every parameter gradient, is the framework's CP
+code (the all-to-alls, the layout undo / redo, the head and group slices), not the Triton kernels' rounding, which
+only the GPU nightly judges. The packages are the CPU build of ``constraints/mamba.txt`` (no CUDA extension). The
+page: ``docs/models/nemotron_v3_mamba.md`` (verify: float32 passes with every gradient judged; bfloat16 fails on the
+float32 parameter ``D``'s gradient only, M6: the CP mixer's kernel calls round differently from the one-device
+mixer's fused call, which ``cp_kernels`` makes the one-device forward use).
 
 How the spec enters CP (as the recipe does):
 
@@ -38,7 +48,7 @@ Backend ``BackendConfig(attn="sdpa", linear="torch", rms_norm="torch_fp32", rope
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -58,15 +68,21 @@ WORLD_SIZES = (1, 2, 4, 8)  # MambaContextParallel: 8 heads and 8 groups split o
 BATCH_KINDS = ("plain", "right_padded")
 
 FORWARD_ERROR_WITHOUT_MAMBA = "ModuleNotFoundError: No module named 'mamba_ssm'"
+# what the CPU install (constraints/mamba.txt: no CUDA extension) gives outside the stand-in: mamba_ssm/__init__.py
+# imports the Mamba1 CUDA extension unconditionally
+FORWARD_ERROR_CPU_INSTALL = "ModuleNotFoundError: No module named 'selective_scan_cuda'"
 REQUIRES: dict[str, str] = {
     "mamba_ssm": "the Mamba2 mixer's training forward is mamba_ssm's fused Triton kernel "
-    "(mamba_split_conv1d_scan_combined) and its gated RMSNorm mamba_ssm's rmsnorm_fn; no torch path "
-    "(CPU: build works; the one-device forward fails in nemotron_v3/layers.py with: "
+    "(mamba_split_conv1d_scan_combined) and its gated RMSNorm mamba_ssm's rmsnorm_fn; no torch path in the "
+    "framework (CPU: build works; the one-device forward fails in nemotron_v3/layers.py with: "
     + FORWARD_ERROR_WITHOUT_MAMBA
-    + ")",
+    + "; on a CPU the stand-in mamba_kernels_cpu calls the package's torch references, constraints/mamba.txt)",
+    "causal_conv1d": "mamba_ssm's fused kernel and its reference call causal_conv1d's causal_conv1d_fn (the "
+    "stand-in mamba_kernels_cpu: its causal_conv1d_ref)",
     "cuda": "mamba_ssm's Triton kernels and torch's ring SDPA (attention layers under CP) run on CUDA only; the "
-    "one-device forward needs CUDA too",
+    "one-device forward needs CUDA too (on a CPU: the stand-ins ring_sdpa_cpu and mamba_kernels_cpu)",
 }
+STANDINS = ("ring_sdpa_cpu", "mamba_kernels_cpu")  # the "cuda" above is for these kernels only; docs/standins.md
 COVERS: dict[str, str] = {
     "nemo_automodel.components.distributed.context_parallel.mamba.MambaContextParallel": "per Mamba layer: head / group split over the CP ranks (model setup, as the Nemotron-H parallelizer does)",
     "nemo_automodel.components.distributed.context_parallel.mamba.MambaContextParallel.pre_conv_ssm": "by reading: undo the head-tail layout, all-to-all [B, S/N, D] -> [B, S, D/N]",
@@ -131,13 +147,60 @@ def _mamba_cp_once(model: Any, mesh: Any) -> None:
 
 @contextlib.contextmanager
 def _mamba_cp_off(model: Any):
-    """No Mamba CP for the block: a one-device user's model has ``mixer.cp = None``."""
+    """No Mamba CP for the block: a one-device user's model has ``mixer.cp = None``. A one-rank ``cp``
+    (``cp_kernels``: the CP path's kernel calls without CP) is left in place."""
     mixers = [layer.mixer for layer in model.model.layers.values() if getattr(layer, "block_type", None) == "mamba"]
+    mixers = [mixer for mixer in mixers if mixer.cp is None or mixer.cp.cp_size > 1]
     saved = [mixer.cp for mixer in mixers]
     for mixer in mixers:
         mixer.cp = None
     try:
         yield
+    finally:
+        for mixer, cp in zip(mixers, saved):
+            mixer.cp = cp
+
+
+CP_KERNELS = (
+    "Mamba mixer by its CP path's kernel calls (mamba_split_conv1d_scan_combined with the gate and without the "
+    "RMSNorm / output projection, then rmsnorm_fn and out_proj) instead of the one fused call"
+)
+
+
+class _OneRank:
+    """A CP group of one rank, as ``MambaContextParallel`` reads its group (``size()``, ``rank()``): over it
+    ``pre_conv_ssm`` / ``post_conv_ssm`` return their input and the slices are the whole parameters (the
+    framework's ``cp_size == 1`` branches); no collective is reached."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+@contextlib.contextmanager
+def cp_kernels(model: Any) -> Iterator[str]:
+    """Inside: the one-device forward of ``model`` computes every Mamba mixer with the kernel calls its CP path
+    makes (the mixer's ``self.cp is not None`` branch: the scan with the gate, the separate ``rmsnorm_fn``, the
+    output projection), through the framework's ``MambaContextParallel`` over a group of one rank (``_OneRank``:
+    no all-to-all, no layout change, whole parameters). Nothing else changes. Its value names the kernels
+    (``CP_KERNELS``); on exit every mixer's own ``cp`` is back."""
+    from nemo_automodel.components.distributed.context_parallel.mamba import MambaContextParallel
+
+    mixers = [layer.mixer for layer in model.model.layers.values() if getattr(layer, "block_type", None) == "mamba"]
+    saved = [mixer.cp for mixer in mixers]
+    try:
+        for mixer in mixers:
+            mixer.cp = MambaContextParallel(
+                cp_group=_OneRank(),
+                num_heads=mixer.num_heads,
+                head_dim=mixer.head_dim,
+                n_groups=mixer.n_groups,
+                d_state=mixer.ssm_state_size,
+                mixer=mixer,
+            )
+        yield CP_KERNELS
     finally:
         for mixer, cp in zip(mixers, saved):
             mixer.cp = cp
