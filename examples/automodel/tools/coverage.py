@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import re
@@ -160,9 +161,16 @@ def _judges(path: Path) -> tuple[str, ...]:
     return ()
 
 
+@functools.cache
+def _all_judges() -> dict[str, tuple[str, ...]]:
+    """Every test file of the default command (``tests/**/test_*.py``, relative path) -> its ``JUDGES``, read once
+    per process (``build`` asks for every row's subjects: parsing the files each time took minutes)."""
+    return {str(p.relative_to(ROOT)): _judges(p) for p in sorted((ROOT / "tests").rglob("test_*.py"))}
+
+
 def default_command_tests(subject: str) -> list[str]:
     """The test files of the default command (``tests/**/test_*.py``) whose ``JUDGES`` name ``subject``."""
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if subject in _judges(p))
+    return [path for path, judges in _all_judges().items() if subject in judges]
 
 
 def nightly_runs(subject: str) -> bool:
