@@ -17,6 +17,7 @@ one-device packed-mask finding (G2, ``docs/models/gemma4_moe.md``) is pinned. Sk
 from __future__ import annotations
 
 import pytest
+from real_model_cases import comparison_kinds, real_model_case
 
 from cp_harness.judging.render import report_text
 
@@ -33,20 +34,13 @@ STANDIN = {"flex_backward_cpu": "CPU, stand-in: FlexAttention backward = FlexAtt
 REAL_MODELS = True  # tests/conftest.py: skipped without the models extra, one xdist group, one pool
 
 
-def _case(spec: str, dtype: str, world_size: int, **batch) -> dict:
-    return {"check": "real_model", "spec": spec, "dtype": dtype, "seed": 0, "world_size": world_size,
-            "batch": batch}
-
-
-def _kinds(report) -> set[str]:
-    return {c.name.split(" (")[0].split(" ")[0] for c in report.comparisons}
 
 
 SMOKE = [
-    _case(KIMI, "float32", 3, kind="packed", seq_len=19, documents=[[7, 5, 6]], seed=1),
-    _case(KIMI, "float32", 2, kind="packed", seq_len=9, documents=[[1, 1, 3, 1, 2]], seed=7),
-    _case(K3, "float32", 3, kind="plain", seq_len=19, seed=6),
-    _case(GEMMA, "float32", 3, kind="plain", seq_len=19, seed=6),
+    real_model_case(KIMI, "float32", 3, kind="packed", seq_len=19, documents=[[7, 5, 6]], seed=1),
+    real_model_case(KIMI, "float32", 2, kind="packed", seq_len=9, documents=[[1, 1, 3, 1, 2]], seed=7),
+    real_model_case(K3, "float32", 3, kind="plain", seq_len=19, seed=6),
+    real_model_case(GEMMA, "float32", 3, kind="plain", seq_len=19, seed=6),
 ]
 
 
@@ -55,12 +49,12 @@ SMOKE = [
 def test_smoke_judges_gradients_on_the_flex_backward_stand_in(real_models, case):
     report = real_models.run(case)
     assert report.ok, report_text(report)
-    assert _kinds(report) == {"logits", "loss", "grad"} and not report.not_judged, report_text(report)
+    assert comparison_kinds(report) == {"logits", "loss", "grad"} and not report.not_judged, report_text(report)
     assert report.standins == STANDIN, report.standins
 
 
 def test_at_cp_1_no_flexattention_runs_and_no_stand_in_is_reported(real_models):
-    report = real_models.run(_case(GEMMA, "float32", 1, kind="plain", seq_len=9, seed=2))
+    report = real_models.run(real_model_case(GEMMA, "float32", 1, kind="plain", seq_len=9, seed=2))
     assert report.ok and report.standins == {}, report_text(report)
 
 
@@ -74,13 +68,13 @@ GRADIENT_ONLY = [  # fixture, a parameter-name part that must be among the faili
 @pytest.mark.parametrize("fixture,parameter", GRADIENT_ONLY, ids=[f[0].split("spec_")[1] for f in GRADIENT_ONLY])
 def test_a_gradient_only_defect_fails_on_gradients_and_passes_forward_only(real_models, fixture, parameter):
     batch = {"kind": "plain", "seq_len": 13, "seed": 5}
-    report = real_models.run(_case(fixture, "float32", 2, **batch))
+    report = real_models.run(real_model_case(fixture, "float32", 2, **batch))
     failing = {c.name.split(" (")[0] for c in report.failures()}
     assert failing and all(name.startswith("grad ") for name in failing), report_text(report)
     assert any(parameter in name for name in failing), failing
     assert report.standins == STANDIN
-    forward_only = real_models.run(_case(f"{fixture}_forward_only", "float32", 2, **batch))
-    assert forward_only.ok and _kinds(forward_only) == {"logits", "loss"}, report_text(forward_only)
+    forward_only = real_models.run(real_model_case(f"{fixture}_forward_only", "float32", 2, **batch))
+    assert forward_only.ok and comparison_kinds(forward_only) == {"logits", "loss"}, report_text(forward_only)
     (what, why), = forward_only.not_judged.items()
     assert "gradients" in what and "FlexAttention does not support backward on CPU" in why, (what, why)
 
@@ -90,7 +84,7 @@ def test_a_gradient_only_defect_fails_on_gradients_and_passes_forward_only(real_
     ("real_model_spec_gemma4_moe_lse_drops_chunk", range(7, 13)),        # rank >= 1 positions lose earlier chunks
 ])
 def test_a_defect_in_the_models_own_cp_machinery_fails_at_its_positions(real_models, fixture, positions):
-    case = _case(fixture, "float32", 2, kind="plain", seq_len=13, seed=5)
+    case = real_model_case(fixture, "float32", 2, kind="plain", seq_len=13, seed=5)
     report = real_models.run(case)
     assert not report.ok
     failing = {c.name.split(" (")[0]: c for c in report.failures()}
@@ -102,6 +96,6 @@ def test_gemma4_eager_packed_masks_are_the_one_device_finding(real_models):
     """G2 (docs/models/gemma4_moe.md): with the recipes' eager attention one device adds the boolean packed mask to
     the scores (no document or causal masking); CP keeps documents apart. When this case passes, the framework
     changed: update the page and known_defects.json."""
-    report = real_models.run(_case(GEMMA, "float32", 2, kind="packed", seq_len=12, documents=[[6, 6]], seed=0))
+    report = real_models.run(real_model_case(GEMMA, "float32", 2, kind="packed", seq_len=12, documents=[[6, 6]], seed=0))
     failing = {c.name.split(" (")[0] for c in report.failures()}
     assert not report.ok and "logits" in failing, report_text(report)

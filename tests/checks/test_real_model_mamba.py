@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from real_model_cases import comparison_kinds, real_model_case
 
 from cp_harness.judging.render import report_text
 
@@ -36,18 +37,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _case(spec: str, dtype: str, world_size: int, **batch) -> dict:
-    return {"check": "real_model", "spec": spec, "dtype": dtype, "seed": 0, "world_size": world_size,
-            "batch": batch}
-
-
-def _kinds(report) -> set[str]:
-    return {c.name.split(" (")[0].split(" ")[0] for c in report.comparisons}
 
 
 SMOKE = [
-    _case(MAMBA, "float32", 2, kind="plain", seq_len=13, seed=5),
-    _case(MAMBA, "bfloat16", 2, kind="right_padded", seq_len=11, batch_size=1, pad=3, seed=2),
+    real_model_case(MAMBA, "float32", 2, kind="plain", seq_len=13, seed=5),
+    real_model_case(MAMBA, "bfloat16", 2, kind="right_padded", seq_len=11, batch_size=1, pad=3, seed=2),
 ]
 
 
@@ -55,24 +49,24 @@ SMOKE = [
 def test_smoke_judges_gradients_on_both_stand_ins(real_models, case):
     report = real_models.run(case)
     assert report.ok, report_text(report)
-    assert _kinds(report) == {"logits", "loss", "grad"} and not report.not_judged, report_text(report)
+    assert comparison_kinds(report) == {"logits", "loss", "grad"} and not report.not_judged, report_text(report)
     assert report.standins == {**RING, **KERNELS}, report.standins
 
 
 def test_at_cp_1_only_the_mamba_kernels_stand_in_runs(real_models):
-    report = real_models.run(_case(MAMBA, "float32", 1, kind="plain", seq_len=9, seed=2))
+    report = real_models.run(real_model_case(MAMBA, "float32", 1, kind="plain", seq_len=9, seed=2))
     assert report.ok and report.standins == KERNELS, report_text(report)
 
 
 def test_a_gradient_only_defect_fails_on_gradients_and_passes_forward_only(real_models):
     batch = {"kind": "plain", "seq_len": 13, "seed": 5}
-    report = real_models.run(_case(DEFECT, "float32", 2, **batch))
+    report = real_models.run(real_model_case(DEFECT, "float32", 2, **batch))
     failing = {c.name.split(" (")[0] for c in report.failures()}
     assert failing and all(name.startswith("grad ") for name in failing), report_text(report)
     assert any("mixer.in_proj" in name for name in failing), failing
     assert report.standins == {**RING, **KERNELS}
-    forward_only = real_models.run(_case(f"{DEFECT}_forward_only", "float32", 2, **batch))
-    assert forward_only.ok and _kinds(forward_only) == {"logits", "loss"}, report_text(forward_only)
+    forward_only = real_models.run(real_model_case(f"{DEFECT}_forward_only", "float32", 2, **batch))
+    assert forward_only.ok and comparison_kinds(forward_only) == {"logits", "loss"}, report_text(forward_only)
     (what, why), = forward_only.not_judged.items()
     assert "gradients" in what and "gradient-only defect" in why, (what, why)
 
@@ -82,7 +76,7 @@ def test_m6_right_padded_one_row_case_is_kernel_sensitivity_without_the_ring(rea
     with no explanation in the full model; with the attention block replaced by an MLP (no ring, the same Mamba
     CP) the harness explains it: CP matches the one-device run with the CP path's kernel calls (``cp_kernels``)."""
     batch = {"batch_size": 1, "kind": "right_padded", "pad": 2, "seed": 790, "seq_len": 7}
-    report = real_models.run(_case("real_model_spec_nemotron_v3_mamba_no_attention", "bfloat16", 2, **batch))
+    report = real_models.run(real_model_case("real_model_spec_nemotron_v3_mamba_no_attention", "bfloat16", 2, **batch))
     assert not report.ok and not report.failures(), report_text(report)  # each tensor within its bound of a run
     (problem,) = report.problems
     assert "KERNEL SENSITIVITY" in problem.message and "_fp32_params.D" in problem.message, problem.message

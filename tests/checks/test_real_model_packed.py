@@ -20,6 +20,7 @@ import pathlib
 import time
 
 import pytest
+from real_model_cases import real_model_case
 
 from cp_harness.judging.render import report_text
 
@@ -34,22 +35,18 @@ DSV4 = "examples.automodel.models.deepseek_v4"
 REAL_MODELS = True  # tests/conftest.py: skipped without the models extra, one xdist group, one pool
 
 
-def _case(spec: str, dtype: str, world_size: int, **batch) -> dict:
-    return {"check": "real_model", "spec": spec, "dtype": dtype, "seed": 0, "world_size": world_size,
-            "batch": batch}
-
 
 # Per model, float32 at CP 2 and CP 3 (bfloat16 is judged by the verify rows: each dtype costs the rank processes
 # another compile of the framework's MoE kernels, 4-10 s on 2 cores). DeepSeek V4's packed smoke documents start
 # on compressor windows (multiples of 4), which its finding does not reach.
 SMOKE = {
     QWEN: [
-        _case(QWEN, "float32", 2, kind="packed", seq_len=19, documents=[[7, 5, 6]], seed=1),
-        _case(QWEN, "float32", 3, kind="packed", seq_len=23, documents=[[1, 9, 1, 12]], seed=2),
+        real_model_case(QWEN, "float32", 2, kind="packed", seq_len=19, documents=[[7, 5, 6]], seed=1),
+        real_model_case(QWEN, "float32", 3, kind="packed", seq_len=23, documents=[[1, 9, 1, 12]], seed=2),
     ],
     DSV4: [
-        _case(DSV4, "float32", 2, kind="packed", seq_len=23, documents=[[8, 1, 3, 8]], seed=1),
-        _case(DSV4, "float32", 3, kind="packed", seq_len=21, documents=[[21]], seed=3),
+        real_model_case(DSV4, "float32", 2, kind="packed", seq_len=23, documents=[[8, 1, 3, 8]], seed=1),
+        real_model_case(DSV4, "float32", 3, kind="packed", seq_len=21, documents=[[21]], seed=3),
     ],
 }
 QWEN_DEFECT = "real_model_spec_qwen3_5_moe_mask_crosses_documents"
@@ -93,11 +90,11 @@ def test_deepseek_v4_packed(model_runner):
     drops and shifts its compressor windows where CP aligns them (repro/models/deepseek_v4_packed_windows.py). When that
     case passes, the framework has changed: update docs/models/deepseek_v4.md."""
     _smoke(model_runner, DSV4)
-    plain = _case(DSV4, "float32", 2, kind="plain", seq_len=23, seed=2)
+    plain = real_model_case(DSV4, "float32", 2, kind="plain", seq_len=23, seed=2)
     assert model_runner.run(plain).ok
     text, failed = _failures(model_runner, {**plain, "spec": DSV4_DEFECT})
     assert "logits" in failed and any(n.startswith("grad model.layers.") for n in failed), text
     assert failed["logits"].worst_index[1] >= 4, text  # no compressed key is visible before position 4
-    finding = _case(DSV4, "float32", 2, kind="packed", seq_len=19, documents=[[7, 5, 6]], seed=1)
+    finding = real_model_case(DSV4, "float32", 2, kind="packed", seq_len=19, documents=[[7, 5, 6]], seed=1)
     text, failed = _failures(model_runner, finding)
     assert "logits" in failed and 7 <= failed["logits"].worst_index[1] <= 11, text

@@ -17,6 +17,7 @@ import pathlib
 import time
 
 import pytest
+from real_model_cases import real_model_case
 
 from cp_harness.judging.render import report_text
 
@@ -31,24 +32,20 @@ GLM = "examples.automodel.models.glm5_next"
 REAL_MODELS = True  # tests/conftest.py: skipped without the models extra, one xdist group, one pool
 
 
-def _case(spec: str, dtype: str, world_size: int, **batch) -> dict:
-    return {"check": "real_model", "spec": spec, "dtype": dtype, "seed": 0, "world_size": world_size,
-            "batch": batch}
-
 
 SMOKE = {
     QWEN: [
         # Packed THD row, CP 3 (22 tokens padded to 24, shards of 8): a single-token document, then one document
         # across both shard boundaries, where the PLE halo (9 tokens) reaches two ranks back.
-        _case(QWEN, "float32", 3, kind="packed", seq_len=22, documents=[[1, 20]], seed=2),
+        real_model_case(QWEN, "float32", 3, kind="packed", seq_len=22, documents=[[1, 20]], seed=2),
         # Two right-padded rows (the QSA lengths and the CP padding mask), bfloat16.
-        _case(QWEN, "bfloat16", 2, kind="right_padded", seq_len=17, pad=4, batch_size=2, seed=4),
+        real_model_case(QWEN, "bfloat16", 2, kind="right_padded", seq_len=17, pad=4, batch_size=2, seed=4),
     ],
     GLM: [
         # One document across every boundary at CP 3; odd length (CP padding of 2).
-        _case(GLM, "float32", 3, kind="plain", seq_len=19, seed=6),
+        real_model_case(GLM, "float32", 3, kind="plain", seq_len=19, seed=6),
         # Two rows right padded: the padding's document id 0 is skipped by DSA.
-        _case(GLM, "bfloat16", 2, kind="right_padded", seq_len=17, pad=4, batch_size=2, seed=4),
+        real_model_case(GLM, "bfloat16", 2, kind="right_padded", seq_len=17, pad=4, batch_size=2, seed=4),
     ],
 }
 
@@ -77,7 +74,7 @@ def _failing(case: dict, runner):
 
 def test_qwen_ple_halo_from_the_wrong_rank_fails_at_shard_starts(model_runner):
     # CP 2, 16 tokens: shards of 8; the halo of rank 1 (positions 8..15) is its own tail instead of rank 0's.
-    case = _case("real_model_spec_qwen3_8_flash_next_halo_wrong_rank", "float32", 2, kind="plain", seq_len=16,
+    case = real_model_case("real_model_spec_qwen3_8_flash_next_halo_wrong_rank", "float32", 2, kind="plain", seq_len=16,
                  seed=2)
     report, text, failing = _failing(case, model_runner)
     assert "logits" in failing and failing["logits"].worst_index[1] >= 8, text  # rank 1's positions
@@ -87,7 +84,7 @@ def test_qwen_ple_halo_from_the_wrong_rank_fails_at_shard_starts(model_runner):
 
 
 def test_glm_hidden_states_gathered_out_of_rank_order_fails(model_runner):
-    case = _case("real_model_spec_glm5_next_gather_order", "float32", 3, kind="plain", seq_len=18, seed=5)
+    case = real_model_case("real_model_spec_glm5_next_gather_order", "float32", 3, kind="plain", seq_len=18, seed=5)
     report, text, failing = _failing(case, model_runner)
     assert "logits" in failing and failing["logits"].worst_index[1] < 12, text  # the swapped shards 0 and 1
     assert any(n.startswith("grad model.language_model.layers.0.self_attn.") for n in failing), text
@@ -98,7 +95,7 @@ def test_glm_hidden_states_gathered_out_of_rank_order_fails(model_runner):
 def test_glm_packed_batch_is_attended_across_documents_on_one_device(model_runner):
     """The finding (docs/models/glm5_next.md): CP keeps packed documents apart, one device does not. The first
     document agrees; the report names logits of the later documents."""
-    case = _case(GLM, "float32", 2, kind="packed", seq_len=19, documents=[[7, 5, 6]], seed=1)
+    case = real_model_case(GLM, "float32", 2, kind="packed", seq_len=19, documents=[[7, 5, 6]], seed=1)
     report, text, failing = _failing(case, model_runner)
     assert "logits" in failing and failing["logits"].worst_index[1] >= 7, text  # documents 2 and 3
     assert "PADDING" not in text, text

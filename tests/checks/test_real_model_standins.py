@@ -13,6 +13,7 @@ Skipped without ``transformers`` (the ``models`` extra).
 from __future__ import annotations
 
 import pytest
+from real_model_cases import comparison_kinds, real_model_case
 
 from cp_harness.judging.render import report_text
 
@@ -28,21 +29,14 @@ STANDIN = {"ring_sdpa_cpu": "CPU, stand-in: ring SDPA per-step kernel = "
 REAL_MODELS = True  # tests/conftest.py: skipped without the models extra, one xdist group, one pool
 
 
-def _case(spec: str, dtype: str, world_size: int, **batch) -> dict:
-    return {"check": "real_model", "spec": spec, "dtype": dtype, "seed": 0, "world_size": world_size,
-            "batch": batch}
-
-
-def _kinds(report) -> set[str]:
-    return {c.name.split(" (")[0].split(" ")[0] for c in report.comparisons}
 
 
 SMOKE = [
-    _case(SDPA, "float32", 3, kind="right_padded", seq_len=17, pad=4, batch_size=2, seed=4),
-    _case(ALLTOALL, "bfloat16", 2, kind="plain", seq_len=13, seed=5),
+    real_model_case(SDPA, "float32", 3, kind="right_padded", seq_len=17, pad=4, batch_size=2, seed=4),
+    real_model_case(ALLTOALL, "bfloat16", 2, kind="plain", seq_len=13, seed=5),
     # GQA (2 query heads, 1 key/value head): the CPU flash kernel takes it in float32 too (CUDA's float32
     # memory-efficient kernel does not: docs/models/gpu_only.md)
-    {**_case(SDPA, "float32", 2, kind="plain", seq_len=11, seed=3), "overrides": {"num_key_value_heads": 1}},
+    {**real_model_case(SDPA, "float32", 2, kind="plain", seq_len=11, seed=3), "overrides": {"num_key_value_heads": 1}},
 ]
 
 
@@ -51,7 +45,7 @@ SMOKE = [
 def test_smoke_judges_gradients_on_the_cpu_stand_in(real_models, case):
     report = real_models.run(case)
     assert report.ok, report_text(report)
-    assert _kinds(report) == {"logits", "loss", "grad"} and not report.not_judged, report_text(report)
+    assert comparison_kinds(report) == {"logits", "loss", "grad"} and not report.not_judged, report_text(report)
     grads = [c for c in report.comparisons if c.name.startswith("grad ")]
     assert any("k_proj" in c.name for c in grads) and any("q_proj" in c.name for c in grads)
     assert report.standins == STANDIN
@@ -66,25 +60,25 @@ def test_the_stand_in_is_entered_around_the_cp_step_only(real_models):
     """``real_model_spec_load_balanced_sdpa_standin_scope`` raises on any rank where the stand-in is installed
     around a one-device run (the reference, the reordered run), or missing around the CP step (checked to fail
     with the stand-in entered around rank 0's one-device runs)."""
-    case = _case("real_model_spec_load_balanced_sdpa_standin_scope", "float32", 2, kind="plain", seq_len=13, seed=5)
+    case = real_model_case("real_model_spec_load_balanced_sdpa_standin_scope", "float32", 2, kind="plain", seq_len=13, seed=5)
     report = real_models.run(case)
     assert report.ok and report.standins == STANDIN, report_text(report)
 
 
 def test_at_cp_1_the_ring_never_runs_and_no_stand_in_is_reported(real_models):
-    report = real_models.run(_case(SDPA, "float32", 1, kind="plain", seq_len=9, seed=2))
+    report = real_models.run(real_model_case(SDPA, "float32", 1, kind="plain", seq_len=9, seed=2))
     assert report.ok and report.standins == {}, report_text(report)
 
 
 def test_a_gradient_only_ring_defect_fails_on_gradients_and_passes_forward_only(real_models):
     batch = {"kind": "plain", "seq_len": 13, "seed": 5}
-    report = real_models.run(_case(DEFECT, "float32", 2, **batch))
+    report = real_models.run(real_model_case(DEFECT, "float32", 2, **batch))
     failing = {c.name.split(" (")[0] for c in report.failures()}
     assert failing and all(name.startswith("grad ") for name in failing), report_text(report)
     assert any("k_proj" in name or "v_proj" in name for name in failing), failing
     assert report.standins == STANDIN
-    forward_only = real_models.run(_case(f"{DEFECT}_forward_only", "float32", 2, **batch))
-    assert forward_only.ok and _kinds(forward_only) == {"logits", "loss"}, report_text(forward_only)
+    forward_only = real_models.run(real_model_case(f"{DEFECT}_forward_only", "float32", 2, **batch))
+    assert forward_only.ok and comparison_kinds(forward_only) == {"logits", "loss"}, report_text(forward_only)
     (what, why), = forward_only.not_judged.items()
     assert "gradients" in what and "forward alone" in why
 
