@@ -156,6 +156,29 @@ def test_the_mtp_row_skips_the_deepseek_specs_saying_why():
     assert "supports_mtp_cp=False" in skipped[SPEC], skipped
 
 
+def test_the_bfloat16_rows_skip_the_deepseek_specs_saying_why():
+    """DeepSeek V4.1's bfloat16 build mixes float32 parameters into bfloat16 FSDP2 units (refused); DeepSeek V4's
+    bfloat16 step fails on its hyper-connection gradients, undiagnosed: both skipped, each with its reason, while
+    qwen3_5_moe runs the bfloat16 rows and the DeepSeek specs the float32 ones."""
+    from cp_harness.checks.training_step import _runnable
+
+    v4 = "examples.automodel.models.deepseek_v4"
+    runnable, skipped = _runnable((SPEC, v4, QWEN), "bfloat16")
+    assert runnable == [QWEN], (runnable, skipped)
+    assert "uniform original parameter dtype" in skipped[SPEC] and "not diagnosed" in skipped[v4], skipped
+    assert _runnable((SPEC, v4, QWEN), "float32")[0] == [SPEC, v4, QWEN]
+
+
+def test_smoke_qwen3_5_moe_bfloat16(step_runner):
+    """The bfloat16 row on the uneven NEAT-packed case: the spec's bfloat16 model under FSDP2 (float32 reduction)
+    against one device's bfloat16 gradient accumulation, every parameter gradient and the norm judged."""
+    report = step_runner.run({**_case(UNEVEN, spec=QWEN), "dtype": "bfloat16"})
+    assert report.ok, report_text(report)
+    names = {c.name.split(" (")[0] for c in report.comparisons}
+    assert "grad model.language_model.layers.0.mlp.gate.weight" in names and "grad_norm" in names, names
+    assert {c.dtype for c in report.comparisons} == {"bfloat16"}, {c.name: c.dtype for c in report.comparisons}
+
+
 def test_the_rows_are_skipped_saying_why_without_a_pool_of_four():
     from cp_harness.cases.profiles import CaseSpace
     from cp_harness.checks.training_step import TRAINING_STEP
@@ -185,6 +208,9 @@ def test_step_option_selects_the_training_rows_only():
         "training_step.float32",
         "training_step.float32.linear_ce",
         "training_step.float32.mtp",
+        "training_step.bfloat16",
+        "training_step.bfloat16.linear_ce",
+        "training_step.bfloat16.mtp",
     }, modes
     assert modes["real_model.float32"] == "forward-backward", modes
     with pytest.raises(SystemExit):
