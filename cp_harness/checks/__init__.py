@@ -276,14 +276,22 @@ def to_numpy(value: torch.Tensor) -> np.ndarray:
 def run_on_rank(case: dict, ctx: RankContext) -> tuple[dict, dict[str, np.ndarray]]:
     """Run the rank half of ``case["check"]``; tensors come back as numpy arrays. With ``"record_calls": true``
     the documented calls it made are replayed on their own afterwards (``coverage.replay``): ``info`` lists them
-    under ``recorded_calls``, their tensors travel as ``call{i}/...``."""
-    if not case.get("record_calls"):
-        info, tensors = check_of(case).rank(case, ctx)
-    else:
-        with coverage.capturing() as captured:
+    under ``recorded_calls``, their tensors travel as ``call{i}/...``. The kernel stand-ins the implementation
+    module declares (``STANDINS``, e.g. an adapter whose framework code calls a device kernel) are entered around
+    it on their device; those that computed are listed in ``info["standins"]`` (the report names them)."""
+    from cp_harness import standins  # the registry (imported here: the checks package loads before it is needed)
+
+    declared = tuple(getattr(getattr(ctx.impl, "module", None), "STANDINS", ()))
+    with standins.entered(declared, ctx.device.type) as stood_in:
+        if not case.get("record_calls"):
             info, tensors = check_of(case).rank(case, ctx)
-        calls, replayed = coverage.replay(captured)
-        info, tensors = {**info, "recorded_calls": calls}, {**tensors, **replayed}
+        else:
+            with coverage.capturing() as captured:
+                info, tensors = check_of(case).rank(case, ctx)
+            calls, replayed = coverage.replay(captured)
+            info, tensors = {**info, "recorded_calls": calls}, {**tensors, **replayed}
+    if stood_in.used():  # an implementation's declared stand-ins that computed in this case (reported)
+        info = {**info, "standins": {**info.get("standins", {}), **stood_in.used()}}
     return info, {name: to_numpy(t) if isinstance(t, torch.Tensor) else np.asarray(t) for name, t in tensors.items()}
 
 
@@ -353,6 +361,8 @@ def evaluate(case: dict, outputs: list, expected: Any = NOT_GIVEN, *, policy: Ju
             except NotShardedLikeTokens as finding:
                 report = CaseReport(case=case)
                 report.problem(str(finding), kind=ProblemKind.NOT_SHARDED_LIKE_THE_TOKENS)
+    for o in outputs:  # stand-ins the ranks computed with (a spec's, an implementation's ``STANDINS``)
+        report.standins.update(o.info.get("standins", {}) if o.ok else {})
     report.comm = [{"rank": o.rank, "calls": o.comm} for o in outputs]
     report.called = set().union(*(o.called for o in outputs)) if outputs else set()
     return report

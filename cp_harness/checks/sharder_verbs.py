@@ -45,7 +45,7 @@ import importlib
 import torch
 from hypothesis import strategies as st
 
-from cp_harness.cases.descriptions import build_batch
+from cp_harness.cases.descriptions import PAD_ID, build_batch
 from cp_harness.cases.strategies import (
     FLOAT_DTYPES,
     VALUE_DTYPES,
@@ -190,6 +190,12 @@ def _run_forms(case: dict, ctx, sharder, mesh, f: Fields, info: dict, tensors: d
         tensors[f"local{i}"], tensors[f"out{i}"] = local.detach(), out.detach()
 
 
+def _caller_ids(case: dict, ctx) -> torch.Tensor:
+    """The case's global ``input_ids [B, S]`` as the caller holds them (built again: ``shard`` may consume its batch)."""
+    built = build_batch({"seed": case["seed"], "batch": case["batch"], "model": case.get("model", "inkling2")})
+    return built["input_ids"].to(ctx.device)
+
+
 def _rank(case: dict, ctx) -> tuple[dict, dict]:
     model = case.get("model", "inkling2")
     B, S = int(case["rows"]), int(case["seq_len"])
@@ -210,7 +216,8 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         f = _fields(sharder)
         info.update(original_seq_len=f.original, padded_seq_len=f.padded, rows=None if f.rows is None else list(f.rows))
         n = 1 if mesh is None else int(mesh.size())
-        local_len = shard.local["labels"].shape[1] if "labels" in shard.local else (f.padded or 0) // n
+        # [B, L] rows, or one flat THD stream [T_local] (a strategy that flattens the rows: input_row_shape)
+        local_len = shard.local["labels"].shape[-1] if "labels" in shard.local else (f.padded or 0) // n
         indices = local_token_indices(sharder, mesh, local_len, ctx.device)
         # the caller's arange(S) (the padded stream's, for harness layouts), shaped to match no rows / map
         length = f.original if f.original is not None else n * len(indices)
@@ -222,6 +229,10 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         )
         if f.positions is not None:
             tensors["positions"] = f.positions
+        if case.get("tokens_held") and "input_ids" in shard.local:  # the batch's own shard, beside the verbs'
+            tensors["held_input_ids"] = shard.local["input_ids"].reshape(-1)
+            caller = _caller_ids(case, ctx)
+            tensors["verb_input_ids"] = sharder.shard_token_tensor(caller, seq_dim=1, fill=PAD_ID).reshape(-1)
         if f.padded is not None:
             _run_forms(case, ctx, sharder, mesh, f, info, tensors)
     info["caller_changed_by_shard"] = shard.caller_changes
@@ -257,6 +268,14 @@ def _judge_fields(report: CaseReport, case: dict, outputs: list) -> Fields | Non
         )
         report.require(f.padded is not None, "a repositioned layout without padded_seq_len")
         return f if f.padded is not None and tuple(f.positions.shape) == (B, S) else None
+    if want is None and f.rows is not None:  # a flat THD stream of the batch's rows: no single original length
+        B, S = int(case["rows"]), int(case["seq_len"])
+        report.require(
+            f.rows == (B, S) and f.padded == B * S,
+            f"shard_layout.input_row_shape={f.rows}, padded_seq_len={f.padded}; the batch's rows are [{B}, {S}] "
+            f"(a stream of {B * S} tokens)",
+        )
+        return f if f.rows == (B, S) and f.padded == B * S else None
     if want is None:
         S = int(case["seq_len"])
         report.require(
@@ -300,6 +319,16 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     reported = judge_token_layout(report, outputs, seq_len, local_name="local_slot")
     if reported is None:
         return report
+    for o in outputs:
+        if "held_input_ids" in o.tensors:
+            report.add(
+                compare_exact(
+                    f"the sharded batch's input_ids = shard_token_tensor(input_ids)@rank{o.rank}",
+                    o.tensors["held_input_ids"],
+                    torch.as_tensor(o.tensors["verb_input_ids"]),
+                    rank=o.rank,
+                )
+            )
     dtype = payload(case)
     for i, form in enumerate(case["forms"]):
         shape, seq_dim = form_shape(case, form, f)
@@ -431,6 +460,43 @@ def verb_cases(draw, space=None) -> dict:
     return draw(with_impl(case, space))
 
 
+@st.composite
+def packer_cases(draw, space=None) -> dict:
+    """The verbs on one THD pack laid out as the framework's THD packer emits it for CP size ``N``
+    (nemo-automodel's ``packed_sequence.pack_dataset`` / ``_pad_pack``: every document padded to a multiple of
+    ``2N``, its ``cp_divisibility_factor``; the pack's own padding, a multiple of ``2N`` here, in the last document's
+    span; position ids restarting at each document), one pack a micro-batch (``rows`` 1), through the
+    implementation's packed hook; and the sharded batch's ``input_ids`` judged against what its index map names
+    (``tokens_held``). Strategies that need the packer's alignment (TE's THD partition) are judged on these."""
+    space = as_space(space)
+    n = draw(world_sizes(space))
+    dtype = draw(payload_dtypes(space))
+    factor = 2 * n
+    reals = draw(st.lists(st.integers(1, 7), min_size=1, max_size=4))
+    padded = [-(-real // factor) * factor for real in reals]
+    padded[-1] += factor * draw(st.integers(0, 1))
+    seq_len = sum(padded)
+    spec = {"format": "thd", "seq_len": seq_len, "docs": [[[r, p] for r, p in zip(reals, padded)]]}
+    case = with_payload(
+        {
+            "check": "sharder_verbs",
+            "world_size": n,
+            "seed": draw(seeds),
+            "model": "mistral_large4",
+            "layout": "packed",
+            "rows": 1,
+            "seq_len": seq_len,
+            "batch": {**spec, "given_positions": True},
+            "tokens_held": True,
+        },
+        dtype,
+    )
+    case["forms"] = draw(st.lists(_form("packed", dtype), min_size=1, max_size=3))
+    if n == 1 and draw(st.booleans()):
+        case["mesh"] = "none"
+    return draw(with_impl(case, space))
+
+
 def _example(n: int, seed: int, layout: str, dtype: str, forms: list[dict], **keys) -> dict:
     case = {
         "check": "sharder_verbs",
@@ -493,6 +559,15 @@ SHARDER_VERBS = register(
             PAYLOADS,
             explicit=tuple(EXAMPLES.values()),
             position=7.2,
+            id="sharder_verbs",
+        ),
+        VerifyRow(
+            "sharder verbs: THD packs, documents padded to 2N",
+            packer_cases,
+            _VERBS,
+            PAYLOADS,
+            position=7.25,
+            id="thd_packer_verbs",
         ),
     ),
     examples=EXAMPLES,

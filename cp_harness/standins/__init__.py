@@ -10,9 +10,16 @@ whose only device-specific part is that kernel runs, unchanged otherwise, on a C
   CPU backward (``flex_attention._validate_device``) replaced, nothing else.
 * ``mamba_kernels_cpu`` -- mamba_ssm's / causal_conv1d's Triton and CUDA kernels (Mamba2's fused conv + SSD
   scan, the gated RMSNorm) routed to the packages' own torch references; entered around the one-device runs too.
+* ``te_thd_partition_cpu`` -- Transformer Engine's THD partition-index kernel (``thd_get_partitioned_indices``) in
+  torch integer arithmetic, so the framework's TE THD batch sharding (``make_cp_batch_for_te``) runs on a CPU.
 """
 
-from cp_harness.standins import flex_backward_cpu, mamba_kernels_cpu, ring_sdpa_cpu  # noqa: F401 - registers the bundled stand-ins
+from cp_harness.standins import (  # noqa: F401 - registers the bundled stand-ins
+    flex_backward_cpu,
+    mamba_kernels_cpu,
+    ring_sdpa_cpu,
+    te_thd_partition_cpu,
+)
 from cp_harness.standins.registry import Entered, StandIn, entered, get, known
 
 __all__ = ["Entered", "StandIn", "entered", "get", "known"]

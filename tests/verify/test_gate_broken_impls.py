@@ -227,7 +227,7 @@ def test_verify_fails_on_a_sharder_that_mishandles_the_loss_mask(tmp_path, cp_ru
 def test_verify_fails_on_a_sharder_whose_verbs_mishandle_seq_dim_or_fill(tmp_path, cp_runner, impl, says):
     """A sharder whose ``shard_token_tensor`` takes ``seq_dim=2`` as 1 (mRoPE positions ``[3, B, S]``), or pads
     a caller-length tensor with 0 whatever its ``fill``, fails the verb row (its named examples draw both)."""
-    stdout, table, _ = _verify_broken(impl, tmp_path, cp_runner, rows=("sharder verbs",))
+    stdout, table, _ = _verify_broken(impl, tmp_path, cp_runner, rows=("sharder_verbs",))  # the row id
     assert table == {VERBS_ROW: True}, stdout
     assert says in stdout, stdout
 

@@ -20,10 +20,15 @@ the framework's code, and nothing else changed:
 - ``shard_cp_batch_packed``: DeepSeek V4.1's ``shard_cp_batch`` (the packed re-pad into
   ``shard_batch_contiguous``, reporting ``input_token_stream_positions``) serves
   ``mistral_large4.prepare_packed_cp_inputs``; judged by the verb row only (``ROWS``).
+- ``te_thd_batch``: the framework's Transformer Engine THD batch sharding (``make_cp_batch_for_te``: the THD
+  flatten ``process_input_for_thd``, TE's per-document partition, the index map it reports) serves
+  ``mistral_large4.prepare_packed_cp_inputs`` on THD packs as the framework's packer pads them (``ROWS``); TE's
+  partition kernel on a CPU is the stand-in ``te_thd_partition_cpu`` (``STANDINS``).
 
 Each module names what it serves in ``SERVES`` and the framework callable in
 ``FRAMEWORK_FUNCTION``, and may restrict where it is judged: ``ROWS`` (verify row ids) and
-``WORLD_SIZES`` (the CP sizes the framework uses it at); the adapters translate arguments
+``WORLD_SIZES`` (the CP sizes the framework uses it at); ``STANDINS`` names kernel stand-ins the ranks enter
+around its cases on a CPU (``cp_harness.standins``; reports say "CPU, stand-in: ..."); the adapters translate arguments
 (mesh to group, dimensions, the ``differentiable`` flag) and fix nothing. ``ADAPTERS`` lists
 the modules ``scripts/real_clients`` runs (all of them); a new adapter is one more module
 here and one more entry in ``ADAPTERS``; ``NOT_ADAPTED`` says why a framework callable has none.
@@ -43,6 +48,7 @@ ADAPTERS = (
     "shard_batch_identity",
     "round_robin_from_functions",
     "shard_cp_batch_packed",
+    "te_thd_batch",
 )
 
 # Framework CP callables looked at and not adapted, and why (the coverage table's "not judged" reasons).

@@ -198,9 +198,14 @@ def cpu_mode(subject: str) -> str:
 
         model = cpu_mode(f"spec:{name}")
         return "; ".join(m for m in (model if model != "real kernels" else "", f"CPU, stand-in: {STAND_IN}") if m)
+    from cp_harness import standins
+
+    if kind == "adapter":  # an adapter module's STANDINS (the framework code it serves calls a device kernel)
+        module = importlib.import_module(f"examples.automodel.adapters.{name}")
+        declared = [standins.get(n) for n in getattr(module, "STANDINS", ())]
+        return "; ".join(s.description for s in declared if s.device_type == "cpu") or "real kernels"
     if kind != "spec":
         return "real kernels"
-    from cp_harness import standins
     from cp_harness.usage.model_specs import spec_traits
 
     traits = spec_traits(f"examples.automodel.models.{name}")
