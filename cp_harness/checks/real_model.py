@@ -466,7 +466,7 @@ def _batches(draw, kinds: tuple[str, ...] = spec_contract.BATCH_KINDS, rows_for=
     counts = tuple(rows_for(kind))
     rows = draw(st.integers(1, 2)) if counts == (1, 2) else draw(st.sampled_from(counts))
     batch = {"kind": kind, "seq_len": seq_len, "batch_size": rows, "seed": draw(st.integers(0, 999))}
-    if kind == "right_padded":
+    if kind in ("right_padded", "left_padded"):
         batch["pad"] = draw(st.integers(1, seq_len - 2)) if seq_len >= 3 else 0
         if batch["pad"] == 0:
             if "plain" not in kinds:

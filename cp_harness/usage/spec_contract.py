@@ -9,7 +9,8 @@ wrong and what it should be, before any rank starts. ``traits(spec)`` reads the 
 defaults:
 
 - ``WORLD_SIZES``: the CP sizes the tiny config supports (cases at other sizes are not drawn);
-- ``BATCH_KINDS``: the ``make_batch`` kinds it supports, among ``plain``, ``right_padded``, ``packed``;
+- ``BATCH_KINDS``: the ``make_batch`` kinds it supports, among ``plain``, ``right_padded``, ``packed`` (the
+  default) and ``left_padded``;
 - ``BATCH_ROWS``: the batch sizes (rows) it supports (default ``(1, 2)``), for every kind or per kind
   (``{"packed": (1,)}`` for a model that packs one physical row per micro-batch);
 - ``COVERS``: framework CP callable (dotted path) -> what this spec's CP path does with it (the coverage table);
@@ -41,7 +42,9 @@ import torch
 
 from cp_harness import standins
 
-BATCH_KINDS = ("plain", "right_padded", "packed")
+BATCH_KINDS = ("plain", "right_padded", "packed")  # a spec that declares none draws these
+# every kind a spec may declare: left padding only where a spec opts in (a chat-template collater's rows)
+KNOWN_BATCH_KINDS = (*BATCH_KINDS, "left_padded")
 
 
 class SpecError(ValueError):
@@ -200,9 +203,9 @@ def check_spec(name: str, module: types.ModuleType) -> SpecTraits:
     ):
         problems.append(f"WORLD_SIZES: {sizes!r}; give a tuple of positive CP sizes, e.g. (1, 2, 3, 4)")
     declared_rows = getattr(module, "BATCH_ROWS", (1, 2))
-    by_kind = declared_rows if isinstance(declared_rows, Mapping) else {k: declared_rows for k in BATCH_KINDS}
+    by_kind = declared_rows if isinstance(declared_rows, Mapping) else {k: declared_rows for k in KNOWN_BATCH_KINDS}
     if not all(
-        k in BATCH_KINDS and isinstance(v, tuple) and v and all(isinstance(n, int) and n >= 1 for n in v)
+        k in KNOWN_BATCH_KINDS and isinstance(v, tuple) and v and all(isinstance(n, int) and n >= 1 for n in v)
         for k, v in by_kind.items()
     ):
         problems.append(
@@ -212,8 +215,8 @@ def check_spec(name: str, module: types.ModuleType) -> SpecTraits:
         by_kind = {}
     rows = {k: tuple(v) for k, v in by_kind.items()}
     kinds = getattr(module, "BATCH_KINDS", BATCH_KINDS)
-    if not isinstance(kinds, tuple) or not kinds or any(k not in BATCH_KINDS for k in kinds):
-        problems.append(f"BATCH_KINDS: {kinds!r}; give a tuple among {BATCH_KINDS}")
+    if not isinstance(kinds, tuple) or not kinds or any(k not in KNOWN_BATCH_KINDS for k in kinds):
+        problems.append(f"BATCH_KINDS: {kinds!r}; give a tuple among {KNOWN_BATCH_KINDS}")
         kinds = BATCH_KINDS
     for attribute in ("COVERS", "FORWARD_ONLY_ON", "REQUIRES"):
         value = getattr(module, attribute, {})

@@ -93,3 +93,21 @@ def test_the_verify_row_and_its_json_name_the_stand_in(real_models):
     row.tally.add(case, real_models.run(case))
     assert row.as_dict()["standins"] == STANDIN
     assert format_table([row]).splitlines()[-1].endswith("stand-in")
+
+
+def test_left_padded_rows_fail_under_cp_on_finding_s5_and_pass_at_cp_1(real_models):
+    """Finding S5 (docs/real_clients.md): the default path's CP hooks drop the attention mask, so at CP 2 the real
+    tokens after a left padding attend it (logits fail from the first real token on, every gradient fails); at CP 1
+    (no hooks, the identity sharder keeps the mask) the same batch passes exactly, and the known defect's
+    signature and ``when`` name the failure (real_clients calls it documented, not new)."""
+    from examples.automodel.tools import defects
+
+    case = real_model_case(SDPA, "float32", 2, kind="left_padded", seq_len=10, pad=3, batch_size=2, seed=0)
+    report = real_models.run(case)
+    failing = {c.name.split(" (")[0] for c in report.failures()}
+    assert "logits" in failing and any(n.startswith("grad ") for n in failing), report_text(report)
+    logits = next(c for c in report.failures() if c.name.startswith("logits"))
+    assert logits.worst_index is not None and logits.worst_index[1] >= 3, logits  # a real position, after the pads
+    (s5,) = [d for d in defects.load_defects() if d["id"] == "S5"]
+    assert all(defects.holds(row["when"], case) for row in s5["rows"] if row["spec"] == "load_balanced_sdpa")
+    assert real_models.run({**case, "world_size": 1}).ok

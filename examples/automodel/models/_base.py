@@ -299,8 +299,11 @@ def make_batch(
 
     Args:
         kind: ``"plain"`` (every token real), ``"right_padded"`` (the last ``pad`` tokens of every row
-            are padding, ``attention_mask`` 0, ``pad_id``), or ``"packed"`` (``documents[row]`` lengths
-            concatenated from column 0, the rest padding; ``seq_lens`` [B, D]).
+            are padding, ``attention_mask`` 0, ``pad_id``), ``"left_padded"`` (the first ``pad`` tokens of every
+            row are: what the framework's chat-template formatting emits with a left-padding tokenizer,
+            ``format_chat_template`` with ``padding="max_length"``, whose loss mask it shifts for it,
+            ``_maybe_shift_mask_for_left_padding``), or ``"packed"`` (``documents[row]`` lengths concatenated
+            from column 0, the rest padding; ``seq_lens`` [B, D]).
         pad_content: ``pad_id`` as real content too (``plant_pad``: each document's last token, an EOS equal
             to the pad id, and its middle one), so that a mask derived from ``input_ids == pad_id`` is wrong.
     """
@@ -321,6 +324,17 @@ def make_batch(
             mask[:, :real] = 1
             batch["attention_mask"] = mask
         return batch
+    if kind == "left_padded":
+        real = seq_len - pad
+        if not 0 < real < seq_len:
+            raise ValueError(f"left_padded: pad={pad} must leave 1 to {seq_len - 1} real tokens of {seq_len}")
+        if pad_content:
+            input_ids[:, pad:] = plant_pad(input_ids[:, pad:], [[real]] * batch_size, pad_id)
+        input_ids[:, :pad] = pad_id
+        labels[:, pad : seq_len - 1] = input_ids[:, pad + 1 :]
+        mask = torch.zeros_like(input_ids)
+        mask[:, pad:] = 1
+        return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
     if kind == "packed":
         if documents is None or len(documents) != batch_size:
             raise ValueError("packed batches need one list of document lengths per row")

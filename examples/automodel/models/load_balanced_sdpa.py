@@ -53,7 +53,10 @@ Interface and shapes: as ``_base``, with these differences:
 ``cp_padded_length(model, seq_len, cp_size)``
     ``seq_len`` rounded up to a multiple of ``2 * cp_size``.
 
-Batch kinds (``BATCH_KINDS``): ``"plain"`` and ``"right_padded"``. Not ``"packed"``: this path has no document
+Batch kinds (``BATCH_KINDS``): ``"plain"``, ``"right_padded"`` and ``"left_padded"`` (rows as the framework's
+chat-template formatting emits them with a left-padding tokenizer; under CP they fail on finding S5: the CP hooks
+drop the attention mask, so the real tokens attend the padding, ``examples/automodel/repro/models/
+left_padding_cp_hooks.py``). Not ``"packed"``: this path has no document
 masking (ring SDPA is causal over the whole row), ``LlamaForCausalLM`` reads no ``seq_lens``, and the recipe
 refuses CP with packed sequences for models without packed CP routing (``supports_cp_with_sequence_packing``).
 
@@ -89,7 +92,7 @@ from ._base import gather_trimmed as gather_logits  # noqa: F401 - the spec inte
 NAME = "load_balanced_sdpa"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.llama.model.LlamaForCausalLM"
 WORLD_SIZES = (1, 2, 3, 4, 8)  # the ring takes any CP size; the padded length is a multiple of 2 * cp_size
-BATCH_KINDS = ("plain", "right_padded")
+BATCH_KINDS = ("plain", "right_padded", "left_padded")
 ROTATE_METHOD: str | None = None  # None: the framework's own choice ("allgather"); see load_balanced_sdpa_alltoall
 
 # Reproduced with run-case at CP 2 (gloo, torch 2.13.0+cpu), raised in the first layer's SDPA of the CP forward.
