@@ -30,10 +30,10 @@ key gets output 0 and LSE ``+inf`` (flash-attn's convention, so that its backwar
 
 Precision: bfloat16/float16 inputs compute in float32 and round once to the input dtype (out, dq, dk, dv); the LSE
 is float32. The real kernel also rounds ``P`` and ``dS`` to the input dtype before its tensor-core matmuls; the
-stand-in does not (that is the kernel's internal arithmetic, not its contract). float32 and float64 inputs, which
-the real kernel refuses (fp16/bf16 only), compute in their own dtype, so that the gate can judge float32 CP and the
-unit tests can check the contract in float64 (LSE float64 then). Refused with ``NotImplementedError`` naming the
-argument: dropout, a sliding window, softcap, ALiBi, ``return_softmax``, fewer K/V heads than Q heads (the EAGLE
+stand-in does not (that is the kernel's internal arithmetic, not its contract). Any other dtype is refused as the
+kernel refuses it (``RuntimeError: FlashAttention only support fp16 and bf16 data type``); only inside
+``wide_dtypes()`` (the stand-in's own unit tests, and the float32 repro of a latent ring defect) do float32 and
+float64 compute in their own dtype (LSE in that dtype). Refused with ``NotImplementedError`` naming the argument: dropout, a sliding window, softcap, ALiBi, ``return_softmax``, fewer K/V heads than Q heads (the EAGLE
 draft repeats K/V before CP: ``Eagle3LlamaAttention._repeat_kv``).
 
 While installed, the three framework attributes hold a CPU namespace of these four functions (and the modules'
@@ -77,6 +77,19 @@ PACKAGE_INIT_SKIPPED: str | None = None  # why the package's __init__ was not ru
 
 _calls = 0
 _active = False
+_wide = False
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@contextlib.contextmanager
+def wide_dtypes() -> Iterator[None]:
+    """Inside: float32 and float64 inputs are computed too (the real kernel refuses them; tests only)."""
+    global _wide
+    before, _wide = _wide, True
+    try:
+        yield
+    finally:
+        _wide = before
 
 
 def framework_modules() -> list[types.ModuleType]:
@@ -127,6 +140,10 @@ def _allowed(len_q: int, len_k: int, causal: bool, device) -> torch.Tensor:
 
 
 def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dtype not in KERNEL_DTYPES and not (_wide and q.dtype in (torch.float32, torch.float64)):
+        raise RuntimeError(
+            f"FlashAttention only support fp16 and bf16 data type (flash_attn_cpu, as the kernel: got {q.dtype})"
+        )
     if k.shape[-2] != q.shape[-2] or v.shape[-2] != q.shape[-2]:
         raise NotImplementedError(
             f"flash_attn_cpu: K/V with {k.shape[-2]} heads for Q with {q.shape[-2]} (GQA/MQA) is not supported; "

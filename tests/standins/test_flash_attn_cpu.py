@@ -16,6 +16,13 @@ from cp_harness.standins import flash_attn_cpu as fa
 TOL = dict(rtol=0, atol=1e-12)
 
 
+@pytest.fixture(autouse=True)
+def _float64_inputs():
+    """float64 inputs for the contract tests (the kernel itself takes fp16/bf16 only: the last tests)."""
+    with fa.wide_dtypes():
+        yield
+
+
 def _qkv(b, sq, sk, h=2, d=4, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(b, s, h, d, generator=g, dtype=dtype) for s in (sq, sk, sk)]
@@ -143,6 +150,15 @@ def test_unsupported_arguments_are_refused_by_name(args, word):
     with pytest.raises(NotImplementedError, match=word):
         fa._flash_attn_forward(q, k, v, full["dropout_p"], 1.0, True, full["window_left"], full["window_right"],
                                full["softcap"], full["alibi"], full["ret"])  # fmt: skip
+
+
+def test_other_dtypes_are_refused_as_the_kernel_refuses_them():
+    q, k, v = _qkv(1, 3, 3, dtype=torch.float32)
+    fa._flash_attn_forward(q, k, v, 0.0, 1.0, True, -1, -1, 0.0, None, False)  # inside wide_dtypes: computed
+    fa._wide = False  # what the gate sees (the fixture restores it)
+    with pytest.raises(RuntimeError, match="only support fp16 and bf16"):
+        fa._flash_attn_forward(q, k, v, 0.0, 1.0, True, -1, -1, 0.0, None, False)
+    fa._flash_attn_forward(*(t.half() for t in (q, k, v)), 0.0, 1.0, True, -1, -1, 0.0, None, False)
 
 
 def test_fewer_kv_heads_are_refused():

@@ -1,0 +1,36 @@
+"""Subject: ``cached_ring_attention`` (``components/speculative/eagle/ring_attention.py``), the EAGLE-3 draft's CP
+attention at ``cp_mode="ring"`` without zig-zag: ``Eagle3LlamaAttention._cp_ring_attention_forward`` calls
+``cached_ring_attention(q [B, T, H, D], cache_k, cache_v, cp_group, head_dim ** -0.5)`` with this TTT step's query
+and every step's cached K/V so far (lists of ``[B, T, H, D]`` in the draft's compute dtype), on the contiguous shard.
+Block 0 is a causal ring (K/V rotated p2p, LSE merge, dK/dV passed back); blocks ``1..`` are per-position
+diagonals merged locally. Packed sequences are refused by the recipe in ring mode (``PACKED = False``)."""
+
+from __future__ import annotations
+
+from examples.automodel.attention._eagle import (  # noqa: F401 - DTYPES, STANDINS, WORLD_SIZES: the subject interface
+    DTYPES,
+    STANDINS,
+    WORLD_SIZES,
+    contiguous_positions,
+    one_device,
+    ring_attention,
+)
+
+NAME = "eagle_ring"
+FRAMEWORK_FUNCTION = "nemo_automodel.components.speculative.eagle.ring_attention.cached_ring_attention"
+PACKED = False
+
+
+def seq_multiple(cp_size: int) -> int:
+    return cp_size
+
+
+local_positions = contiguous_positions
+
+
+def attention(q, cache_k, cache_v, group, scale, cu_seqlens=None):
+    """``[B, T_local, H, D]``, as the draft calls it (``cu_seqlens`` must be ``None``); CP size 1: ``one_device``."""
+    assert cu_seqlens is None
+    if group.size() == 1:
+        return one_device(q, cache_k, cache_v, group, scale)
+    return ring_attention.cached_ring_attention(q, cache_k, cache_v, group, scale)

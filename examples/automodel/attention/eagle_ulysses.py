@@ -1,0 +1,35 @@
+"""Subject: ``cached_ulysses_attention`` (``components/speculative/eagle/ulysses_attention.py``), the EAGLE-3
+draft's CP attention at ``cp_mode="ulysses"``: ``Eagle3LlamaAttention._cp_ulysses_attention_forward`` calls
+``cached_ulysses_attention(q, cache_k, cache_v, cp_group, scale, cu_seqlens, max_seqlen)`` on the contiguous shard;
+block 0 is all-to-all'd sequence -> heads, one causal (dense, or varlen with the GLOBAL packed ``cu_seqlens``)
+attention over the full sequence, all-to-all'd back; blocks ``1..`` are diagonals merged locally. The recipe
+requires the draft's head count divisible by ``cp_size`` (the check draws heads so)."""
+
+from __future__ import annotations
+
+from examples.automodel.attention._eagle import (  # noqa: F401 - DTYPES, STANDINS, WORLD_SIZES: the subject interface
+    DTYPES,
+    STANDINS,
+    WORLD_SIZES,
+    contiguous_positions,
+    ulysses_attention,
+)
+
+NAME = "eagle_ulysses"
+FRAMEWORK_FUNCTION = "nemo_automodel.components.speculative.eagle.ulysses_attention.cached_ulysses_attention"
+PACKED = True
+HEADS_DIVISIBLE = True
+
+
+def seq_multiple(cp_size: int) -> int:
+    return cp_size
+
+
+local_positions = contiguous_positions
+
+
+def attention(q, cache_k, cache_v, group, scale, cu_seqlens=None):
+    """``[B, T_local, H, D]``; ``cu_seqlens``: GLOBAL document boundaries ``[docs + 1]`` int32 (or ``None``), with
+    ``max_seqlen`` the longest document, as the draft passes them."""
+    max_seqlen = None if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return ulysses_attention.cached_ulysses_attention(q, cache_k, cache_v, group, scale, cu_seqlens, max_seqlen)
