@@ -214,13 +214,20 @@ def _evaluate(case: dict, outputs: list, expected: dict, policy) -> CaseReport:
     return report
 
 
-def cases(subject_name: str):
-    """A Hypothesis strategy of cases for the subject ``subject_name`` (imports it)."""
+def cases(subject_name: str, world_sizes: tuple[int, ...] | None = None, dtype: str | None = None):
+    """A Hypothesis strategy of cases for the subject ``subject_name`` (imports it): CP sizes of its
+    ``WORLD_SIZES`` (those in ``world_sizes`` when given), its ``DTYPES`` (or ``dtype``), ``S`` up to 24, one or
+    two rows, 1-3 heads (``N`` or ``2N`` where heads are split), head dim 4 or 8, 1-3 TTT blocks, packed documents
+    (1-4, single tokens included) half of the time where the subject takes them."""
     subject = load_subject(subject_name)
+    sizes = [n for n in subject.WORLD_SIZES if world_sizes is None or n in world_sizes]
+    dtypes = [d for d in subject.DTYPES if dtype is None or d == dtype]
+    if not sizes or not dtypes:
+        raise ValueError(f"{subject.NAME} runs CP sizes {list(subject.WORLD_SIZES)}, dtypes {list(subject.DTYPES)}")
 
     @st.composite
     def draw(draw) -> dict:
-        n = draw(st.sampled_from(subject.WORLD_SIZES))
+        n = draw(st.sampled_from(sizes))
         multiple = subject.seq_multiple(n)
         s = multiple * draw(st.integers(1, max(1, 24 // multiple)))
         b = draw(st.sampled_from(getattr(subject, "BATCH_SIZES", (1, 2))))
@@ -228,7 +235,7 @@ def cases(subject_name: str):
         case: dict[str, Any] = {
             "check": "cp_attention",
             "subject": subject_name,
-            "dtype": draw(st.sampled_from(subject.DTYPES)),
+            "dtype": draw(st.sampled_from(dtypes)),
             "world_size": n,
             "seed": draw(st.integers(0, 999)),
             "batch": b,

@@ -17,6 +17,18 @@ from examples.automodel.attention._eagle import (  # noqa: F401 - DTYPES, STANDI
 
 NAME = "eagle_ulysses"
 FRAMEWORK_FUNCTION = "nemo_automodel.components.speculative.eagle.ulysses_attention.cached_ulysses_attention"
+# Framework callable -> what this subject's CP path does with it (the coverage table of scripts/real_clients).
+COVERS: dict[str, str] = {
+    "nemo_automodel.components.speculative.eagle.ulysses_attention.cached_ulysses_attention": "the draft's ulysses-mode CP attention (dense, or packed with global cu_seqlens)",
+    "nemo_automodel.components.speculative.eagle.ulysses_attention._CachedUlyssesAttention": "its autograd Function: all-to-alls, one block-0 attention, diagonal merge, hand-written backward",
+    "nemo_automodel.components.speculative.eagle.ulysses_attention._gather_seq_scatter_heads": "sequence-sharded -> head-sharded all-to-all",
+    "nemo_automodel.components.speculative.eagle.ulysses_attention._scatter_seq_gather_heads": "head-sharded -> sequence-sharded all-to-all",
+    "nemo_automodel.components.speculative.eagle.ulysses_attention._gather_lse": "the merged LSE all-to-all'd to head shards for the backward",
+    "nemo_automodel.components.speculative.eagle.ulysses_attention._scatter_lse": "the block-0 LSE all-to-all'd back to sequence shards",
+    "nemo_automodel.components.speculative.eagle.ulysses_attention._block0_forward": "block-0 causal attention over the gathered sequence (dense or varlen)",
+    "nemo_automodel.components.speculative.eagle.ulysses_attention._block0_backward": "its backward against the merged out/LSE",
+    "nemo_automodel.components.speculative.eagle.ring_attention._merge_diag": "the TTT diagonals merged into block 0's out/LSE",
+}
 PACKED = True
 HEADS_DIVISIBLE = True
 

@@ -16,6 +16,18 @@ from examples.automodel.attention._eagle import (  # noqa: F401 - DTYPES, STANDI
 
 NAME = "eagle_zigzag"
 FRAMEWORK_FUNCTION = "nemo_automodel.components.speculative.eagle.ring_attention.cached_zigzag_ring_attention"
+# Framework callable -> what this subject's CP path does with it (the coverage table of scripts/real_clients).
+COVERS: dict[str, str] = {
+    "nemo_automodel.components.speculative.eagle.ring_attention.cached_zigzag_ring_attention": "the draft's ring-mode CP attention with cp_zigzag=True, on the zig-zag shard",
+    "nemo_automodel.components.speculative.eagle.ring_attention._CachedZigZagRingAttention": "its autograd Function: zig-zag block-0 ring, diagonal merge, hand-written backward",
+    "nemo_automodel.components.speculative.eagle.zigzag_ring_attention.zigzag_ring_flash_attn_varlen_forward": "zig-zag ring forward: step 0 causal, earlier ranks' front halves, later ranks' K/V for the back half",
+    "nemo_automodel.components.speculative.eagle.zigzag_ring_attention.zigzag_ring_flash_attn_varlen_backward": "zig-zag ring backward against the merged out/LSE, dK/dV halves routed back",
+    "nemo_automodel.components.speculative.eagle.zigzag_ring_attention.get_half_index": "front / back half of the local [early | late] shard",
+    "nemo_automodel.components.speculative.eagle.zigzag_ring_attention.get_half_lse": "back half of the merged LSE for the late-chunk blocks",
+    "nemo_automodel.components.speculative.eagle.zigzag_ring_attention.update_out_and_lse": "the zig-zag ring's online-softmax merge",
+    "nemo_automodel.components.speculative.eagle.zigzag_ring_attention.RingComm": "p2p send to rank+1 / receive from rank-1 on the CP group (batch_isend_irecv)",
+    "nemo_automodel.components.speculative.eagle.ring_attention._merge_diag": "the TTT diagonals merged into the ring's out/LSE",
+}
 PACKED = False
 BATCH_SIZES = (1,)
 
