@@ -227,7 +227,7 @@ def cases(subject_name: str, world_sizes: tuple[int, ...] | None = None, dtype: 
 
     @st.composite
     def draw(draw) -> dict:
-        n = draw(st.sampled_from(sizes))
+        n = draw(st.sampled_from(sizes + [n for n in sizes if n > 1]))  # CP > 1 twice as often as one rank
         multiple = subject.seq_multiple(n)
         s = multiple * draw(st.integers(1, max(1, 24 // multiple)))
         b = draw(st.sampled_from(getattr(subject, "BATCH_SIZES", (1, 2))))
