@@ -22,7 +22,9 @@ from hypothesis import seed as hypothesis_seed
 PACKAGE = "examples.automodel.attention"
 
 
-def drawn_cases(subject: str, examples: int, seed: int, world_sizes: tuple[int, ...], dtype: str) -> list[dict]:
+def drawn_cases(
+    subject: str, examples: int, seed: int, world_sizes: tuple[int, ...], dtype: str, package: str = PACKAGE
+) -> list[dict]:
     """``examples`` cases of ``subject`` in ``dtype``, the same for the same arguments."""
     from cp_harness.checks import cp_attention
 
@@ -37,7 +39,7 @@ def drawn_cases(subject: str, examples: int, seed: int, world_sizes: tuple[int, 
         suppress_health_check=list(HealthCheck),
         deadline=None,
     )
-    @given(cp_attention.cases(f"{PACKAGE}.{subject}", world_sizes, dtype))
+    @given(cp_attention.cases(f"{package}.{subject}" if package else subject, world_sizes, dtype))
     def collect(case):
         out.append(case)
 
@@ -70,6 +72,7 @@ def run_subject(
                 "passed": 0,
                 "comparison": "ulp",
                 "max_ulp": 0.0,
+                "max_excess": 0.0,  # CP error / (one-rank error + floor / c), the worst tensor of the row
                 "comm_ratio": None,
                 "standins": {},
                 "failing_case": None,
@@ -82,6 +85,8 @@ def run_subject(
                 row["passed"] += int(report.ok)
                 row["max_ulp"] = max(row["max_ulp"], float(report.max_ulp or 0.0))
                 row["standins"].update(report.standins)
+                excess = [c.excess.excess for c in report.comparisons if getattr(c, "excess", None) is not None]
+                row["max_excess"] = max([row["max_excess"], *excess])
                 if not report.ok and row["failing_case"] is None:
                     row["failing_case"] = case
                     row["failing_tensors"] = [c.as_dict() for c in report.failures()]
@@ -89,7 +94,8 @@ def run_subject(
             row["ok"] = row["passed"] == row["examples"]
             rows.append(row)
             print(
-                f"{row['name']}: {row['passed']}/{row['examples']} passed, max {row['max_ulp']:.3g} ULP"
+                f"{row['name']}: {row['passed']}/{row['examples']} passed, max {row['max_ulp']:.3g} ULP, "
+                f"CP excess {row['max_excess']:.3g}"
                 + ("" if row["ok"] else f"; FAILED, first: {json.dumps(row['failing_case'])}"),
                 flush=True,
             )
