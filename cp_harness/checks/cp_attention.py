@@ -23,7 +23,8 @@ many elements differ, the worst, its global position, owning rank and distance t
 Case keys: ``subject``, ``dtype`` (the subject's ``DTYPES``), ``world_size``, ``seed``, ``batch`` (``B``),
 ``seq_len`` (``S``, a multiple of ``subject.seq_multiple(N)``), ``heads``, ``head_dim``, ``blocks`` (TTT blocks,
 ``>= 1``), ``documents`` (optional, packed subjects only, ``B = 1``: document lengths summing to ``S``). A case the
-subject cannot take raises ``ValueError`` naming the key and the fix on every rank before any collective.
+subject cannot take is refused on every rank before any collective (``validate``'s ``ValueError``, naming the key
+and the fix), and the report has one problem per rank saying so; no rank raises, so the pool stays warm.
 """
 
 from __future__ import annotations
@@ -102,7 +103,10 @@ def cu_seqlens(case: dict) -> torch.Tensor | None:
 
 def _rank(case: dict, ctx) -> tuple[dict, dict]:
     subject = load_subject(case["subject"])
-    validate(case, subject)
+    try:
+        validate(case, subject)
+    except ValueError as exc:  # every rank refuses the same case before any collective; the judge names each
+        return {"refused": f"ValueError: {exc}"}, {}
     x = inputs(case)
     index = subject.local_positions(int(case["seq_len"]), ctx.cp_size, ctx.rank).to(torch.long)
     q = x["q"].index_select(1, index).to(ctx.device).requires_grad_(True)
@@ -169,6 +173,11 @@ def _global(outputs: list, name: str, axis: int, seq_len: int) -> np.ndarray:
 
 def _evaluate(case: dict, outputs: list, expected: dict, policy) -> CaseReport:
     report = CaseReport(case=case, standins=dict(outputs[0].info.get("standins", {})))
+    refused = [o for o in outputs if "refused" in o.info]
+    for o in refused:
+        report.problem(f"rank {o.rank} refused the case: {o.info['refused']}", rank=o.rank)
+    if refused:
+        return report
     dtype, s, n = case["dtype"], int(case["seq_len"]), int(case["world_size"])
     maps = [np.asarray(o.tensors["index"]).astype(np.int64) for o in outputs]
     owned = np.concatenate(maps)

@@ -56,13 +56,14 @@ def test_a_regression_fails_naming_what_it_corrupts(real_models, fixture, subjec
     assert worst.mismatched > 0 and worst.location is not None and "owning_rank" in worst.location
 
 
-def test_a_case_the_framework_refuses_raises_before_any_collective_naming_the_key(real_models):
-    """Every rank validates the case before its first collective (the same function of the case alone), so a refused
-    case raises instead of leaving peers waiting: the pool reports it and runs the next case."""
+def test_a_case_the_framework_refuses_is_refused_on_every_rank_naming_the_key(real_models):
+    """Every rank validates the case before its first collective (the same function of the case alone), so no rank
+    waits for a peer that gave up: each rank's refusal is a problem of the report."""
     good = cp_attention.smoke_cases(f"{PACKAGE}.eagle_zigzag")[0]
     report = real_models.run(dict(good, seq_len=6))  # CP 2 zig-zag needs 2N = 4 to divide S
-    raised = [p.message for p in report.problems]
-    assert raised and all("ValueError" in m and "seq_len=6" in m and "multiple of 4" in m for m in raised), raised
+    assert not report.ok and sorted(p.rank for p in report.problems) == [0, 1]
+    assert all("ValueError" in p.message and "seq_len=6" in p.message and "multiple of 4" in p.message
+               for p in report.problems), report.problems  # fmt: skip
     assert real_models.run(good).ok
 
 
