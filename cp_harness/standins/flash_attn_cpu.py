@@ -215,13 +215,12 @@ def _flash_attn_backward(
 
 def _documents(cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool, device) -> torch.Tensor:
     """``[total_q, total_k]`` bool: document ``i``'s queries see only document ``i``'s keys (causal within it)."""
-    cu_q, cu_k = [int(x) for x in cu_q.tolist()], [int(x) for x in cu_k.tolist()]
-    if len(cu_q) != len(cu_k):
-        raise ValueError(f"flash_attn_cpu: cu_seqlens_q has {len(cu_q)} entries, cu_seqlens_k {len(cu_k)}")
-    allowed = torch.zeros(cu_q[-1], cu_k[-1], dtype=torch.bool, device=device)
-    for i in range(len(cu_q) - 1):
-        lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
-        allowed[cu_q[i] : cu_q[i + 1], cu_k[i] : cu_k[i + 1]] = _allowed(lq, lk, causal, device)
+    bq, bk = [int(x) for x in cu_q.tolist()], [int(x) for x in cu_k.tolist()]
+    if len(bq) != len(bk):
+        raise ValueError(f"flash_attn_cpu: cu_seqlens_q has {len(bq)} entries, cu_seqlens_k {len(bk)}")
+    allowed = torch.zeros(bq[-1], bk[-1], dtype=torch.bool, device=device)
+    for i in range(len(bq) - 1):
+        allowed[bq[i] : bq[i + 1], bk[i] : bk[i + 1]] = _allowed(bq[i + 1] - bq[i], bk[i + 1] - bk[i], causal, device)
     return allowed
 
 

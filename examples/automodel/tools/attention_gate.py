@@ -85,7 +85,7 @@ def run_subject(
                 row["passed"] += int(report.ok)
                 row["max_ulp"] = max(row["max_ulp"], float(report.max_ulp or 0.0))
                 row["standins"].update(report.standins)
-                excess = [c.excess.excess for c in report.comparisons if getattr(c, "excess", None) is not None]
+                excess = [v.excess for c in report.comparisons if (v := getattr(c, "excess", None)) is not None]
                 row["max_excess"] = max([row["max_excess"], *excess])
                 if not report.ok and row["failing_case"] is None:
                     row["failing_case"] = case
