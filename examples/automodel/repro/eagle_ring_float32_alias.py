@@ -63,7 +63,10 @@ def main(rank: int, world: int, args) -> int:
     dq, _, _ = ring.ring_flash_attn_backward(dist.group.WORLD, q, q, q, q, q, lse, 1.0, causal=True)
     expected = float(sum(range(1, len(calls) + 1)))  # rank r runs r + 1 causal steps
     ok = bool((dq.float() == expected).all())
-    print(f"rank {rank} ({dtype}): dq {dq.flatten()[0].item()}, expected {expected}: {'ok' if ok else 'WRONG'}")
+    print(
+        f"rank {rank} ({dtype}): dq {dq.flatten()[0].item()}, expected {expected}: {'ok' if ok else 'WRONG'}",
+        flush=True,
+    )
     return leave(ok)
 
 
