@@ -12,7 +12,9 @@ EAGLE-3 mixed attention (``components/speculative/eagle``): query ``t`` attends,
 
 Every rank draws the same global float64 ``q [B, S, H, D]``, ``k``, ``v [blocks, B, S, H, D]`` and upstream
 gradient ``dout [B, S, H, D]`` from the seed, rounds them to the case's dtype (the oracle sees the rounded values),
-takes its shard at the subject's index map, calls the function with ``q`` and the lists of its blocks as leaves,
+takes its shard at the subject's index map (and, where the subject names it, runs the framework trainer's own TTT left
+shift, ``trainer_shift``, on its shard of ``1..S``: put back in global order it must be the global left shift, bit
+for bit, so the index map is the layout the training code assumes), calls the function with ``q`` and the lists of its blocks as leaves,
 backpropagates ``dout``'s shard, and returns its output and gradients with its index map. The judge puts them back in
 global order (an index map that does not own every position once is a problem naming the positions), compares each
 tensor with the float64 oracle within the dtype's ULP budget (``BUDGETS``, at the tensor's largest value), and, at
@@ -40,7 +42,7 @@ from cp_harness import standins
 from cp_harness.cases.descriptions import dtype_of, random_tensor
 from cp_harness.checks import register
 from cp_harness.judging.budgets import Budget
-from cp_harness.judging.compare import TokenGrid, compare_ulp
+from cp_harness.judging.compare import TokenGrid, compare_exact, compare_ulp
 from cp_harness.judging.verdicts import CaseReport
 from oracle.attention import allowed_keys
 
@@ -113,6 +115,10 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
     ks = [t.index_select(1, index).to(ctx.device).requires_grad_(True) for t in x["k"]]
     vs = [t.index_select(1, index).to(ctx.device).requires_grad_(True) for t in x["v"]]
     group = ctx.mesh.get_group()
+    extra = {}
+    if hasattr(subject, "trainer_shift"):  # the training code's own assumption about this layout
+        tokens = torch.arange(1, int(case["seq_len"]) + 1).unsqueeze(0)
+        extra["shift"] = subject.trainer_shift(tokens.index_select(1, index).to(ctx.device).contiguous(), group)
     cu = cu_seqlens(case)
     with standins.entered(subject.STANDINS, ctx.device.type) as stood_in:
         out = subject.attention(
@@ -126,7 +132,7 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         "dv": torch.stack([t.grad if t.grad is not None else torch.full_like(t, nan) for t in vs]),
     }
     info = {"standins": stood_in.used(), "out_dtype": str(out.dtype)}
-    return info, {"out": out.detach(), **grads, "index": index}
+    return info, {"out": out.detach(), **grads, "index": index, **extra}
 
 
 def reference(case: dict) -> dict[str, torch.Tensor]:
@@ -216,6 +222,17 @@ def _evaluate(case: dict, outputs: list, expected: dict, policy) -> CaseReport:
                 grid=grid,
                 ulp_dtype=dtype,
                 gradient=gradient,
+            )
+        )
+    if "shift" in outputs[0].tensors:
+        tokens = np.arange(1, s + 1, dtype=np.int64)[None]
+        want = np.concatenate([tokens[:, 1:], np.zeros((1, 1), dtype=np.int64)], axis=1)
+        report.add(
+            compare_exact(
+                "trainer's TTT left shift on this layout",
+                _global(outputs, "shift", 1, s).astype(np.int64),
+                want,
+                grid=grid,
             )
         )
     report.info["ulp"] = report.max_ulp

@@ -15,6 +15,7 @@ JUDGES = ("attention:eagle_ring", "attention:eagle_zigzag", "attention:eagle_uly
 SUBJECTS = ("eagle_ring", "eagle_zigzag", "eagle_ulysses")
 PACKAGE = "examples.automodel.attention"
 EVERY = {"attention output", "dq", "dk block 0 (ring / all-to-all)", "dv block 0 (ring / all-to-all)"}
+SHIFT = "trainer's TTT left shift on this layout"  # the framework trainer's shift must agree with the index map
 
 
 @pytest.mark.parametrize("subject", SUBJECTS)
@@ -25,13 +26,13 @@ def test_the_framework_attention_matches_float64_attention(real_models, subject)
         assert set(report.standins) == {"flash_attn_cpu"}
         names = {c.name for c in report.comparisons}
         blocks = int(case["blocks"])
-        assert names == {"attention output", "dq"} | {
+        assert names == {"attention output", "dq", SHIFT} | {
             f"{g} block {i} ({'ring / all-to-all' if i == 0 else 'TTT diagonal'})"
             for g in ("dk", "dv")
             for i in range(blocks)
         }
         # judged against the one-rank run too (the excess judge), not only the ULP budget
-        assert all(c.excess is not None for c in report.comparisons), [c.name for c in report.comparisons]
+        assert all(c.excess is not None for c in report.comparisons if c.name != SHIFT), report.comparisons
 
 
 @pytest.mark.parametrize(
@@ -40,7 +41,7 @@ def test_the_framework_attention_matches_float64_attention(real_models, subject)
         # CP 2: rank 1 merges one received block: the output is right, the LSE the backward is handed is not
         ("attention_subject_eagle_ring_lse_not_updated", "eagle_ring", 2, EVERY - {"attention output"}),
         ("attention_subject_eagle_ring_lse_not_updated", "eagle_ring", 3, EVERY),
-        ("attention_subject_eagle_zigzag_chunks_swapped", "eagle_zigzag", 3, EVERY),
+        ("attention_subject_eagle_zigzag_chunks_swapped", "eagle_zigzag", 3, EVERY | {SHIFT}),
         ("attention_subject_eagle_ulysses_heads_interleaved", "eagle_ulysses", 2, EVERY),
     ],
 )
@@ -52,7 +53,9 @@ def test_a_regression_fails_naming_what_it_corrupts(real_models, fixture, subjec
     assert corrupted <= failed, failed
     if "attention output" not in corrupted:
         assert "attention output" not in failed  # a gradient-only defect is reported as one
-    worst = max(report.failures(), key=lambda c: c.max_ulp)
+    if SHIFT not in corrupted:
+        assert SHIFT not in failed  # the layout is still the trainer's
+    worst = max((c for c in report.failures() if c.name != SHIFT), key=lambda c: c.max_ulp)
     assert worst.mismatched > 0 and worst.location is not None and "owning_rank" in worst.location
 
 

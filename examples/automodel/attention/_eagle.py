@@ -7,16 +7,22 @@ The sharding is ``TrainEagle3Recipe._maybe_shard_cp`` (``nemo_automodel/recipes/
 2N``: ``cat(arange(r c, (r+1) c), arange((2N-1-r) c, (2N-r) c))``, rank ``r`` owns chunks ``r`` and ``2N-1-r``,
 early then late; ``_cp_shift_left_zigzag`` in ``core.py`` assumes the same ``[early | late]`` order). The recipe
 module cannot be imported here (it imports ``torchao`` through the QAT module), so the index is built here, the
-recipe's two formulas, and the recipe's own divisibility errors are the subjects' ``seq_multiple``.
+recipe's two formulas, and the recipe's own divisibility errors are the subjects' ``seq_multiple``. Each case also
+runs the trainer's own TTT left shift (``core._cp_shift_left`` / ``_cp_shift_left_zigzag``) on the index map, which
+must reproduce the global left shift: the layout is the one the framework's training code assumes.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 
 from cp_harness.standins import flash_attn_cpu
 
 ring_attention, zigzag_ring_attention, ulysses_attention = flash_attn_cpu.framework_modules()
+# The trainer (Eagle3TrainerModule): its TTT left shifts assume the recipe's layouts (``trainer_shift``).
+core = importlib.import_module(f"{flash_attn_cpu.PACKAGE}.core")
 
 STANDINS = ("flash_attn_cpu",)
 WORLD_SIZES = (1, 2, 3, 4)
@@ -32,6 +38,16 @@ def one_device(q, cache_k, cache_v, group, scale, cu_seqlens=None):
     step), a call training never makes."""
     max_seqlen = None if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     return ulysses_attention.cached_ulysses_attention(q, cache_k, cache_v, group, scale, cu_seqlens, max_seqlen)
+
+
+def contiguous_shift(tokens: torch.Tensor, group) -> torch.Tensor:
+    """The trainer's per-TTT-step left shift of a contiguous shard ``[B, S/N]`` (``core._cp_shift_left``)."""
+    return core._cp_shift_left(tokens, group)
+
+
+def zigzag_shift(tokens: torch.Tensor, group) -> torch.Tensor:
+    """The trainer's left shift of a zig-zag shard ``[B, S/N]`` (``core._cp_shift_left_zigzag``)."""
+    return core._cp_shift_left_zigzag(tokens, group)
 
 
 def contiguous_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from examples.automodel.attention._eagle import (  # noqa: F401 - DTYPES, STANDI
     STANDINS,
     WORLD_SIZES,
     contiguous_positions,
+    contiguous_shift,
     one_device,
     ring_attention,
 )
@@ -20,6 +21,7 @@ NAME = "eagle_ring"
 FRAMEWORK_FUNCTION = "nemo_automodel.components.speculative.eagle.ring_attention.cached_ring_attention"
 # Framework callable -> what this subject's CP path does with it (the coverage table of scripts/real_clients).
 COVERS: dict[str, str] = {
+    "nemo_automodel.components.speculative.eagle.core._cp_shift_left": "the trainer's TTT left shift on this layout (p2p of the shard heads), judged bit for bit",
     "nemo_automodel.components.speculative.eagle.ring_attention.cached_ring_attention": "the draft's ring-mode CP attention, called with q and the TTT blocks' K/V lists",
     "nemo_automodel.components.speculative.eagle.ring_attention._CachedRingAttention": "its autograd Function: block-0 ring, diagonal merge, the hand-written backward against the merged out/LSE",
     "nemo_automodel.components.speculative.eagle.ring_attention.ring_flash_attn_forward": "contiguous causal ring forward: K/V rotated p2p, blocks step <= rank, LSE merge",
@@ -36,6 +38,7 @@ def seq_multiple(cp_size: int) -> int:
 
 
 local_positions = contiguous_positions
+trainer_shift = contiguous_shift
 
 
 def attention(q, cache_k, cache_v, group, scale, cu_seqlens=None):

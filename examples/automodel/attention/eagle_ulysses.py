@@ -12,6 +12,7 @@ from examples.automodel.attention._eagle import (  # noqa: F401 - DTYPES, STANDI
     STANDINS,
     WORLD_SIZES,
     contiguous_positions,
+    contiguous_shift,
     ulysses_attention,
 )
 
@@ -19,6 +20,7 @@ NAME = "eagle_ulysses"
 FRAMEWORK_FUNCTION = "nemo_automodel.components.speculative.eagle.ulysses_attention.cached_ulysses_attention"
 # Framework callable -> what this subject's CP path does with it (the coverage table of scripts/real_clients).
 COVERS: dict[str, str] = {
+    "nemo_automodel.components.speculative.eagle.core._cp_shift_left": "the trainer's TTT left shift on this layout (p2p of the shard heads), judged bit for bit",
     "nemo_automodel.components.speculative.eagle.ulysses_attention.cached_ulysses_attention": "the draft's ulysses-mode CP attention (dense, or packed with global cu_seqlens)",
     "nemo_automodel.components.speculative.eagle.ulysses_attention._CachedUlyssesAttention": "its autograd Function: all-to-alls, one block-0 attention, diagonal merge, hand-written backward",
     "nemo_automodel.components.speculative.eagle.ulysses_attention._gather_seq_scatter_heads": "sequence-sharded -> head-sharded all-to-all",
@@ -38,6 +40,7 @@ def seq_multiple(cp_size: int) -> int:
 
 
 local_positions = contiguous_positions
+trainer_shift = contiguous_shift
 
 
 def attention(q, cache_k, cache_v, group, scale, cu_seqlens=None):

@@ -12,12 +12,14 @@ from examples.automodel.attention._eagle import (  # noqa: F401 - DTYPES, STANDI
     one_device,
     ring_attention,
     zigzag_positions,
+    zigzag_shift,
 )
 
 NAME = "eagle_zigzag"
 FRAMEWORK_FUNCTION = "nemo_automodel.components.speculative.eagle.ring_attention.cached_zigzag_ring_attention"
 # Framework callable -> what this subject's CP path does with it (the coverage table of scripts/real_clients).
 COVERS: dict[str, str] = {
+    "nemo_automodel.components.speculative.eagle.core._cp_shift_left_zigzag": "the trainer's TTT left shift on this layout (p2p of the shard heads), judged bit for bit",
     "nemo_automodel.components.speculative.eagle.ring_attention.cached_zigzag_ring_attention": "the draft's ring-mode CP attention with cp_zigzag=True, on the zig-zag shard",
     "nemo_automodel.components.speculative.eagle.ring_attention._CachedZigZagRingAttention": "its autograd Function: zig-zag block-0 ring, diagonal merge, hand-written backward",
     "nemo_automodel.components.speculative.eagle.zigzag_ring_attention.zigzag_ring_flash_attn_varlen_forward": "zig-zag ring forward: step 0 causal, earlier ranks' front halves, later ranks' K/V for the back half",
@@ -37,6 +39,7 @@ def seq_multiple(cp_size: int) -> int:
 
 
 local_positions = zigzag_positions
+trainer_shift = zigzag_shift
 
 
 def attention(q, cache_k, cache_v, group, scale, cu_seqlens=None):
