@@ -22,6 +22,16 @@ from hypothesis import seed as hypothesis_seed
 PACKAGE = "examples.automodel.attention"
 
 
+def unmet(subject: str, backend: str) -> str | None:
+    """Why ``subject`` cannot run here (``None``: it can). On ``nccl`` (GPU ranks) the stand-in is not entered and
+    the real flash-attn 2.8 kernels run, so flash-attn must be installed; never run so far."""
+    import importlib.util
+
+    if backend == "nccl" and importlib.util.find_spec("flash_attn") is None:
+        return "needs flash_attn: on GPU ranks the real flash-attn 2.8 kernels run (flash_attn_cpu is CPU only)"
+    return None
+
+
 def drawn_cases(
     subject: str, examples: int, seed: int, world_sizes: tuple[int, ...], dtype: str, package: str = PACKAGE
 ) -> list[dict]:
