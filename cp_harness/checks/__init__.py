@@ -26,6 +26,9 @@ module, loaded with ``pkgutil``):
 * ``models`` -- ``model``: both miniature models end to end, forward and backward.
 * ``real_model`` -- a real framework model through a model spec: its own CP path against the same model on
   one device, within a bound scaled by a measured reference spread; padding sensitivity told apart.
+* ``cp_attention`` -- a framework's own CP attention function (an *attention subject*: the EAGLE-3 ring, zig-zag ring
+  and Ulysses attention) on every rank against float64 attention on one device: output, dQ and every key / value
+  block's gradient, with the excess judge against the same subject on one rank.
 * ``training_step`` -- a real model's training step as the framework's recipe runs it on ``dp_shard x cp`` (FSDP2,
   the recipe's loss scaling, the clip-grad norm) against one device on the whole global batch (``--step training``).
 * ``malformed`` -- ``malformed``: every entry of the malformed-input catalogue raises a clear error on every rank.

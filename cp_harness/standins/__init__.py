@@ -8,6 +8,9 @@ whose only device-specific part is that kernel runs, unchanged otherwise, on a C
   ring templates; nothing of the ring re-implemented).
 * ``flex_backward_cpu`` -- FlexAttention's eager (dense) path differentiated on a CPU: torch's device refusal of
   CPU backward (``flex_attention._validate_device``) replaced, nothing else.
+* ``flash_attn_cpu`` -- flash-attn 2.8's four private per-block entry points (dense / varlen, forward / backward
+  against the given out and LSE) as dense CPU attention, bound where the framework's EAGLE-3 CP attention binds
+  flash-attn's interface module; the one-rank runs use it too.
 * ``mamba_kernels_cpu`` -- mamba_ssm's / causal_conv1d's Triton and CUDA kernels (Mamba2's fused conv + SSD
   scan, the gated RMSNorm) routed to the packages' own torch references; entered around the one-device runs too.
 * ``te_thd_partition_cpu`` -- Transformer Engine's THD partition-index kernel (``thd_get_partitioned_indices``) in
@@ -15,6 +18,7 @@ whose only device-specific part is that kernel runs, unchanged otherwise, on a C
 """
 
 from cp_harness.standins import (  # noqa: F401 - registers the bundled stand-ins
+    flash_attn_cpu,
     flex_backward_cpu,
     mamba_kernels_cpu,
     ring_sdpa_cpu,

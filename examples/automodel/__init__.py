@@ -3,6 +3,8 @@
 - ``adapters/``: one module per framework CP primitive, served inside ``cp_impl`` (``ADAPTERS``, ``NOT_ADAPTED``);
 - ``models/``: the model specs, real framework models a driver builds, shards the framework's way and compares
   (``SPECS``), and their shared helpers (``_base``, ``model_owned_cp``);
+- ``attention/``: attention subjects, the framework's own CP attention functions (the EAGLE-3 ring, zig-zag ring and
+  Ulysses attention) as its training code calls them, for the ``cp_attention`` check (``SUBJECTS``; docs/real_clients.md);
 - ``repro/``: standalone repros without the harness: hand-written ones of the primitives' defects (``_launch`` their
   launcher), of the models' findings (``repro/models/``), and the exported ones (``repro/exported/``, written by
   ``tools/export_repros``);

@@ -134,3 +134,21 @@ def test_the_training_step_code_is_its_own_part_with_what_runs_it(table):
     assert f"{counts['training step'][0]} of {counts['training step'][1]} framework training step functions" in (
         table.markdown().splitlines()[0]
     )
+
+
+def test_the_eagle_attention_is_exercised_by_its_subjects_on_the_flash_attn_stand_in(table):
+    """Issue 35 item 4: the EAGLE-3 ring, zig-zag ring and Ulysses attention are rows exercised by the attention
+    subjects, judged by the default command's test on the CPU stand-in of flash-attn's kernels."""
+    rows = {r.function: r for r in table.rows}
+    eagle = "nemo_automodel.components.speculative.eagle"
+    for subject, function in (
+        ("eagle_ring", f"{eagle}.ring_attention.ring_flash_attn_backward"),
+        ("eagle_zigzag", f"{eagle}.zigzag_ring_attention.zigzag_ring_flash_attn_varlen_forward"),
+        ("eagle_ulysses", f"{eagle}.ulysses_attention._gather_seq_scatter_heads"),
+    ):
+        row = rows[function]
+        assert {s for s, _ in row.exercised_by} == {f"attention:{subject}"}
+        assert row.default_command == ["tests/checks/test_cp_attention.py"]
+        assert row.on_cpu == [f"attention:{subject}: CPU, stand-in: flash-attn per-block kernels (dense and varlen, "
+                              "forward and backward against the given out/LSE) = dense masked softmax attention and "
+                              "its closed-form backward (float32 for bf16/fp16)"]

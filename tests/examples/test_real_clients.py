@@ -257,7 +257,7 @@ def test_halo_adapter_builds_the_framework_context_and_appends_the_shard(monkeyp
 
 REPROS = ["gather_permuted_grad.py", "gather_subgroup.py", "gather_inplace_grad.py", "gather_bf16_accumulation.py",
           "round_robin_pad_positions.py", "round_robin_caller_resized.py", "round_robin_loss_mask.py",
-          "round_robin_2d_mesh.py"]
+          "round_robin_2d_mesh.py", "eagle_ring_float32_alias.py"]
 
 
 @needs_framework

@@ -9,7 +9,8 @@ Generated, never written by hand, from what the code declares:
 - the CP-relevant training-step code (``TRAINING_SOURCES``, part "training step"): the recipe's losses, THD input
   processing, MTP target preparation, the mesh, the parallelizer and the FSDP patches it applies, the grad-
   accumulation and clip-grad helpers, plus the recipes' CP step methods (``training/covers.py``'s ``REBUILT``);
-- what exercises it: each adapter's ``SERVES`` (documented function -> framework callable) and ``ALSO_USES``
+- what exercises it: each attention subject's ``COVERS`` (``examples/automodel/attention/``, subjects
+  ``attention:<name>``), each adapter's ``SERVES`` (documented function -> framework callable) and ``ALSO_USES``
   (other framework callables its hooks run), each model spec's ``COVERS`` (framework callable -> what its CP
   path does with it), and the training-step driver's ``COVERS`` / ``REBUILT`` for the subjects
   ``training:<spec>`` (``run.TRAINING_STEP_SPECS``);
@@ -149,6 +150,22 @@ def _training_claims() -> dict[str, list[tuple[str, str]]]:
     return claims
 
 
+def _attention_claims() -> dict[str, list[tuple[str, str]]]:
+    """Each attention subject's ``COVERS`` (``examples/automodel/attention/``), as subject ``attention:<name>``."""
+    from examples.automodel.attention import PACKAGE, SUBJECTS
+
+    claims: dict[str, list[tuple[str, str]]] = {}
+    for subject in SUBJECTS:
+        try:
+            module = importlib.import_module(f"{PACKAGE}.{subject}")
+        except Exception as exc:  # noqa: BLE001 - said in the table
+            claims.setdefault(f"(attention subject {subject} does not import: {type(exc).__name__})", [])
+            continue
+        for dotted, what in getattr(module, "COVERS", {}).items():
+            claims.setdefault(dotted, []).append((f"attention:{subject}", what))
+    return claims
+
+
 def _judges(path: Path) -> tuple[str, ...]:
     """A test module's ``JUDGES``: the subjects (``adapter:X`` / ``spec:X``) whose CP path its tests run and judge
     (read with ``ast``; a module that only loads or builds a subject does not list it)."""
@@ -202,8 +219,15 @@ def cpu_mode(subject: str) -> str:
 
     if kind == "adapter":  # an adapter module's STANDINS (the framework code it serves calls a device kernel)
         module = importlib.import_module(f"examples.automodel.adapters.{name}")
-        declared = [standins.get(n) for n in getattr(module, "STANDINS", ())]
-        return "; ".join(s.description for s in declared if s.device_type == "cpu") or "real kernels"
+        stood_in = [standins.get(n) for n in getattr(module, "STANDINS", ())]
+        return "; ".join(s.description for s in stood_in if s.device_type == "cpu") or "real kernels"
+    if kind == "attention":
+        from examples.automodel.attention import PACKAGE
+
+        declared = getattr(importlib.import_module(f"{PACKAGE}.{name}"), "STANDINS", ())
+        return "; ".join(standins.get(n).description for n in declared if standins.get(n).device_type == "cpu") or (
+            "real kernels"
+        )
     if kind != "spec":
         return "real kernels"
     from cp_harness.usage.model_specs import spec_traits
@@ -325,7 +349,7 @@ def build(summary: dict, known: list[dict]) -> CoverageTable:
 
     claims = _adapter_claims()
     spec_claims, problems = _spec_claims()
-    for extra in (spec_claims, _training_claims()):
+    for extra in (spec_claims, _training_claims(), _attention_claims()):
         for dotted, entries in extra.items():
             claims.setdefault(dotted, []).extend(entries)
     cp, training = framework_functions(), framework_functions(TRAINING_SOURCES)

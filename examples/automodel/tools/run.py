@@ -7,7 +7,10 @@ installs the pinned framework first, then runs this). Subjects are the adapters 
 rows and CP sizes the adapter declares) and the model specs of ``examples.automodel.models.SPECS`` (each:
 ``verify --model examples.automodel.models.<spec>``; a spec whose ``REQUIRES`` is unmet here is skipped, with its
 reason, and left to the nightly GPU job) and, for the specs of ``TRAINING_STEP_SPECS``, their training step (subject
-``training:<spec>``: ``verify --model ... --step training --world-sizes 4``, ``docs/training_step.md``). Then the case of every row a documented defect reaches
+``training:<spec>``: ``verify --model ... --step training --world-sizes 4``, ``docs/training_step.md``) and the
+framework's CP attention functions of ``examples.automodel.attention.SUBJECTS`` (subject ``attention:<name>``: the
+``cp_attention`` check on drawn cases, ``tools/attention_gate.py``; docs/real_clients.md, "The EAGLE-3 CP
+attention"). Then the case of every row a documented defect reaches
 (``known_defects.json``, ``examples/automodel/tools/defects.py``) is replayed on one pool, and ``<reports>/summary.json``
 and ``<reports>/summary.md`` get the status, the verdicts, the coverage table (``examples/automodel/tools/coverage.py``:
 every CP function of the installed framework, what exercises it, where it runs) and the verify tables.
@@ -345,10 +348,12 @@ def _replay_all(rows: list[dict], backend: str, pool=None) -> list[dict]:
 
 def _subjects(names: list[str]) -> list[str]:
     from examples.automodel.adapters import ADAPTERS
+    from examples.automodel.attention import SUBJECTS as ATTENTION
     from examples.automodel.models import SPECS
 
     every = [f"adapter:{a}" for a in ADAPTERS] + [f"spec:{s}" for s in SPECS]
     every += [f"training:{s}" for s in TRAINING_STEP_SPECS]
+    every += [f"attention:{s}" for s in ATTENTION]
     if not names:
         return every
     chosen = []
@@ -356,7 +361,8 @@ def _subjects(names: list[str]) -> list[str]:
         found = [s for s in every if s == name or s.split(":", 1)[1] == name]
         if not found:
             raise SystemExit(
-                f"unknown subject {name!r}; known adapters: {', '.join(ADAPTERS)}; model specs: {', '.join(SPECS)}"
+                f"unknown subject {name!r}; known adapters: {', '.join(ADAPTERS)}; model specs: {', '.join(SPECS)}; "
+                f"attention subjects: {', '.join(ATTENTION)}"
             )
         chosen += found
     return chosen
@@ -412,15 +418,27 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
         path = reports / (f"{name}.training_step.json" if kind == "training" else f"{name}.json")
         if path.exists():
             path.unlink()
-        if kind in ("spec", "training"):
-            unmet = coverage.spec_unmet(name)
+        if kind in ("spec", "training", "attention"):
+            if kind == "attention":
+                from examples.automodel.tools.attention_gate import unmet as attention_unmet
+
+                unmet = attention_unmet(name, args.backend)
+            else:
+                unmet = coverage.spec_unmet(name)
             if unmet:
                 summary["skipped"][subject] = unmet
-                print(f"\nreal clients: skipped {subject}: {unmet} (the nightly GPU job runs it)", flush=True)
+                where = "install flash-attn 2.8 beside it" if kind == "attention" else "the nightly GPU job runs it"
+                print(f"\nreal clients: skipped {subject}: {unmet} ({where})", flush=True)
                 continue
         try:
             if kind == "adapter":
                 code = run_adapter(name, args, path, pool=pool)
+            elif kind == "attention":
+                from cp_harness.cases.descriptions import parse_world_sizes
+                from examples.automodel.tools.attention_gate import run_subject
+
+                sizes = tuple(parse_world_sizes(args.world_sizes))
+                code = run_subject(name, args.examples, args.seed, sizes, args.backend, path, pool=pool)
             elif kind == "training":
                 code = run_training_step(name, args, path)
                 if not path.exists() and code == 0:

@@ -106,7 +106,8 @@ def _differing(coef: float, fixed: bool) -> list[str]:
 def main(fixed: bool) -> int:
     control = _differing(0.0, fixed)
     print(f"router_aux_loss_coef 0 (control): {len(control)} MTP gradients differ {control}")
-    default = spec.build(torch.float32, 0, **spec.MTP_OVERRIDES).config.text_config.router_aux_loss_coef
+    built: Any = spec.build(torch.float32, 0, **spec.MTP_OVERRIDES)  # the framework ships no types
+    default = float(built.config.text_config.router_aux_loss_coef)
     differing = _differing(default, fixed)
     print(f"router_aux_loss_coef {default} (the config's default): {len(differing)} MTP gradients differ:")
     for line in differing:
