@@ -10,9 +10,17 @@ whose only device-specific part is that kernel runs, unchanged otherwise, on a C
   CPU backward (``flex_attention._validate_device``) replaced, nothing else.
 * ``mamba_kernels_cpu`` -- mamba_ssm's / causal_conv1d's Triton and CUDA kernels (Mamba2's fused conv + SSD
   scan, the gated RMSNorm) routed to the packages' own torch references; entered around the one-device runs too.
+* ``glm_dsa_kernels_cpu`` -- GLM-5.2 DSA's TileLang lighting indexer and sparse MLA (forward and backward)
+  computed in torch; the framework's autograd functions, wrappers and K/V all-gather unchanged; entered around the
+  one-device runs too.
 """
 
-from cp_harness.standins import flex_backward_cpu, mamba_kernels_cpu, ring_sdpa_cpu  # noqa: F401 - registers the bundled stand-ins
+from cp_harness.standins import (  # noqa: F401 - registers the bundled stand-ins
+    flex_backward_cpu,
+    glm_dsa_kernels_cpu,
+    mamba_kernels_cpu,
+    ring_sdpa_cpu,
+)
 from cp_harness.standins.registry import Entered, StandIn, entered, get, known
 
 __all__ = ["Entered", "StandIn", "entered", "get", "known"]
