@@ -92,6 +92,8 @@ def indexer_fwd(
     _dtype(kernel, "cu_seqlen_ke", cu_seqlen_ke, torch.int32)
     _need(q.dim() == 3 and kv.dim() == 2 and q.shape[-1] == kv.shape[-1], kernel, "q [T, H, D] and k [T_kv, D]")
     _need(tuple(weights.shape) == tuple(q.shape[:2]), kernel, f"weights {tuple(weights.shape)} != [T, H]")
+    _need(cu_seqlen_ks.shape == q.shape[:1] and cu_seqlen_ke.shape == q.shape[:1], kernel, "cu_seqlen_ks / "
+          f"cu_seqlen_ke must be [T] = [{q.shape[0]}], got {tuple(cu_seqlen_ks.shape)} / {tuple(cu_seqlen_ke.shape)}")  # fmt: skip
     _need(clean_logits, kernel, "clean_logits=False leaves logits outside the windows uninitialized")
     _STATE["calls"] += 1
     scores = torch.einsum("thd,jd->thj", q.float(), kv.float()).relu_()
