@@ -43,7 +43,9 @@ def test_smoke_selecting_packed_row_judges_every_gradient(real_models):
 
 @pytest.mark.parametrize("forward_only", [False, True], ids=["judged", "forward-only"])
 def test_a_gradient_only_kv_gather_defect_fails_on_gradients_and_passes_forward_only(real_models, forward_only):
-    batch = {"kind": "packed", "seq_len": 12, "documents": [[7, 5]], "seed": 1}
+    # one document over both ranks (12 tokens each): rank 1's queries attend rank 0's keys too, and rank 0 gets
+    # their part of those keys' gradient only through the all-gather's backward
+    batch = {"kind": "plain", "seq_len": 24, "seed": 1}
     if forward_only:
         report = real_models.run(real_model_case(f"{DEFECT}_forward_only", "bfloat16", 2, **batch))
         assert report.ok and comparison_kinds(report) == {"logits", "loss"}, report_text(report)
