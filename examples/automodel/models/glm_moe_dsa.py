@@ -104,9 +104,6 @@ COVERS: dict[str, str] = {
     _OPT
     + "_generate_padded_varlen_mask_params": "key windows in the padded stream, CP padding keys excluded for real queries",
     _OPT + "tilelang_sparse_attention": "sparse MLA over the gathered latent K/V, w_vc up-projection",
-    "nemo_automodel.components.models.glm_moe_dsa.kernels.indexer.IndexerFunction": "by reading: fixed-width top-k with the -1 sentinel over the kernel's logits",
-    "nemo_automodel.components.models.glm_moe_dsa.kernels.sparse_mla.SparseMLA": "by reading: autograd around the sparse MLA kernel (saves out and LSE for its backward)",
-    "nemo_automodel.components.distributed.context_parallel.sharder.ContextParallelSharder.gather_token_tensor": "differentiable all_gather of the logits, unflattened to the laid-out rows",
 }
 
 BACKEND = dict(attn="tilelang", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch",
