@@ -13,9 +13,10 @@ How the spec enters CP (as the recipe does):
 1. the loader's THD packing (``packing_strategy='thd'``): every document padded to a multiple of ``2 * cp_size``
    (1 at ``cp_size`` 1), ``position_ids`` restarting per document, ``seq_lens`` / ``seq_lens_padded`` ``[B, D]``,
    ``qkv_format="thd"`` (``mimo_v2_flash_te_thd.thd_batch``, the same layout for every THD model);
-2. model setup at ``cp_size > 1``: the MoE parallelizer's ``apply_cp`` (``model_owned_cp.apply_moe_cp``; it gives
-   GLM's attention nothing, which has no ``setup_cp_attention``, and the MoE the CP mesh, unused with the
-   released ``aux_loss_coeff=0``) on a CP twin (``model_owned_cp.cp_twin``);
+2. model setup: nothing. GLM's CP state is per batch (the sharder puts ``_glm_dsa_cp_group`` in it); its FSDP2
+   parallelizer installs none (measured: ``parallelize_model`` at ``dp_shard x cp = 2 x 2`` leaves no
+   ``_cp_enabled``), and the MoE parallelizer's ``apply_cp`` (expert parallelism) would only set flags and a MoE CP
+   mesh that GLM never reads (``aux_loss_coeff=0``). So the one-device reference and CP run the same model object;
 3. per step: ``ContextParallelSharder(model, mesh, batch)`` calls ``prepare_model_inputs_for_cp``, whose sharder
    is ``cp.shard_glm_dsa_packed_cp_batch``: ``split_batch_into_thd_chunks`` -> ``process_input_for_thd`` (rows
    flattened to one stream ``[T]``, ``cu_seqlens`` real / ``cu_seqlens_padded`` physical, ``padding_mask`` from
@@ -65,10 +66,11 @@ from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.utils.model_utils import filter_forward_kwargs
 from transformers.models.glm_moe_dsa.configuration_glm_moe_dsa import GlmMoeDsaConfig
 
+from . import _base
 from ._base import *  # noqa: F403 - part of the spec interface
 from ._base import batch_to, build_seeded, dtype_name, model_device, rank_device, tiny
 from .mimo_v2_flash_te_thd import cp_padded_length, gather_logits, local_labels, thd_batch  # noqa: F401 - same layout
-from .model_owned_cp import TWIN_KEY, cp_active, shard_on_twin
+from .model_owned_cp import cp_active
 
 NAME = "glm_moe_dsa"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.glm_moe_dsa.model.GlmMoeDsaForCausalLM"
@@ -176,8 +178,8 @@ def shard(
     batch: dict[str, Any],
     padding_token_id: int = 0,
 ) -> tuple[Callable[[], Any], dict[str, Any], ContextParallelSharder]:
-    """The loader's THD layout for the mesh's CP size on the model's device, then at CP > 1 the recipe's sharder on
-    the CP twin (``apply_cp``), at one device the framework's THD conversion (``_one_device_thd``).
+    """The loader's THD layout for the mesh's CP size on the model's device, then at CP > 1 the recipe's sharder
+    (the model's hook), at one device the framework's THD conversion (``_one_device_thd``).
 
     Returns:
         ``(ctx_factory, local_batch, sharder)``; ``local_batch`` tensors ``[T_local]`` (module docstring).
@@ -186,7 +188,7 @@ def shard(
     laid_out, position_map = thd_batch(batch, cp_size)
     laid_out = batch_to(laid_out, model_device(model))
     if cp_active(mesh):
-        ctx_factory, local_batch, sharder = shard_on_twin(model, mesh, laid_out, padding_token_id)
+        ctx_factory, local_batch, sharder = _base.shard(model, mesh, laid_out, padding_token_id)
     else:
         sharder = ContextParallelSharder(
             shard_batch=_one_device_thd,
@@ -199,8 +201,7 @@ def shard(
 
 
 def forward(model: torch.nn.Module, local_batch: dict[str, Any]) -> torch.Tensor:
-    """The model (or its CP twin) on this rank's THD shard, inside ``ctx_factory()``; logits ``[1, T_local, V]``."""
-    target = local_batch.get(TWIN_KEY, model)
-    kwargs = {key: value for key, value in local_batch.items() if key not in ("labels", TWIN_KEY)}
-    logits = target(**filter_forward_kwargs(target, kwargs)).logits
+    """The model on this rank's THD shard, inside ``ctx_factory()``; logits ``[1, T_local, V]``."""
+    kwargs = {key: value for key, value in local_batch.items() if key != "labels"}
+    logits = model(**filter_forward_kwargs(model, kwargs)).logits
     return logits if logits.ndim == 3 else logits.unsqueeze(0)
