@@ -74,7 +74,8 @@ from .model_owned_cp import cp_active
 
 NAME = "glm_moe_dsa"
 FRAMEWORK_CLASS = "nemo_automodel.components.models.glm_moe_dsa.model.GlmMoeDsaForCausalLM"
-DTYPES = (torch.bfloat16,)  # float32: the TileLang indexer dispatch requires bfloat16 (module docstring)
+# float32: the TileLang indexer dispatch requires bfloat16 (module docstring)
+DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16,)
 WORLD_SIZES = (1, 2, 3, 4)
 BATCH_KINDS = ("plain", "right_padded", "packed")
 SEQ_LENS_PADDING = -1000

@@ -26,6 +26,7 @@ Exit status 1 while the recipe's one-rank sharder gives the model no ``cu_seqlen
 import os
 import sys
 import tempfile
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -45,9 +46,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
         try:
-            mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("cp",))  # a CP axis of size 1
+            world = dist.group.WORLD
+            assert world is not None
+            mesh = DeviceMesh.from_group(world, "cpu", mesh_dim_names=("cp",))  # a CP axis of size 1
             batch, _ = spec.thd_batch(spec.make_batch("packed", SEQ_LEN, documents=DOCUMENTS, seed=1), 1)
-            model = spec.build(torch.bfloat16, 0)
+            model: Any = spec.build(torch.bfloat16, 0)
             model.backend.attn = "cudnn"  # the other packed backend; its cu_seqlens check precedes every kernel
             print(f"model has attribute supports_thd: {hasattr(model, 'supports_thd')}; "
                   f"ModelCapabilities.supports_thd: {type(model).ModelCapabilities().supports_thd}")  # fmt: skip
