@@ -32,7 +32,7 @@ How the spec enters CP (as the recipe does):
 One device: the recipe's dispatch at ``cp_size`` 1 does not call the model's hook (``_prepare_cp_sharder`` reads
 ``model.supports_thd``, which GLM declares only in its ``ModelCapabilities``), so its identity sharder hands the
 model the untransformed rows and the TileLang indexer raises ``ValueError: TileLang DSA indexer requires
-'cu_seqlens'`` (``docs/models/glm_moe_dsa.md``, finding G1: ``repro/glm_dsa_one_device_no_thd.py``). The
+'cu_seqlens'`` (``docs/models/glm_moe_dsa.md``, finding DSA1: ``repro/glm_dsa_one_device_no_thd.py``). The
 one-device reference therefore converts the rows with the framework's own ``split_batch_into_thd_chunks`` (what
 the CP path runs before slicing) and runs the untouched model on the whole stream.
 
