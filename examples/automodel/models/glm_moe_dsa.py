@@ -77,6 +77,7 @@ FRAMEWORK_CLASS = "nemo_automodel.components.models.glm_moe_dsa.model.GlmMoeDsaF
 # float32: the TileLang indexer dispatch requires bfloat16 (module docstring)
 DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16,)
 WORLD_SIZES = (1, 2, 3, 4)
+TRAINING_DTYPES = ("bfloat16",)  # the training-step row it runs (cp_harness/checks/training_step.py, BF16_STEP)
 BATCH_KINDS = ("plain", "right_padded", "packed")
 SEQ_LENS_PADDING = -1000
 
