@@ -124,6 +124,17 @@ def test_smoke_glm_moe_dsa_bfloat16_thd_batches_on_its_stand_in(step_runner):
     assert set(report.standins) == {"glm_dsa_kernels_cpu"}, report.standins
 
 
+def test_glm_moe_dsa_kv_gather_backward_not_reduced_fails_the_step_on_gradients(step_runner):
+    """The real-model check's gradient-only GLM fixture (the K/V all-gather's backward keeps the rank's own slice) in
+    the training step: one document per row over both CP ranks (24 tokens, 12 per rank); the loss and logits pass,
+    the latent K/V projections' gradients (FSDP2-reduced over ``dp_shard_cp``) fail."""
+    batch = {"kind": "plain", "seq_len": 24, "batch_size": 2, "seed": 1}
+    case = {**_case(batch, spec="real_model_spec_glm_moe_dsa_kv_gather_grad_not_reduced"), "dtype": "bfloat16"}
+    text, failing = _failures(case, step_runner)
+    assert any("kv_a_proj_with_mqa" in n for n in failing), text
+    assert "loss" not in failing and "logits" not in failing, text  # the forward is untouched
+
+
 def test_aux_loss_scale_left_at_one_fails_on_the_routers(step_runner):
     text, failing = _failures(_case(UNEVEN, "training_step_driver_aux_scale", spec=QWEN), step_runner)
     assert {
