@@ -28,6 +28,7 @@ import importlib
 import torch
 from hypothesis import strategies as st
 
+from cp_harness import standins
 from cp_harness.cases.profiles import current_space
 from cp_harness.cases.strategies import as_space
 from cp_harness.checks import VerifyRow, register
@@ -38,7 +39,8 @@ from cp_harness.usage import model_specs
 DRIVER = "examples.automodel.training.train_ft_step"
 DP_SHARD, CP = 2, 2
 NORM = rm.Quantity("grad_norm")
-# Both dtypes; a bfloat16 spec whose step cannot run (or is not diagnosed) is skipped naming why (DTYPE_UNSUPPORTED).
+# Both dtypes. A spec runs those of its TRAINING_DTYPES (default both: glm_moe_dsa's TileLang CP path is bfloat16 only);
+# a spec whose bfloat16 step cannot run, or is not diagnosed, is skipped naming why (DTYPE_UNSUPPORTED).
 STEP_DTYPES = ("float32", "bfloat16")
 _FSDP_MODELS: dict[tuple, torch.nn.Module] = {}
 
@@ -122,17 +124,21 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         error = exc
     rm._agree_ready(ctx, error)
     loss = case.get("loss", "masked")
-    step = driver.STEP.run(spec, model, context, batch, rows, **({"loss": loss} if loss != "masked" else {}))
+    names = model_specs.spec_traits(case["spec"]).standins
+    # the spec's kernel stand-ins around the step, as the real-model check enters them (docs/standins.md)
+    with standins.entered(names, ctx.device.type) as stood_in:
+        step = driver.STEP.run(spec, model, context, batch, rows, **({"loss": loss} if loss != "masked" else {}))
     if ctx.rank != 0:
         return {}, {}
     mtp = getattr(driver, "one_device_mtp_step", None) if loss == "mtp" else None
-    runs = {
-        rm.Run.CP: _with_norm(step),
-        rm.Run.REFERENCE: _with_norm(one_device(spec, reference_model, batch, dp, mtp=mtp)),
-        rm.Run.REORDERED: _with_norm(
-            one_device(spec, reference_model, batch, dp, split=max(2, cp), reverse=True, mtp=mtp)
-        ),
-    }
+    with standins.entered(names, ctx.device.type, reference=True):  # only kernels the device has none of
+        runs = {
+            rm.Run.CP: _with_norm(step),
+            rm.Run.REFERENCE: _with_norm(one_device(spec, reference_model, batch, dp, mtp=mtp)),
+            rm.Run.REORDERED: _with_norm(
+                one_device(spec, reference_model, batch, dp, split=max(2, cp), reverse=True, mtp=mtp)
+            ),
+        }
     valid = spec.valid_positions(batch).to(torch.bool)
     not_judged = (
         {"torch's gloo backward of torch.distributed.nn.functional.all_gather": driver.STAND_IN}
@@ -145,7 +151,12 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         for run in (rm.Run.REFERENCE, rm.Run.REORDERED):
             runs[run].pop(rm.Quantity("logits"))
         not_judged["logits"] = LINEAR_CE_LOGITS
-    info = {"not_judged": not_judged, "dp_label_counts": _label_counts(batch, dp), "loss": loss}
+    info = {
+        "not_judged": not_judged,
+        "dp_label_counts": _label_counts(batch, dp),
+        "loss": loss,
+        "standins": stood_in.used(),
+    }
     return info, rm._to_wire(valid, runs)
 
 
@@ -202,7 +213,7 @@ def _label_counts(batch: dict, dp: int) -> list[int]:
 
 def _evaluate(case: dict, outputs: list) -> CaseReport:
     info = outputs[0].info
-    report = CaseReport(case=case, not_judged=dict(info.get("not_judged", {})))
+    report = CaseReport(case=case, not_judged=dict(info.get("not_judged", {})), standins=dict(info.get("standins", {})))
     report.info["dp_label_counts"] = info.get("dp_label_counts")
     report.info["loss"] = info.get("loss", "masked")
     valid, runs = rm._from_wire(outputs[0].tensors)
@@ -268,6 +279,11 @@ def _runnable(models: tuple[str, ...], dtype: str, loss: str = "masked") -> tupl
             skipped[name] = f"MTP: {MTP_UNSUPPORTED.get(short, 'the spec declares no MTP_OVERRIDES (no MTP head)')}"
         elif why is not None:
             skipped[name] = f"forward only on this machine ({why}); the training step needs a backward"
+        elif dtype not in getattr(importlib.import_module(name), "TRAINING_DTYPES", STEP_DTYPES):
+            skipped[name] = (
+                f"its training step runs {list(getattr(importlib.import_module(name), 'TRAINING_DTYPES', STEP_DTYPES))}"
+                f" (TRAINING_DTYPES), not {dtype}: docs/training_step.md, bfloat16"
+            )
         elif traits.world_sizes is not None and CP not in traits.world_sizes:
             skipped[name] = f"declares WORLD_SIZES {list(traits.world_sizes)}, not the step's CP size {CP}"
         elif not _kinds(traits):

@@ -13,6 +13,9 @@ whose only device-specific part is that kernel runs, unchanged otherwise, on a C
   flash-attn's interface module; the one-rank runs use it too.
 * ``mamba_kernels_cpu`` -- mamba_ssm's / causal_conv1d's Triton and CUDA kernels (Mamba2's fused conv + SSD
   scan, the gated RMSNorm) routed to the packages' own torch references; entered around the one-device runs too.
+* ``glm_dsa_kernels_cpu`` -- GLM-5.2 DSA's TileLang lighting indexer and sparse MLA (forward and backward)
+  computed in torch; the framework's autograd functions, wrappers and K/V all-gather unchanged; entered around the
+  one-device runs too.
 * ``te_thd_partition_cpu`` -- Transformer Engine's THD partition-index kernel (``thd_get_partitioned_indices``) in
   torch integer arithmetic, so the framework's TE THD batch sharding (``make_cp_batch_for_te``) runs on a CPU.
 """
@@ -20,6 +23,7 @@ whose only device-specific part is that kernel runs, unchanged otherwise, on a C
 from cp_harness.standins import (  # noqa: F401 - registers the bundled stand-ins
     flash_attn_cpu,
     flex_backward_cpu,
+    glm_dsa_kernels_cpu,
     mamba_kernels_cpu,
     ring_sdpa_cpu,
     te_thd_partition_cpu,

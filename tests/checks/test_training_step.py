@@ -20,12 +20,20 @@ import pytest
 from cp_harness.checks.training_step import smoke_cases
 from cp_harness.judging.render import report_text
 
-JUDGES = ("spec:deepseek_v41", "spec:qwen3_5_moe", "training:deepseek_v41", "training:qwen3_5_moe")
+JUDGES = (
+    "spec:deepseek_v41",
+    "spec:qwen3_5_moe",
+    "spec:glm_moe_dsa",
+    "training:deepseek_v41",
+    "training:qwen3_5_moe",
+    "training:glm_moe_dsa",
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
 SPEC = "examples.automodel.models.deepseek_v41"
 QWEN = "examples.automodel.models.qwen3_5_moe"  # NEAT packing (_packed_seq_ids, 4-D mask), a router aux loss
+GLM = "examples.automodel.models.glm_moe_dsa"  # packed THD through process_input_for_thd, bfloat16, a stand-in
 # Different label counts on the two dp ranks (15 and 10): a count not summed over dp changes the result.
 UNEVEN = {"kind": "packed", "seq_len": 19, "batch_size": 2, "documents": [[7, 5, 6], [3, 1, 9]], "seed": 1}
 
@@ -102,6 +110,29 @@ def test_smoke_qwen3_5_moe_neat_packing_and_router_aux_loss(step_runner):
     names = {c.name.split(" (")[0] for c in report.comparisons}
     assert "grad model.language_model.layers.0.mlp.gate.weight" in names and "grad_norm" in names, names
     assert report.info["dp_label_counts"] == [15, 10], report.info
+
+
+def test_smoke_glm_moe_dsa_bfloat16_thd_batches_on_its_stand_in(step_runner):
+    """The bfloat16 row's one spec (``TRAINING_DTYPES``): GLM DSA's packed THD CP inside the recipe's step, its hook
+    turning each dp rank's rows into ``process_input_for_thd`` batches (label counts 15 and 10), FSDP2 over
+    ``dp_shard_cp``, the TileLang kernels on ``glm_dsa_kernels_cpu`` (named in the report); every gradient judged."""
+    report = step_runner.run({**_case(UNEVEN, spec=GLM), "dtype": "bfloat16"})
+    assert report.ok, report_text(report)
+    names = {c.name.split(" (")[0] for c in report.comparisons}
+    assert {"logits", "loss", "grad_norm"} <= names and sum(n.startswith("grad model.") for n in names) > 50, names
+    assert report.info["dp_label_counts"] == [15, 10], report.info
+    assert set(report.standins) == {"glm_dsa_kernels_cpu"}, report.standins
+
+
+def test_glm_moe_dsa_kv_gather_backward_not_reduced_fails_the_step_on_gradients(step_runner):
+    """The real-model check's gradient-only GLM fixture (the K/V all-gather's backward keeps the rank's own slice) in
+    the training step: one document per row over both CP ranks (24 tokens, 12 per rank); the loss and logits pass,
+    the latent K/V projections' gradients (FSDP2-reduced over ``dp_shard_cp``) fail."""
+    batch = {"kind": "plain", "seq_len": 24, "batch_size": 2, "seed": 1}
+    case = {**_case(batch, spec="real_model_spec_glm_moe_dsa_kv_gather_grad_not_reduced"), "dtype": "bfloat16"}
+    text, failing = _failures(case, step_runner)
+    assert any("kv_a_proj_with_mqa" in n for n in failing), text
+    assert "loss" not in failing and "logits" not in failing, text  # the forward is untouched
 
 
 def test_aux_loss_scale_left_at_one_fails_on_the_routers(step_runner):

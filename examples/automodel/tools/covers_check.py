@@ -103,6 +103,20 @@ class Counting:
         self._undo.clear()
 
 
+def _dtype(spec) -> torch.dtype:
+    """float32 where the spec runs it, else the first of its ``DTYPES`` (glm_moe_dsa: bfloat16 only)."""
+    dtypes = tuple(getattr(spec, "DTYPES", (torch.float32,)))
+    return torch.float32 if torch.float32 in dtypes else dtypes[0]
+
+
+def _standins(spec):
+    """The spec's ``STANDINS`` that run on this rank's device, around the CP step and the one-device runs alike
+    (as the harness enters a ``reference_too`` stand-in; a stand-in of another device is left out)."""
+    from cp_harness.standins import entered
+
+    return entered(tuple(getattr(spec, "STANDINS", ())), "cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _rank(rank, world, store, sizes, spec_name, queue):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -112,12 +126,12 @@ def _rank(rank, world, store, sizes, spec_name, queue):
         if rank < n:
             meshes[n] = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("cp",))
     spec = importlib.import_module(spec_name)
-    model = spec.build(torch.float32, 0)
+    model = spec.build(_dtype(spec), 0)
     report = {}
     for n in sizes:
         counting = Counting(spec.COVERS)
         if rank < n:
-            with counting:
+            with counting, _standins(spec):
                 for kind, seq_len, keys in BATCHES:
                     if kind not in getattr(spec, "BATCH_KINDS", (kind,)):
                         continue
