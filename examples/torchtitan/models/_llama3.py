@@ -79,8 +79,9 @@ MASK_BLOCK = 128  # torch's _DEFAULT_SPARSE_BLOCK_SIZE, which _create_cp_block_m
 
 # The llama3 "debugmodel" flavour's structure (torchtitan/models/llama3/__init__.py ``_debugmodel``) at a tiny size:
 # the same builder, inits, ComplexRoPE with llama scaling, fused QKV; GQA (2 key/value heads) as the 8B flavour.
-TINY: dict[str, Any] = dict(dim=32, n_heads=4, n_kv_heads=2, n_layers=2, vocab_size=64, multiple_of=32,
-                            max_seq_len=2048, rope_theta=500000.0)
+TINY: dict[str, Any] = dict(
+    dim=32, n_heads=4, n_kv_heads=2, n_layers=2, vocab_size=64, multiple_of=32, max_seq_len=2048, rope_theta=500000.0
+)
 
 _SHARD = "torchtitan.distributed.context_parallel.api."
 _TORCH_CP = "torch.distributed.tensor.experimental._context_parallel._attention."
@@ -92,7 +93,8 @@ COVERS_COMMON: dict[str, str] = {
     "torchtitan.models.common.attention.get_efficient_causal_mask_mod_for_packed_document": "document bounds from positions",
     "torchtitan.components.loss.CrossEntropyLoss": "sum over the rank's labels / the global label count",
     _TORCH_CP + "_context_parallel_shard": "the balancer's rearrangement, then each rank's contiguous slice",
-    _TORCH_CP + "_create_cp_block_mask": "the local-query block mask, mask_mod rewritten through the balancer's indices",
+    _TORCH_CP
+    + "_create_cp_block_mask": "the local-query block mask, mask_mod rewritten through the balancer's indices",
     "torch.distributed.tensor.experimental._context_parallel._cp_custom_ops.flex_cp_allgather": "K/V all-gather; backward reduce-scatters dK/dV",
     _TORCH_CP + "context_parallel_unshard": "gather_logits: all-gather, then the balancer's restore indices",
 }
@@ -115,8 +117,9 @@ def config(**overrides: Any) -> Llama3Model.Config:
             n_heads=heads,
             n_kv_heads=t["n_kv_heads"],
             hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=t["multiple_of"]),
-            rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=t["max_seq_len"], theta=t["rope_theta"],
-                                    scaling="llama"),
+            rope=ComplexRoPE.Config(
+                dim=dim // heads, max_seq_len=t["max_seq_len"], theta=t["rope_theta"], scaling="llama"
+            ),
             attn_backend="flex",
         ),
     )
@@ -126,8 +129,10 @@ def build(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -
     """The trainer's build: ``config().build()`` on the meta device, ``to_empty`` on the CPU, ``init_weights`` under
     no_grad and ``seed`` (the caller's RNG state restored), ``train()``. Every parameter in ``dtype``."""
     if dtype not in DTYPES:
-        raise ValueError(f"torchtitan llama3 spec: dtype {dtype} not supported (supported: {DTYPES}; the trainer "
-                         "keeps parameters in float32)")
+        raise ValueError(
+            f"torchtitan llama3 spec: dtype {dtype} not supported (supported: {DTYPES}; the trainer "
+            "keeps parameters in float32)"
+        )
     with torch.device("meta"):
         model = config(**overrides).build()
     model.to_empty(device="cpu")
@@ -250,8 +255,11 @@ def shard_with(
         masks = model.get_attention_masks(positions=pos)
     sharder = Sharded(mesh if cp else None, seq_len)
     if not cp:
-        return contextlib.nullcontext, {"tokens": tokens, "labels": labels, "positions": pos,
-                                        "attention_masks": masks}, sharder
+        return (
+            contextlib.nullcontext,
+            {"tokens": tokens, "labels": labels, "positions": pos, "attention_masks": masks},
+            sharder,
+        )
     with _eager_flex(device), _recording_balancer(sharder):
         tokens, labels, extra = titan_cp.prepare_context_parallel_input(
             tokens, labels, {"positions": pos, "attention_masks": masks}, mesh, device, load_balancer
@@ -263,8 +271,9 @@ def shard_with(
 def forward(model: torch.nn.Module, local_batch: dict[str, Any]) -> torch.Tensor:
     """``model(tokens, positions=, attention_masks=)``: logits ``[B, S_local, V]`` in the model dtype."""
     with _eager_flex(_device(model)):
-        return model(local_batch["tokens"], positions=local_batch["positions"],
-                     attention_masks=local_batch["attention_masks"])
+        return model(
+            local_batch["tokens"], positions=local_batch["positions"], attention_masks=local_batch["attention_masks"]
+        )
 
 
 def local_labels(local_batch: dict[str, Any]) -> torch.Tensor:
