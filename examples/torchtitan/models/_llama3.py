@@ -51,7 +51,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor.experimental._attention import context_parallel_unshard
@@ -221,7 +221,8 @@ def _recording_balancer(record: Sharded) -> Iterator[None]:
 def _cp_forward(model: torch.nn.Module, mesh: Any) -> Iterator[None]:
     """``apply_cp_to_forward`` on every block's inner attention (``parallelize_llama``'s CP step) for the block; the
     instance ``forward`` wrappers it set removed on exit."""
-    inner = [block.attention.inner_attention for block in model.layers.values()]
+    layers: Any = model.layers  # Llama3Model's ModuleDict of blocks (nn.Module's __getattr__ types it loosely)
+    inner = [block.attention.inner_attention for block in layers.values()]
     titan_cp.apply_cp_to_forward(inner, mesh)
     try:
         yield
@@ -252,7 +253,7 @@ def shard_with(
     tokens[:, :seq_len], labels[:, :seq_len] = batch["input_ids"], batch["labels"]
     tokens, labels, pos = tokens.to(device), labels.to(device), positions(batch, length).to(device)
     with _eager_flex(device):
-        masks = model.get_attention_masks(positions=pos)
+        masks = cast(Any, model).get_attention_masks(positions=pos)  # Decoder.get_attention_masks
     sharder = Sharded(mesh if cp else None, seq_len)
     if not cp:
         return (
