@@ -5,7 +5,8 @@ real-model pool (3 gloo ranks).
 
 A smoke per balancer must pass with every parameter gradient judged on the stand-in ``flex_backward_cpu_all_runs``;
 each defect fixture (a balancer's chunk order swapped on one rank, the unshard in reversed rank order, the K/V
-all-gather in reversed rank order) must fail naming what it corrupts. Rows of 150-380 tokens, so that every rank
+all-gather in reversed rank order, dK/dV not reduce-scattered: gradients only) must fail naming what it corrupts.
+Rows of 250-380 tokens, so that every rank
 holds real tokens (torch's CP block mask pads a row to a multiple of ``cp_size * 128``: ``_llama3``). Skipped
 without torchtitan.
 """
@@ -93,4 +94,11 @@ def test_a_kv_all_gather_in_reversed_rank_order_fails_the_attention(real_models)
     report = real_models.run(real_model_case("torchtitan_spec_kv_gather_rank_order", "float32", 2, **PACKED))
     failing = _failing(report)
     assert "logits" in failing, report_text(report)
+    assert "grad layers.0.attention.qkv_linear.wqkv.weight" in failing, report_text(report)
+
+
+def test_dkv_not_reduce_scattered_fails_on_gradients_only(real_models):
+    report = real_models.run(real_model_case("torchtitan_spec_kv_grad_not_reduced", "float32", 2, **PACKED))
+    failing = _failing(report)
+    assert failing and all(name.startswith("grad ") for name in failing), report_text(report)
     assert "grad layers.0.attention.qkv_linear.wqkv.weight" in failing, report_text(report)
