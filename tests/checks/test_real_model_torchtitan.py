@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 from real_model_cases import comparison_kinds, real_model_case
 
 from cp_harness.judging.render import report_text
@@ -49,6 +50,16 @@ def test_positions_restart_at_each_document_and_the_padding_is_a_document_of_its
     plain = _llama3.make_batch("plain", 5, batch_size=2, seed=0)
     assert _llama3.positions(plain, 8).tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]] * 2
     assert [_llama3.cp_padded_length(None, n, c) for n, c in ((250, 2), (256, 2), (9, 3), (9, 1))] == [256, 256, 384, 9]
+
+
+def test_an_unsupported_dtype_is_refused_naming_the_field_and_why():
+    pytest.importorskip("torchtitan")
+    from examples.torchtitan.models import _llama3
+
+    with pytest.raises(
+        ValueError, match=r"dtype torch.bfloat16 not supported \(supported: \(torch.float32,\); the trainer"
+    ):
+        _llama3.build(torch.bfloat16)
 
 
 SMOKE = [
