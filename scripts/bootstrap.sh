@@ -8,14 +8,16 @@
 # dependencies: the pins of constraints/models.txt (the `models` extra), installed the same
 # way (--no-deps) and left out the same way. mamba-ssm and causal-conv1d (constraints/mamba.txt, nemotron_v3_mamba's
 # kernels' torch references) are sdists, built here without CUDA (their setup.py's FORCE / SKIP_CUDA switches),
-# with --no-build-isolation (setup.py imports torch), only with a CPU torch; left out the same way too.
+# with --no-build-isolation (setup.py imports torch), only with a CPU torch; left out the same way too. torchtitan
+# 0.3.0 and what its CP path imports (constraints/torchtitan.txt, examples/torchtitan) likewise.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${CP_HARNESS_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
 stamp="$venv/.cp-harness-stamp"
 want="$(cat "$root/pyproject.toml" "$root/constraints/cpu.txt" "$root/constraints/test.txt" \
-  "$root/constraints/framework.txt" "$root/constraints/models.txt" "$root/constraints/mamba.txt" | sha256sum | cut -d' ' -f1)"
+  "$root/constraints/framework.txt" "$root/constraints/models.txt" "$root/constraints/mamba.txt" \
+  "$root/constraints/torchtitan.txt" | sha256sum | cut -d' ' -f1)"
 if [ ! -x "$venv/bin/python" ]; then
   echo "bootstrap: creating $venv" >&2
   # The venv's own pip, installed by this Python's pip without compiling it (ensurepip compiles: 5 s -> 2.5 s);
@@ -39,6 +41,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
       -r "$root/constraints/framework.txt"
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile --no-deps \
       -r "$root/constraints/models.txt"
+    # torchtitan 0.3.0 (examples/torchtitan): pure-Python wheels, --no-deps like the framework
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile --no-deps \
+      -r "$root/constraints/torchtitan.txt"
     # CPU torch only: with a CUDA torch (the nightly's GPU job) the same versions come as CUDA builds from
     # constraints/gpu.txt, which pip would skip if this CPU build (no CUDA extension) were already installed.
     if "$venv/bin/python" -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then

@@ -93,3 +93,22 @@ FLEX_BACKWARD_CPU = register(
         calls=lambda: _STATE["calls"],
     )
 )
+
+# The same stand-in for a model whose *one-device* path calls FlexAttention too (torchtitan 0.3.0's language models:
+# their only attention backends are FlexAttention and varlen, examples/torchtitan): there the one-device reference,
+# the reordered run and the explanation runs need FlexAttention's CPU backward as well, so it is entered around
+# every run (``reference_too``), and CP and one device compute with the same eager dense kernel. Same install,
+# same counter: a spec declares one of the two names, never both (entering twice raises).
+FLEX_BACKWARD_CPU_ALL_RUNS = register(
+    StandIn(
+        name="flex_backward_cpu_all_runs",
+        device_type="cpu",
+        replaces=FLEX_BACKWARD_CPU.replaces,
+        role="FlexAttention backward (CP step and one-device runs)",
+        computes_with=FLEX_BACKWARD_CPU.computes_with,
+        meets="",
+        install=install,
+        calls=lambda: _STATE["calls"],
+        reference_too=True,
+    )
+)

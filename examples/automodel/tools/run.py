@@ -169,12 +169,21 @@ def run_adapter(adapter: str, args, json_path: Path, pool=None) -> int:
     return result.exit_code
 
 
+def spec_module(spec: str) -> str:
+    """The dotted module of model spec ``spec``: one of ``examples.torchtitan.models.SPECS`` (torchtitan 0.3.0, the
+    second real client: docs/torchtitan.md), else ``examples.automodel.models.<spec>``."""
+    from examples.torchtitan.models import PACKAGE as TORCHTITAN
+    from examples.torchtitan.models import SPECS as TORCHTITAN_SPECS
+
+    return f"{TORCHTITAN}.{spec}" if spec in TORCHTITAN_SPECS else f"examples.automodel.models.{spec}"
+
+
 def run_spec(spec: str, args, json_path: Path) -> int:
     """``cp_harness verify --model`` on one model spec, at the CP sizes it declares (``WORLD_SIZES``; default
     1, 2, 3), in its own process (its launcher imports the spec once, before the ranks fork)."""
     from cp_harness.usage.model_specs import spec_traits
 
-    traits = spec_traits(f"examples.automodel.models.{spec}")
+    traits = spec_traits(spec_module(spec))
     sizes = _sizes(traits.world_sizes or SPEC_WORLD_SIZES, args.world_sizes)
     cmd = [
         sys.executable,
@@ -182,7 +191,7 @@ def run_spec(spec: str, args, json_path: Path) -> int:
         "cp_harness",
         "verify",
         "--model",
-        f"examples.automodel.models.{spec}",
+        spec_module(spec),
         "--examples",
         str(args.examples),
         "--seed",
@@ -350,8 +359,10 @@ def _replay_all(rows: list[dict], backend: str, pool=None) -> list[dict]:
 def _subjects(names: list[str]) -> list[str]:
     from examples.automodel.adapters import ADAPTERS
     from examples.automodel.attention import SUBJECTS as ATTENTION
-    from examples.automodel.models import SPECS
+    from examples.automodel.models import SPECS as AUTOMODEL_SPECS
+    from examples.torchtitan.models import SPECS as TORCHTITAN_SPECS
 
+    SPECS = AUTOMODEL_SPECS + TORCHTITAN_SPECS  # torchtitan 0.3.0's specs: docs/torchtitan.md
     every = [f"adapter:{a}" for a in ADAPTERS] + [f"spec:{s}" for s in SPECS]
     every += [f"training:{s}" for s in TRAINING_STEP_SPECS]
     every += [f"attention:{s}" for s in ATTENTION]
