@@ -10,9 +10,17 @@ whose only device-specific part is that kernel runs, unchanged otherwise, on a C
   CPU backward (``flex_attention._validate_device``) replaced, nothing else.
 * ``mamba_kernels_cpu`` -- mamba_ssm's / causal_conv1d's Triton and CUDA kernels (Mamba2's fused conv + SSD
   scan, the gated RMSNorm) routed to the packages' own torch references; entered around the one-device runs too.
+* ``fla_conv_cpu`` / ``fla_gloo_allgather`` -- fla's convolution CP (Qwen3.5-MoE's Gated DeltaNet halo): its two
+  Triton conv kernels computed by a depthwise torch conv1d of the same contract, and the NCCL branch of the
+  stacked ``all_gather_into_tensor`` that gloo refuses (finding-D2 style); fla's halo exchange unchanged.
 """
 
-from cp_harness.standins import flex_backward_cpu, mamba_kernels_cpu, ring_sdpa_cpu  # noqa: F401 - registers the bundled stand-ins
+from cp_harness.standins import (  # noqa: F401 - registers the bundled stand-ins
+    fla_conv_cpu,
+    flex_backward_cpu,
+    mamba_kernels_cpu,
+    ring_sdpa_cpu,
+)
 from cp_harness.standins.registry import Entered, StandIn, entered, get, known
 
 __all__ = ["Entered", "StandIn", "entered", "get", "known"]
