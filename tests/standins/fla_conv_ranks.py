@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from cp_harness import standins
-from cp_harness.checks.real_model import C, FLOOR
+from cp_harness.checks.real_model import FLOOR, C
 from cp_harness.usage import model_specs
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "fixtures"))
