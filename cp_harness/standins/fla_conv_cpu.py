@@ -208,17 +208,17 @@ def install_gloo() -> Iterator[None]:
     if _STATE["gloo_installed"]:
         raise RuntimeError("stand-in fla_gloo_allgather is already installed (entered twice)")
     comm = importlib.import_module(COMM)
-    original = comm.dist
+    original = getattr(comm, "dist")  # noqa: B009 - the module global fla's comm functions read
     if original is not torch_dist:
         raise RuntimeError(f"fla.ops.cp.comm.dist is {original!r}, not torch.distributed: the stand-in is stale")
     view = _GlooDist("torch.distributed")
     view.all_gather_into_tensor = all_gather_into_tensor  # type: ignore[attr-defined]
-    comm.dist = view
+    setattr(comm, "dist", view)  # noqa: B010
     _STATE["gloo_installed"] = True
     try:
         yield
     finally:
-        comm.dist = original
+        setattr(comm, "dist", original)  # noqa: B010
         _STATE["gloo_installed"] = False
 
 
