@@ -14,7 +14,8 @@ output, ``d mixed_qkv`` (both gathered in rank order) and the conv weight's grad
 harness's judge (``model_specs.judge_tensor``, ``C x spread + FLOOR``, the real-model check's bounds), and writes
 the verdicts as JSON to ``<--out-dir>/<world>.json``. A variant with ``"defect"`` runs the CP step inside that
 context manager of ``tests/fixtures/_gradient_only_defects.py``; ``"gloo_plain": true`` instead calls fla's
-``all_gather_into_tensor`` without the gloo stand-in and records what gloo says.
+``all_gather_into_tensor`` without the gloo stand-in and records what gloo says; ``"kimi": true`` runs Kimi Linear's
+KDA short convolution instead (``run_kimi``), with ``"doc_ids"`` ``[B, S]`` (0: padding).
 """
 
 from __future__ import annotations
@@ -92,28 +93,98 @@ def cp_step(module, x, grad, cu: list[int], packed: bool, defect: str | None) ->
     else:
         ctx = build_cp_context(cu_seqlens=torch.tensor([0, x.shape[2]], dtype=torch.long), group=group,
                                conv1d_kernel_size=module.conv_kernel_size)  # fmt: skip
-    fault = contextlib.nullcontext()
-    if defect is not None:
-        import _gradient_only_defects
-
-        fault = getattr(_gradient_only_defects, defect)()
-    with standins.entered(STANDINS, "cpu") as record, fault:
+    with standins.entered(STANDINS, "cpu") as record, _fault(defect):
         out_local = module._conv1d_with_cp(x_local, ctx)
         out_local.backward(grad_local)
         used = record.used()
-    gathered = {}
-    for name, t in (("out", out_local.detach()), ("dx", x_local.grad.detach())):
-        parts = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(parts, t.contiguous())
-        gathered[name] = torch.cat(parts, dim=2)
+    gathered = {"out": _gathered(out_local.detach(), 2), "dx": _gathered(x_local.grad.detach(), 2)}
     dweight = module.conv1d.weight.grad.detach().clone()
     dist.all_reduce(dweight)
     gathered["dweight"] = dweight
     return gathered, used
 
 
+def _gathered(t: torch.Tensor, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts, dim=dim)
+
+
+def _judge(cp: dict, ref: dict, other: dict, dtype: str, seq_dim: int) -> dict:
+    """The verdicts of ``out``, ``dx``, ``dweight`` and the sequence positions whose ``dx`` exceeds the bound."""
+    verdicts = {}
+    for name in ("out", "dx", "dweight"):
+        v = model_specs.judge_tensor(cp[name].float().numpy(), ref[name].float().numpy(),
+                                     other[name].float().numpy(), dtype, C, FLOOR[dtype])  # fmt: skip
+        verdicts[name] = {"ok": v["ok"], "error": v.get("error"), "bound": v.get("bound")}
+    diff = (cp["dx"].double() - ref["dx"].double()).abs()
+    diff = diff.amax(dim=tuple(d for d in range(diff.dim()) if d != seq_dim))
+    tol = verdicts["dx"]["bound"] * float(ref["dx"].double().abs().max()) * model_specs.ulp_unit(dtype)
+    return {"verdicts": verdicts, "dx_wrong_at": [int(i) for i in torch.nonzero(diff > tol).flatten()]}
+
+
+def _fault(defect: str | None):
+    if defect is None:
+        return contextlib.nullcontext()
+    import _gradient_only_defects
+
+    return getattr(_gradient_only_defects, defect)()
+
+
+def run_kimi(variant: dict) -> dict:
+    """Kimi Linear's KDA short convolution as the framework's ``KimiDeltaAttention._kda_core`` calls it: fla's
+    ``ShortConvolution`` (built as the framework builds ``q_conv1d``) on each row with ``cp_context=
+    build_fla_cp_context(KimiPackedContext(doc_ids, seq_start, cp_size), row, group, conv_size)`` under CP, and
+    with ``cu_seqlens = row_cu_seqlens(row)`` on one device (fla's conv there too: entered with ``fla_conv_cpu``,
+    which that path needs on a CPU). ``x`` is ``[B, S, D]``."""
+    from fla.modules import ShortConvolution
+    from nemo_automodel.components.models.kimi_linear.cp import KimiPackedContext, build_fla_cp_context
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[variant["dtype"]]
+    torch.manual_seed(variant["seed"])
+    conv = ShortConvolution(hidden_size=16, kernel_size=4, activation="silu", dtype=dtype)
+    gen = torch.Generator().manual_seed(variant["seed"] + 1)
+    doc_ids = torch.tensor(variant["doc_ids"])
+    rows, seq = doc_ids.shape
+    x = torch.randn(rows, seq, 16, generator=gen).to(dtype)
+    grad = torch.randn(rows, seq, 16, generator=gen).to(dtype)
+    kwargs = dict(cache=None, output_final_state=False)
+
+    def one_device(order):
+        leaf = x.detach().clone().requires_grad_()
+        conv.zero_grad(set_to_none=True)
+        packed = KimiPackedContext(doc_ids=doc_ids)
+        outs = {}
+        with standins.entered(("fla_conv_cpu",), "cpu"):
+            for row in order:
+                cu, _ = packed.row_cu_seqlens(row)
+                outs[row], _ = conv(x=leaf[row : row + 1], cu_seqlens=cu, **kwargs)
+            out = torch.cat([outs[r] for r in range(rows)])
+            out.backward(grad)
+        return {"out": out.detach(), "dx": leaf.grad.detach(), "dweight": conv.weight.grad.detach().clone()}
+
+    ref, other = one_device(range(rows)), one_device(reversed(range(rows)))
+    local = seq // world
+    leaf = x[:, rank * local : (rank + 1) * local].detach().clone().requires_grad_()
+    conv.zero_grad(set_to_none=True)
+    packed = KimiPackedContext(doc_ids=doc_ids, seq_start=rank * local, cp_size=world)
+    with standins.entered(STANDINS, "cpu") as record, _fault(variant.get("defect")):
+        outs = [conv(x=leaf[row : row + 1], cu_seqlens=None, cp_context=build_fla_cp_context(packed, row,
+                dist.group.WORLD, conv.kernel_size[0]), **kwargs)[0] for row in range(rows)]  # fmt: skip
+        out = torch.cat(outs)
+        out.backward(grad[:, rank * local : (rank + 1) * local].contiguous())
+        used = record.used()
+    dweight = conv.weight.grad.detach().clone()
+    dist.all_reduce(dweight)
+    cp = {"out": _gathered(out.detach(), 1), "dx": _gathered(leaf.grad.detach(), 1), "dweight": dweight}
+    return {"world": world, "standins": sorted(used), **_judge(cp, ref, other, variant["dtype"], seq_dim=1)}
+
+
 def run_variant(variant: dict) -> dict:
     world = dist.get_world_size()
+    if variant.get("kimi"):
+        return run_kimi(variant)
     if variant.get("gloo_plain"):
         from fla.ops.cp import all_gather_into_tensor
 
@@ -133,17 +204,8 @@ def run_variant(variant: dict) -> dict:
     ref = one_device(module, x, grad, cu, reverse=False)
     other = one_device(module, x, grad, cu, reverse=True)
     cp, used = cp_step(module, x, grad, cu, packed=variant.get("cu") is not None, defect=variant.get("defect"))
-    verdicts = {}
-    for name in ("out", "dx", "dweight"):
-        v = model_specs.judge_tensor(cp[name].float().numpy(), ref[name].float().numpy(),
-                                     other[name].float().numpy(), variant["dtype"], C, FLOOR[variant["dtype"]])  # fmt: skip
-        verdicts[name] = {"ok": v["ok"], "error": v.get("error"), "bound": v.get("bound")}
-    # the positions whose dx differs beyond the bound: which rank boundary a defect hits
-    diff = (cp["dx"].double() - ref["dx"].double()).abs().amax(dim=(0, 1))
-    scale = float(ref["dx"].double().abs().max())
-    tol = verdicts["dx"]["bound"] * scale * model_specs.ulp_unit(variant["dtype"])
-    return {"world": world, "verdicts": verdicts, "standins": sorted(used),
-            "dx_wrong_at": [int(i) for i in torch.nonzero(diff > tol).flatten()]}  # fmt: skip
+    # dx_wrong_at: the positions whose dx differs beyond the bound (which rank boundary a defect hits)
+    return {"world": world, "standins": sorted(used), **_judge(cp, ref, other, variant["dtype"], seq_dim=2)}
 
 
 def rank_main(variants: list[dict], out: str) -> None:

@@ -6,7 +6,9 @@ In one process: ``conv_fwd`` / ``conv_bwd`` against the Triton kernels' definiti
 (``dh0``'s column 0 is never read), the refusals, installing and removing. On 1, 2 and 3 gloo ranks
 (``fla_conv_ranks.py``, one process per rank): the framework's ``CPAwareGatedDeltaNet._conv1d_with_cp`` with fla's
 ``build_cp_context`` and fla's halo exchange, judged against the framework's one-device convolution with the
-real-model check's bounds, plain rows and packed documents that cross rank boundaries; the gradient-only defect
+real-model check's bounds, plain rows and packed documents that cross rank boundaries, and Kimi Linear's KDA short
+convolution the way ``KimiDeltaAttention._kda_core`` calls it (fla's ``ShortConvolution`` with the framework's
+``build_fla_cp_context``, against its one-device ``cu_seqlens`` path); the gradient-only defect
 ``conv_halo_backward_not_sent`` fails the gate on ``dx`` only (naming the positions) while the output passes; and
 gloo's refusal of fla's stacked all-gather without the gloo stand-in.
 """
@@ -176,6 +178,7 @@ def _run(worlds: tuple[int, ...], variants: list[dict], tmp_path) -> dict[int, l
 # second and the fourth cross. The second packed layout puts a document boundary on CP 2's rank boundary.
 PACKED = [0, 3, 10, 13, 24]
 PACKED_ON_BOUNDARY = [0, 5, 6, 12, 15, 24]
+KIMI_DOCS = [[1] * 5 + [2] * 9 + [3] * 7 + [0] * 3, [1] * 24]
 VARIANTS = [
     {"dtype": "float32", "rows": 2, "seq": 24, "seed": 0},
     {"dtype": "bfloat16", "rows": 2, "seq": 24, "seed": 2},
@@ -184,13 +187,20 @@ VARIANTS = [
     {"dtype": "float32", "rows": 1, "seq": 24, "seed": 4, "cu": PACKED, "defect": "conv_halo_backward_not_sent"},
     {"dtype": "float32", "rows": 2, "seq": 24, "seed": 0, "defect": "conv_halo_backward_not_sent"},
     {"gloo_plain": True},
+    # Kimi Linear's KDA short convolution (the framework's KimiPackedContext / build_fla_cp_context, fla's
+    # ShortConvolution): two rows, the first with three documents and right padding, the second one document
+    {"kimi": True, "dtype": "float32", "seed": 8, "doc_ids": KIMI_DOCS},
+    {"kimi": True, "dtype": "bfloat16", "seed": 9, "doc_ids": KIMI_DOCS},
+    {"kimi": True, "dtype": "float32", "seed": 8, "doc_ids": KIMI_DOCS, "defect": "conv_halo_backward_not_sent"},
 ]
-JUDGED = VARIANTS[:4]
+JUDGED = VARIANTS[:4] + VARIANTS[7:9]
+JUDGED_AT = [0, 1, 2, 3, 7, 8]
 # the positions the defect corrupts: the last W - 1 tokens (as many as the document has there) before each rank
 # boundary a document crosses
 DEFECT_POSITIONS = {
     (2, 4): [10, 11], (3, 4): [5, 6, 7, 13, 14, 15],
     (2, 5): list(range(12 - (W - 1), 12)), (3, 5): [5, 6, 7, 13, 14, 15],
+    (2, 9): [9, 10, 11], (3, 9): [5, 6, 7, 13, 14, 15],  # the union over both rows
 }  # fmt: skip
 
 
@@ -202,7 +212,7 @@ def conv_results(tmp_path_factory) -> dict[int, list[dict]]:
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_fla_conv_cp_matches_the_framework_one_device_conv(world, conv_results):
-    for variant, result in zip(JUDGED, conv_results[world]):
+    for variant, result in zip(JUDGED, [conv_results[world][i] for i in JUDGED_AT]):
         assert all(v["ok"] for v in result["verdicts"].values()), (variant, result)
         assert result["dx_wrong_at"] == []
         # CP 1 exchanges nothing but still runs fla's CP function (its send / receive all-gather on one rank)
@@ -211,7 +221,7 @@ def test_fla_conv_cp_matches_the_framework_one_device_conv(world, conv_results):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_gate_fails_on_the_halo_backward_defect_naming_dx_and_the_forward_passes(world, conv_results):
-    for index in (4, 5):
+    for index in (4, 5, 9):
         result = conv_results[world][index]
         failed = sorted(name for name, v in result["verdicts"].items() if not v["ok"])
         assert failed == ["dx"], result  # output (a forward-only run's judgment) and dweight pass
@@ -219,7 +229,7 @@ def test_the_gate_fails_on_the_halo_backward_defect_naming_dx_and_the_forward_pa
 
 
 def test_the_defect_changes_nothing_on_one_rank(conv_results):
-    for index in (4, 5):
+    for index in (4, 5, 9):
         assert all(v["ok"] for v in conv_results[1][index]["verdicts"].values())
 
 
