@@ -1,6 +1,8 @@
 """The fla convolution stand-ins (``cp_harness.standins.fla_conv_cpu``) and fla's convolution CP on CPU.
 
-In one process: ``conv_fwd`` / ``conv_bwd`` against the Triton kernels' definition written out as a loop in float64
+fla's own Triton conv kernels, run by Triton's CPU interpreter in a subprocess, against the stand-in (forward, and the
+backward where the interpreter runs it). In one process: ``conv_fwd`` / ``conv_bwd`` against the Triton kernels'
+definition written out as a loop in float64
 (``y[t] = act(sum_j w[:, j] x[t - W + 1 + j] + b) + r[t]``, positions before a sequence's start read the last
 ``W - 1`` columns of its ``initial_state`` row; ``cu_seqlens`` restarts at every document), their gradients
 (``dh0``'s column 0 is never read), the refusals, installing and removing. On 1, 2 and 3 gloo ranks
@@ -162,6 +164,31 @@ def test_fla_sees_the_stand_in_only_while_installed_and_its_own_conv_matches_the
     torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad, rtol=1e-5, atol=1e-5)
     assert used == {"fla_conv_cpu": fla_conv_cpu.FLA_CONV_CPU.description}  # no gather ran: not reported
     assert (conv.causal_conv1d_fwd, conv.causal_conv1d_bwd, conv_ops.causal_conv1d_fwd, comm.dist) == own
+
+
+INTERPRETED = pathlib.Path(__file__).with_name("fla_conv_interpreted.py")
+
+
+def test_the_stand_in_computes_what_flas_own_kernel_source_computes_under_tritons_interpreter():
+    """fla's Triton conv kernels themselves, executed by Triton's CPU interpreter (``TRITON_INTERPRET=1``), against
+    ``conv_fwd`` / ``conv_bwd``: the forward with and without an initial state, documents, residual; the backward
+    where the interpreter runs it (fla's separate ``compute_dh0_kernel``, reached with an initial state, fails in
+    triton 3.9.0's interpreter: ``mask has unsupported dtype``). Float32, relative to the largest value."""
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}  # fmt: skip
+    done = subprocess.run([sys.executable, str(INTERPRETED)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads(done.stdout.splitlines()[-1])
+    bound = 16 * torch.finfo(torch.float32).eps
+    for name, result in results.items():
+        assert result["y"] <= bound, (name, result)
+        for grad in ("dx", "dw", "db", "dr", "dh0"):
+            assert result.get(grad, 0.0) <= bound, (name, result)
+        if "bwd_error" in result:  # only where fla's dh0 kernel runs: with an initial state
+            assert "state" in name and "mask has unsupported dtype" in result["bwd_error"], (name, result)
+        else:
+            assert {"dx", "dw", "db"} <= set(result), (name, result)
+    assert {n for n, r in results.items() if "bwd_error" not in r} == {"rows_bias_silu", "docs_swish"}
 
 
 def _run(worlds: tuple[int, ...], variants: list[dict], tmp_path) -> dict[int, list[dict]]:
