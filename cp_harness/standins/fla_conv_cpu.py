@@ -17,7 +17,10 @@ rank's last ``W - 1`` inputs (``conv_cp_send_recv_fwd``: an ``all_gather_into_te
   which fla's non-CP ``CausalConv1dFunction`` reads) to ``conv_fwd`` / ``conv_bwd`` below: the kernels' contract
   computed with ``torch.nn.functional.conv1d`` (depthwise, float32 accumulation as in the kernel) and autograd.
   fla ships no torch reference of this kernel (its test suite has one, the wheel does not), so these two
-  functions are the harness's, unit-tested against the kernel's definition (``tests/standins/test_fla_conv_cpu.py``).
+  functions are the harness's, unit-tested against the kernel's definition and against fla's own kernel source run
+  by Triton's CPU interpreter (``tests/standins/test_fla_conv_cpu.py``; the interpreter is a test oracle only: it
+  needs ``TRITON_INTERPRET=1`` before fla is imported, fla's autotuner cut to one config, and it cannot run fla's
+  ``compute_dh0_kernel``).
 * gloo's ``all_gather_into_tensor`` refuses the output fla allocates (``fla.ops.cp.comm.all_gather_into_tensor``:
   ``torch.empty(world_size, *inp.shape)``, stacked): ``ProcessGroupGloo::allgather: invalid tensor size at index 0
   (expected (2, 3), got (1, 2, 3))`` (``examples/automodel/repro/fla_stacked_allgather_gloo.py``). NCCL's
