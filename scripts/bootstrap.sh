@@ -9,7 +9,8 @@
 # way (--no-deps) and left out the same way. mamba-ssm and causal-conv1d (constraints/mamba.txt, nemotron_v3_mamba's
 # kernels' torch references) are sdists, built here without CUDA (their setup.py's FORCE / SKIP_CUDA switches),
 # with --no-build-isolation (setup.py imports torch), only with a CPU torch; left out the same way too. torchtitan
-# 0.3.0 and what its CP path imports (constraints/torchtitan.txt, examples/torchtitan) likewise.
+# 0.3.0 and what its CP path imports (constraints/torchtitan.txt, examples/torchtitan) likewise. So is fla
+# (constraints/fla.txt: flash-linear-attention / fla-core, --no-deps), whose CP code qwen3_5_moe's conv-halo check runs.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${CP_HARNESS_VENV:-$root/.venv}"
@@ -17,7 +18,7 @@ python="${PYTHON:-python3}"
 stamp="$venv/.cp-harness-stamp"
 want="$(cat "$root/pyproject.toml" "$root/constraints/cpu.txt" "$root/constraints/test.txt" \
   "$root/constraints/framework.txt" "$root/constraints/models.txt" "$root/constraints/mamba.txt" \
-  "$root/constraints/torchtitan.txt" | sha256sum | cut -d' ' -f1)"
+  "$root/constraints/torchtitan.txt" "$root/constraints/fla.txt" | sha256sum | cut -d' ' -f1)"
 if [ ! -x "$venv/bin/python" ]; then
   echo "bootstrap: creating $venv" >&2
   # The venv's own pip, installed by this Python's pip without compiling it (ensurepip compiles: 5 s -> 2.5 s);
@@ -50,6 +51,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
       MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE \
         "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile --no-deps \
         --no-build-isolation -r "$root/constraints/mamba.txt"
+      # fla (qwen3_5_moe's Gated DeltaNet convolution CP, stand-in fla_conv_cpu): pure-Python wheels, --no-deps
+      "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile --no-deps \
+        -r "$root/constraints/fla.txt"
     fi
   fi
   "$venv/bin/python" -c "import torch, torch.distributed, torch.distributed.device_mesh, numpy, hypothesis, pytest, xdist

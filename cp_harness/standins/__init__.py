@@ -13,6 +13,9 @@ whose only device-specific part is that kernel runs, unchanged otherwise, on a C
   flash-attn's interface module; the one-rank runs use it too.
 * ``mamba_kernels_cpu`` -- mamba_ssm's / causal_conv1d's Triton and CUDA kernels (Mamba2's fused conv + SSD
   scan, the gated RMSNorm) routed to the packages' own torch references; entered around the one-device runs too.
+* ``fla_conv_cpu`` / ``fla_gloo_allgather`` -- fla's convolution CP (Qwen3.5-MoE's Gated DeltaNet halo): its two
+  Triton conv kernels computed by a depthwise torch conv1d of the same contract, and the NCCL branch of the
+  stacked ``all_gather_into_tensor`` that gloo refuses (finding-D2 style); fla's halo exchange unchanged.
 * ``glm_dsa_kernels_cpu`` -- GLM-5.2 DSA's TileLang lighting indexer and sparse MLA (forward and backward)
   computed in torch; the framework's autograd functions, wrappers and K/V all-gather unchanged; entered around the
   one-device runs too.
@@ -21,6 +24,7 @@ whose only device-specific part is that kernel runs, unchanged otherwise, on a C
 """
 
 from cp_harness.standins import (  # noqa: F401 - registers the bundled stand-ins
+    fla_conv_cpu,
     flash_attn_cpu,
     flex_backward_cpu,
     glm_dsa_kernels_cpu,

@@ -56,7 +56,8 @@ packed-sequence metadata; ``build`` checks it against the framework's ``configur
 sharding strategy for CPU SDPA (``aten._scaled_dot_product_flash_attention_for_cpu``): not in ``BATCH_KINDS``.
 
 Tiny config (``TEXT``, ``VISION``): hidden 16, 2 decoder layers, both ``full_attention`` (the real model
-interleaves Gated DeltaNet linear-attention layers, whose CP path needs the ``fla`` Triton kernels: not on CPU),
+interleaves Gated DeltaNet linear-attention layers, whose CP path needs the ``fla`` Triton kernels: not on CPU;
+their convolution halo alone runs on CPU in ``tests/standins/test_fla_conv_cpu.py``, docs/models/qwen3_5_moe.md),
 2 query heads and 1 K/V head of 8 (grouped-query attention: the CP path repeats K/V after the gather), gated
 attention output, mRoPE over half the head (sections ``[1, 1, 0]``, interleaved), MoE on every layer with 4
 routed experts (2 active) plus a gated shared expert, vocabulary 64; a one-block vision tower that text batches
