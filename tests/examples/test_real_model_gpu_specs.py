@@ -18,6 +18,8 @@ import importlib.util
 import pytest
 import torch
 
+from cp_harness.usage.spec_contract import KNOWN_BATCH_KINDS
+
 REAL_MODELS = True  # tests/conftest.py: skipped without the models extra, one xdist group, one pool
 
 PACKAGE = "examples.automodel.models"
@@ -63,7 +65,7 @@ def test_spec_declares_what_the_harness_reads(name):
     assert all(isinstance(reason, str) and len(reason) > 40 for reason in spec.REQUIRES.values()), spec.REQUIRES
     assert "cuda" in spec.REQUIRES  # every one of them is GPU-only
     assert spec.WORLD_SIZES and all(isinstance(n, int) and n >= 1 for n in spec.WORLD_SIZES) and 1 in spec.WORLD_SIZES
-    assert spec.BATCH_KINDS and set(spec.BATCH_KINDS) <= {"plain", "right_padded", "packed"}
+    assert spec.BATCH_KINDS and set(spec.BATCH_KINDS) <= set(KNOWN_BATCH_KINDS)
     assert spec.COVERS and all(words for words in spec.COVERS.values())
     for dotted in spec.COVERS:  # every covered callable exists in the pinned framework / torch
         assert callable(_resolve(dotted)), dotted
