@@ -347,3 +347,16 @@ def test_the_findings_page_lists_every_row_each_defect_reaches():
     for entry in real_clients.load_known():
         line = f"| {entry['id']} | `{entry.get('adapter') or entry.get('spec') or entry.get('training')}` | {entry['row']} |"
         assert line in page, f"docs/real_clients.md has no line {line!r} (section 'Which rows each defect reaches')"
+
+
+@needs_framework
+def test_every_model_subject_says_whether_it_can_run_here():
+    """The gate's loop asks each spec subject for its unmet ``REQUIRES`` before running it; a subject whose module
+    the question cannot find crashes the whole gate (torchtitan's specs live outside ``examples.automodel``)."""
+    from examples.automodel.tools import coverage
+
+    names = [s.split(":", 1)[1] for s in real_clients._subjects([]) if s.startswith(("spec:", "training:"))]
+    assert any(real_clients.spec_module(n).startswith("examples.torchtitan.") for n in names)
+    for name in names:
+        unmet = coverage.spec_unmet(real_clients.spec_module(name))
+        assert unmet is None or unmet.startswith("needs "), (name, unmet)

@@ -109,11 +109,12 @@ def _adapter_claims() -> dict[str, list[tuple[str, str]]]:
     return claims
 
 
-def spec_unmet(spec: str) -> str | None:
-    """Why model spec ``spec`` cannot run here (its unmet ``REQUIRES``), ``None`` when it can."""
+def spec_unmet(module: str) -> str | None:
+    """Why the model spec in dotted module ``module`` cannot run here (its unmet ``REQUIRES``), ``None`` when it
+    can. A module, not a bare name: the framework's specs and torchtitan's live in different packages."""
     from cp_harness.usage.model_specs import spec_traits
 
-    unmet = spec_traits(f"examples.automodel.models.{spec}").unmet()
+    unmet = spec_traits(module).unmet()
     return "; ".join(f"needs {key}: {why}" for key, why in unmet.items()) or None
 
 

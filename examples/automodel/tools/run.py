@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
 
                 unmet = attention_unmet(name, args.backend)
             else:
-                unmet = coverage.spec_unmet(name)
+                unmet = coverage.spec_unmet(spec_module(name))
             if unmet:
                 summary["skipped"][subject] = unmet
                 where = "install flash-attn 2.8 beside it" if kind == "attention" else "the nightly GPU job runs it"
