@@ -14,15 +14,11 @@ JSON to ``<--out-dir>/<world>.json``. A variant with ``"convert_to_f32": false``
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
-import os
-import signal
-import socket
 import sys
-import traceback
 
+import forked_worlds  # the launcher beside this script (sys.path[0] when run as a script)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -147,54 +143,5 @@ def rank_main(variants: list[dict], out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--variants", required=True, help="JSON list of variants")
-    parser.add_argument("--worlds", default="1,2,3", help="CP sizes, comma-separated")
-    parser.add_argument("--out-dir", required=True)
-    args = parser.parse_args()
-    variants = json.loads(args.variants)
-    torch.set_num_threads(1)  # before any tensor work: no OpenMP pool may exist at the fork
-    children: dict[int, tuple[int, int]] = {}
-    for world in (int(w) for w in args.worlds.split(",")):
-        env = {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-               "TORCH_GLOO_LAZY_INIT": "1"}
-        for rank in range(world):
-            pid = os.fork()
-            if pid == 0:
-                code = 1
-                try:
-                    os.environ.update(env, RANK=str(rank))
-                    rank_main(variants, os.path.join(args.out_dir, f"{world}.json"))
-                    code = 0
-                except BaseException:  # noqa: BLE001 - the traceback is the test's message
-                    print(f"CP {world}, rank {rank}:", file=sys.stderr)
-                    traceback.print_exc()
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
-            children[pid] = (world, rank)
-    status = 0
-    while children:
-        pid, wait_status = os.wait()
-        world, rank = children.pop(pid)
-        if os.waitstatus_to_exitcode(wait_status) != 0:
-            print(f"CP {world}, rank {rank} failed; ending the other ranks", file=sys.stderr)
-            status = 1
-            for other in children:
-                try:
-                    os.kill(other, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-    return status
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(forked_worlds.main(rank_main))
