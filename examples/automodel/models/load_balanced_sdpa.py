@@ -1,10 +1,11 @@
 """Model spec: nemo-automodel 0.7.0's ``LlamaForCausalLM`` with SDPA attention at a tiny random config, through the
 framework's *default* CP path, ``shard_batch_load_balanced``: torch ``context_parallel`` with ring SDPA.
 
-GPU only (``REQUIRES``): torch's ring SDPA registers DTensor handlers for the CUDA flash, memory-efficient and
-cuDNN SDPA kernels only; on the CPU the dispatcher picks ``_scaled_dot_product_flash_attention_for_cpu`` and DTensor
-has no sharding strategy for it. Never run end to end: no GPU was available when it was written
-(``docs/models/gpu_only.md``).
+Where it runs (``REQUIRES``, ``STANDINS``): torch's ring SDPA registers DTensor handlers for the CUDA flash,
+memory-efficient and cuDNN SDPA kernels only; on the CPU the dispatcher picks
+``_scaled_dot_product_flash_attention_for_cpu``, for which DTensor has no sharding strategy. On a CPU the spec runs
+with gradients on the stand-in ``ring_sdpa_cpu`` (torch's own ring, the CPU flash op as its per-step kernel;
+docs/standins.md); with the real CUDA kernels it has never run: no GPU was available (``docs/models/gpu_only.md``).
 
 Why this model and this path: a framework user who trains a dense Llama (``NeMoAutoModelForCausalLM`` resolves
 ``LlamaForCausalLM`` to this class) with ``distributed.cp_size > 1`` and SDPA attention gets exactly this path: the

@@ -11,8 +11,8 @@ K/V travel rank to rank by ``permute_tensor`` (an all-to-all) at every ring step
 travel by all-to-all under both methods.
 
 What this judges: the ring a user would get once the framework exposes the rotate method, on the same model,
-batches and layout. GPU only, for the reason in ``load_balanced_sdpa.REQUIRES``; never run end to end
-(``docs/models/gpu_only.md``).
+batches and layout. Where it runs: as ``load_balanced_sdpa`` (on a CPU with gradients on the stand-in
+``ring_sdpa_cpu``; the real CUDA kernels never run, ``docs/models/gpu_only.md``).
 """
 
 from __future__ import annotations
