@@ -122,7 +122,11 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         model = _fsdp_model(driver, spec, case, context)
     except Exception as exc:  # noqa: BLE001 - reported by every rank of the case, naming this one
         error = exc
-    rm._agree_ready(ctx, error)
+    try:
+        rm._agree_ready(ctx, error)
+    except Exception as exc:  # noqa: BLE001 - every rank refuses the same case before any collective of the step
+        # returned, not raised: a raise would restart the pool (about 20 s for the next case on this machine)
+        return {"refused": f"{type(exc).__name__}: {exc}"}, {}
     loss = case.get("loss", "masked")
     names = model_specs.spec_traits(case["spec"]).standins
     # the spec's kernel stand-ins around the step, as the real-model check enters them (docs/standins.md)
@@ -214,6 +218,11 @@ def _label_counts(batch: dict, dp: int) -> list[int]:
 def _evaluate(case: dict, outputs: list) -> CaseReport:
     info = outputs[0].info
     report = CaseReport(case=case, not_judged=dict(info.get("not_judged", {})), standins=dict(info.get("standins", {})))
+    refused = [o for o in outputs if "refused" in o.info]
+    for o in refused:
+        report.problem(f"rank {o.rank} refused the case: {o.info['refused']}", rank=o.rank)
+    if refused:
+        return report
     report.info["dp_label_counts"] = info.get("dp_label_counts")
     report.info["loss"] = info.get("loss", "masked")
     valid, runs = rm._from_wire(outputs[0].tensors)

@@ -166,15 +166,20 @@ def test_label_count_not_summed_over_dp_fails_on_the_loss_and_gradients(step_run
 
 
 def test_global_rows_that_do_not_split_over_dp_are_refused_on_every_rank(step_runner):
+    """Each rank refuses the case before any collective of the step and says so; the pool stays up (a refusal is an
+    answer, not a rank failure: the next case does not wait for a restart)."""
     report = step_runner.run(_case({"kind": "plain", "seq_len": 9, "batch_size": 1, "seed": 0}))
+    starts = step_runner.pool.starts  # a pool torn down by an earlier test started again for this case
     assert not report.ok
     text = report_text(report)
     assert "batch.batch_size=1" in text and "multiple of dp_shard=2" in text, text
     assert "failed on rank(s) [0, 1, 2, 3]" in text, text  # every rank raised it, before any collective
+    assert all(f"rank {r} refused the case" in text for r in range(4)), text
     report = step_runner.run({**_case(UNEVEN, spec=QWEN), "loss": "mtpp"})
     text = report_text(report)
     assert not report.ok and "loss='mtpp'" in text and "'mtp'" in text, text
     assert "failed on rank(s) [0, 1, 2, 3]" in text, text
+    assert step_runner.pool.starts == starts  # refused twice, never restarted
 
 
 def test_the_mtp_row_skips_the_deepseek_specs_saying_why():
