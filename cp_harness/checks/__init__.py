@@ -38,6 +38,8 @@ module, loaded with ``pkgutil``):
   harness itself (faults, the communication meter, per-rank memory).
 * ``_token_layout`` -- shared by the checks: rank outputs in global order, the
   reported layout judged against the contract.
+* ``_readiness`` -- shared by ``real_model`` and ``training_step``: every rank agrees it could build the case before
+  any collective; a failure is every rank's answer (a refusal naming the rank), not a raise that restarts the pool.
 * ``_verb_contract`` -- the contract of the sharder's verbs as ``sharder_verbs``' oracle applies it (the layout
   fields a rank reported, a caller's tensor into the padded stream and back).
 

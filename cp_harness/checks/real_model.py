@@ -52,6 +52,7 @@ from cp_harness import standins
 from cp_harness.cases.profiles import current_space
 from cp_harness.cases.strategies import as_space
 from cp_harness.checks import Repro, VerifyRow, register
+from cp_harness.checks._readiness import refusal, report_refusal
 from cp_harness.judging.compare import ExcessVerdict, UlpComparison
 from cp_harness.judging.verdicts import CaseReport, ProblemKind
 from cp_harness.repro import real_model as repro_real_model
@@ -74,26 +75,6 @@ def _prepare(case: dict, device: torch.device):
         for k, v in model_specs.make_batch(spec, case["batch"]).items()
     }
     return spec, model, batch
-
-
-def _agree_ready(ctx, error: BaseException | None) -> None:
-    """Every rank of the case says whether it could build its model and batch before any collective of the CP
-    path, so that one rank's failure is named by that rank instead of hanging the others."""
-    group = ctx.mesh.get_group() if ctx.mesh is not None and ctx.cp_size > 1 else None
-    if group is None:
-        if error is not None:
-            raise error
-        return
-    errors: list = [None] * ctx.cp_size
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    torch.distributed.all_gather_object(errors, mine, group=group)
-    failed = {r: e for r, e in enumerate(errors) if e is not None}
-    if failed:
-        named = "; ".join(f"rank {r} raised {e}" for r, e in failed.items())
-        raise RuntimeError(
-            f"building the model or batch failed on rank(s) {sorted(failed)} ({named}); "
-            f"rank {ctx.rank} did not run the case"
-        ) from error
 
 
 class Run(enum.Enum):
@@ -156,7 +137,9 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         spec, model, batch = _prepare(case, ctx.device)
     except Exception as exc:  # noqa: BLE001 - reported by every rank of the case, naming this one
         error = exc
-    _agree_ready(ctx, error)
+    refused = refusal(ctx, error)
+    if refused is not None:
+        return refused, {}
     traits = model_specs.spec_traits(case["spec"])
     forward_only = traits.forward_only(ctx.device.type)
     backward = forward_only is None
@@ -427,6 +410,8 @@ _AGAINST = {
 def _evaluate(case: dict, outputs: list) -> CaseReport:
     info = outputs[0].info
     report = CaseReport(case=case, not_judged=dict(info.get("not_judged", {})), standins=dict(info.get("standins", {})))
+    if report_refusal(report, outputs):
+        return report
     valid, runs = _from_wire(outputs[0].tensors)
     dtype = case["dtype"]
     judged = _judged(case, valid, runs)

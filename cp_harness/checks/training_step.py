@@ -33,6 +33,7 @@ from cp_harness.cases.profiles import current_space
 from cp_harness.cases.strategies import as_space
 from cp_harness.checks import VerifyRow, register
 from cp_harness.checks import real_model as rm
+from cp_harness.checks._readiness import refusal, report_refusal
 from cp_harness.judging.verdicts import CaseReport
 from cp_harness.usage import model_specs
 
@@ -122,11 +123,9 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
         model = _fsdp_model(driver, spec, case, context)
     except Exception as exc:  # noqa: BLE001 - reported by every rank of the case, naming this one
         error = exc
-    try:
-        rm._agree_ready(ctx, error)
-    except Exception as exc:  # noqa: BLE001 - every rank refuses the same case before any collective of the step
-        # returned, not raised: a raise would restart the pool (about 20 s for the next case on this machine)
-        return {"refused": f"{type(exc).__name__}: {exc}"}, {}
+    refused = refusal(ctx, error)  # every rank, before any collective of the step: an answer, not a raise
+    if refused is not None:
+        return refused, {}
     loss = case.get("loss", "masked")
     names = model_specs.spec_traits(case["spec"]).standins
     # the spec's kernel stand-ins around the step, as the real-model check enters them (docs/standins.md)
@@ -218,10 +217,7 @@ def _label_counts(batch: dict, dp: int) -> list[int]:
 def _evaluate(case: dict, outputs: list) -> CaseReport:
     info = outputs[0].info
     report = CaseReport(case=case, not_judged=dict(info.get("not_judged", {})), standins=dict(info.get("standins", {})))
-    refused = [o for o in outputs if "refused" in o.info]
-    for o in refused:
-        report.problem(f"rank {o.rank} refused the case: {o.info['refused']}", rank=o.rank)
-    if refused:
+    if report_refusal(report, outputs):
         return report
     report.info["dp_label_counts"] = info.get("dp_label_counts")
     report.info["loss"] = info.get("loss", "masked")

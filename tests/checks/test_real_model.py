@@ -103,10 +103,13 @@ def test_model_raising_on_one_rank_names_the_rank(model_runner):
     case = {"check": "real_model", "spec": "real_model_spec_raises_rank1", "dtype": "float32", "seed": 0,
             "world_size": 2, "batch": {"kind": "plain", "seq_len": 8, "seed": 0}}
     report = model_runner.run(case)
+    starts = model_runner.pool.starts
     assert not report.ok
     text = "\n".join(p.message for p in report.problems)
     assert "rank 1" in text and "injected on rank 1" in text, text
+    assert {p.rank for p in report.problems} == {0, 1}, text  # both ranks answer, naming rank 1
     assert model_runner.run({**case, "spec": SPEC}).ok  # the pool still works
+    assert model_runner.pool.starts == starts  # ... without a restart: a build failure is answered, not raised
 
 
 def test_a_forward_only_spec_judges_logits_and_loss_and_names_what_it_did_not_judge(model_runner):

@@ -174,7 +174,7 @@ def test_global_rows_that_do_not_split_over_dp_are_refused_on_every_rank(step_ru
     text = report_text(report)
     assert "batch.batch_size=1" in text and "multiple of dp_shard=2" in text, text
     assert "failed on rank(s) [0, 1, 2, 3]" in text, text  # every rank raised it, before any collective
-    assert all(f"rank {r} refused the case" in text for r in range(4)), text
+    assert all(f"rank {r} raised: RuntimeError: building the model or batch" in text for r in range(4)), text
     report = step_runner.run({**_case(UNEVEN, spec=QWEN), "loss": "mtpp"})
     text = report_text(report)
     assert not report.ok and "loss='mtpp'" in text and "'mtp'" in text, text
