@@ -47,12 +47,22 @@ def pytest_collection_modifyitems(config, items):
     missing = [name for name in REAL_MODEL_PACKAGES if importlib.util.find_spec(name) is None]
     for item in items:
         if not getattr(getattr(item, "module", None), "REAL_MODELS", False):
+            if _uses_a_module_fixture(item) and item.get_closest_marker("xdist_group") is None:
+                # One worker for the module: spread over two, each worker built the fixture (a rank pool, or the
+                # fla test's forked ranks: 35 s on each worker, measured) for its half of the tests.
+                item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
             continue
         if missing:
             item.add_marker(pytest.mark.skip(
                 reason=f"needs {' and '.join(missing)} (the 'models' extra; scripts/bootstrap.sh installs it and "
                        "nemo-automodel unless CP_HARNESS_NO_FRAMEWORK=1)"))
         item.add_marker(pytest.mark.xdist_group("real_models"))
+
+
+def _uses_a_module_fixture(item) -> bool:
+    """Whether the test uses a fixture of module scope (built once per module on each xdist worker that runs it)."""
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
 
 
 @pytest.fixture(scope="session")
