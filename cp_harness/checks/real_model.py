@@ -460,6 +460,25 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
 
 
 @st.composite
+def _row_images(draw, seq_len: int) -> list[list[int]]:
+    """One row's images, ``[start, h, w]`` each (``h x w`` placeholder tokens from ``start``, ``h, w`` in 1..3): one
+    or two, a text token between them and after the last (so the last image's last position has a text target),
+    anywhere in the row, so that images cross the CP shard boundaries of most world sizes."""
+    placed: list[list[int]] = []
+    start = 0
+    for _ in range(draw(st.integers(1, 2))):
+        if start > seq_len - 2:
+            break
+        at = draw(st.integers(start, seq_len - 2))
+        room = seq_len - 1 - at
+        h = draw(st.integers(1, min(3, room)))
+        w = draw(st.integers(1, min(3, room // h)))
+        placed.append([at, h, w])
+        start = at + h * w + 1
+    return placed
+
+
+@st.composite
 def _batches(draw, kinds: tuple[str, ...] = spec_contract.BATCH_KINDS, rows_for=lambda kind: (1, 2)) -> dict:
     kind = draw(st.sampled_from(kinds))
     seq_len = draw(st.integers(2, 24))
@@ -491,6 +510,8 @@ def _batches(draw, kinds: tuple[str, ...] = spec_contract.BATCH_KINDS, rows_for=
         if all(max(d) < 2 for d in documents):
             documents[0] = [seq_len]  # one document crossing every shard boundary
         batch["documents"] = documents
+    elif kind == "images":  # a VLM's rows: spec.make_batch(..., images=[[[start, h, w], ...] per row])
+        batch["images"] = [draw(_row_images(seq_len)) for _ in range(rows)]
     return batch
 
 

@@ -43,8 +43,9 @@ import torch
 from cp_harness import standins
 
 BATCH_KINDS = ("plain", "right_padded", "packed")  # a spec that declares none draws these
-# every kind a spec may declare: left padding only where a spec opts in (a chat-template collater's rows)
-KNOWN_BATCH_KINDS = (*BATCH_KINDS, "left_padded")
+# every kind a spec may declare: left padding only where a spec opts in (a chat-template collater's rows), images
+# only where the model is a VLM whose CP path splices them (``make_batch(..., images=[[[start, h, w], ...], ...])``)
+KNOWN_BATCH_KINDS = (*BATCH_KINDS, "left_padded", "images")
 
 
 class SpecError(ValueError):
@@ -100,7 +101,11 @@ REQUIRED_FUNCTIONS: dict[str, int] = {
 # ``cp_padded_length(model, seq_len, cp_size)`` the padding check; ``cp_kernels(model)`` the kernel check: a
 # context manager inside which ``model``'s one-device forward uses the kernels its CP path uses, without CP (its
 # value, a str, names them; its docstring says exactly what changes inside it; docs/extending.md, docs/real_models.md).
-OPTIONAL_FUNCTIONS: dict[str, int] = {"local_labels": 1, "pad_batch": 2, "cp_padded_length": 3, "cp_kernels": 1}
+# ``reorder_rows(batch, order)`` the batch with its rows in ``order`` (the reordered reference), for a batch with
+# tensors that are not per row (a VLM's ``pixel_values`` / ``image_grid_thw``, flat over the images).
+OPTIONAL_FUNCTIONS: dict[str, int] = {
+    "local_labels": 1, "pad_batch": 2, "cp_padded_length": 3, "cp_kernels": 1, "reorder_rows": 2,
+}  # fmt: skip
 REQUIRED_ATTRIBUTES = ("NAME", "DTYPES")
 
 
