@@ -39,6 +39,9 @@ BATCHES = [
     ("right_padded", 17, {"pad": 4, "batch_size": 2, "seed": 2}),
     ("packed", 21, {"documents": [[1, 9, 6, 5]], "seed": 3}),
     ("packed", 21, {"documents": [[21]], "seed": 4}),
+    # a VLM's images: a 2 x 3 image across the shard boundaries of CP 2 and 3, a 1 x 2 one later (not a multiple of
+    # 2 x CP at CP 3: the round-robin padding)
+    ("images", 17, {"images": [[[2, 2, 3], [11, 1, 2]]], "seed": 5}),
 ]
 
 
