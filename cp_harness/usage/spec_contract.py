@@ -10,7 +10,7 @@ defaults:
 
 - ``WORLD_SIZES``: the CP sizes the tiny config supports (cases at other sizes are not drawn);
 - ``BATCH_KINDS``: the ``make_batch`` kinds it supports, among ``plain``, ``right_padded``, ``packed`` (the
-  default) and ``left_padded``;
+  default), ``left_padded`` and ``images`` (a VLM's rows with images, ``make_batch(..., images=...)``);
 - ``BATCH_ROWS``: the batch sizes (rows) it supports (default ``(1, 2)``), for every kind or per kind
   (``{"packed": (1,)}`` for a model that packs one physical row per micro-batch);
 - ``COVERS``: framework CP callable (dotted path) -> what this spec's CP path does with it (the coverage table);
@@ -25,7 +25,8 @@ defaults:
   it; where the requirement is met (a GPU), the real kernel runs.
 
 Optional functions (``OPTIONAL_FUNCTIONS``, with their arities) enable more checks: ``pad_batch`` +
-``cp_padded_length`` padding sensitivity, ``cp_kernels`` kernel sensitivity (``ModelSpec`` does not list them:
+``cp_padded_length`` padding sensitivity, ``cp_kernels`` kernel sensitivity, ``reorder_rows`` the reordered
+reference of a batch with media (``ModelSpec`` does not list them:
 a protocol cannot say "optional").
 """
 
