@@ -50,7 +50,7 @@ from hypothesis import strategies as st
 
 from cp_harness import standins
 from cp_harness.cases.profiles import current_space
-from cp_harness.cases.strategies import as_space
+from cp_harness.cases.strategies import as_space, row_images
 from cp_harness.checks import Repro, VerifyRow, register
 from cp_harness.judging.compare import ExcessVerdict, UlpComparison
 from cp_harness.judging.verdicts import CaseReport, ProblemKind
@@ -460,25 +460,6 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
 
 
 @st.composite
-def _row_images(draw, seq_len: int) -> list[list[int]]:
-    """One row's images, ``[start, h, w]`` each (``h x w`` placeholder tokens from ``start``, ``h, w`` in 1..3): one
-    or two, a text token between them and after the last (so the last image's last position has a text target),
-    anywhere in the row, so that images cross the CP shard boundaries of most world sizes."""
-    placed: list[list[int]] = []
-    start = 0
-    for _ in range(draw(st.integers(1, 2))):
-        if start > seq_len - 2:
-            break
-        at = draw(st.integers(start, seq_len - 2))
-        room = seq_len - 1 - at
-        h = draw(st.integers(1, min(3, room)))
-        w = draw(st.integers(1, min(3, room // h)))
-        placed.append([at, h, w])
-        start = at + h * w + 1
-    return placed
-
-
-@st.composite
 def _batches(draw, kinds: tuple[str, ...] = spec_contract.BATCH_KINDS, rows_for=lambda kind: (1, 2)) -> dict:
     kind = draw(st.sampled_from(kinds))
     seq_len = draw(st.integers(2, 24))
@@ -511,7 +492,7 @@ def _batches(draw, kinds: tuple[str, ...] = spec_contract.BATCH_KINDS, rows_for=
             documents[0] = [seq_len]  # one document crossing every shard boundary
         batch["documents"] = documents
     elif kind == "images":  # a VLM's rows: spec.make_batch(..., images=[[[start, h, w], ...] per row])
-        batch["images"] = [draw(_row_images(seq_len)) for _ in range(rows)]
+        batch["images"] = [draw(row_images(seq_len)) for _ in range(rows)]
     return batch
 
 

@@ -134,7 +134,7 @@ def test_bad_images_are_refused_naming_what_is_wrong(images, match):
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_drawn_images_fit_the_row_apart_with_a_text_target_after_each(data):
-    from cp_harness.checks.real_model import _batches
+    from cp_harness.checks.real_model import _batches  # its images: cases.strategies.row_images
 
     batch = data.draw(_batches(("images",)))
     seq_len = batch["seq_len"]

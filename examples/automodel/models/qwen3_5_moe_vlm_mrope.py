@@ -54,7 +54,8 @@ def with_positions(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, A
         image_grid_thw=batch["image_grid_thw"],
         attention_mask=batch.get("attention_mask"),
     )
-    model.model.rope_deltas = None  # get_rope_index's caller keeps its deltas on the model; the step sets its own
+    inner: Any = model.model  # the framework ships no types
+    inner.rope_deltas = None  # get_rope_index's caller keeps its deltas on the model; the step sets its own
     return {**batch, "position_ids": positions}
 
 

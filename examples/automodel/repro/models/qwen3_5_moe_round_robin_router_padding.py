@@ -82,7 +82,7 @@ def _rank(rank: int, fixed: bool, results) -> None:
         one_device = _router_grads(spec, model, None, batch, fixed) if rank == 0 else None
         with standins.entered(("ring_sdpa_cpu",), "cpu"):
             cp = _router_grads(spec, model, mesh, batch, fixed)
-        if rank == 0:
+        if one_device is not None:  # rank 0
             results[str(coef)] = {
                 name: ((cp[name] - one_device[name]).abs().max().item(), one_device[name].abs().max().item())
                 for name in ROUTERS
@@ -94,10 +94,10 @@ def main(fixed: bool) -> int:
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_rank, args=(fixed, results), nprocs=WORLD)
-        results = dict(results)
+        measured = dict(results)
     print(f"one row of {LENGTH} tokens at CP {WORLD} (padded to {LENGTH + (-LENGTH) % (2 * WORLD)}), text only")
     differ = False
-    for coef, rows in results.items():
+    for coef, rows in measured.items():
         for name, (diff, largest) in rows.items():
             bad = diff > 1e-6 * largest
             differ |= bad and coef != "0.0"
