@@ -5,7 +5,8 @@ into the full row before the round-robin shard, torch's ring on the stand-in ``r
 On the session's shared real-model pool (``tests/conftest.py``). A smoke whose images cross the shard boundaries must
 pass with the vision tower's and the embeddings' gradients judged; an injected defect (the image features spliced
 detached under CP, ``tests/fixtures/real_model_spec_qwen3_5_moe_vlm_vision_grad_detached.py``) must fail naming the
-vision tower's gradients and nothing else; the two findings are pinned as what they are (M7: one device drops the
+vision tower's gradients and nothing else; a second (the spliced embeddings sharded contiguously under round-robin
+labels and positions, ``..._embeds_contiguous.py``) must fail from the first differing chunk on; the two findings are pinned as what they are (M7: one device drops the
 mRoPE image positions; M8: the round-robin routers count the CP divisibility padding). Without ranks: the
 reordered reference's ``reorder_rows`` and the drawn images. Deeper runs: ``docs/models/qwen3_5_moe_vlm.md``.
 """
@@ -28,6 +29,7 @@ JUDGES = ("spec:qwen3_5_moe_vlm", "spec:qwen3_5_moe_vlm_mrope")
 VLM = "examples.automodel.models.qwen3_5_moe_vlm"
 MROPE = "examples.automodel.models.qwen3_5_moe_vlm_mrope"
 DETACHED = "real_model_spec_qwen3_5_moe_vlm_vision_grad_detached"
+CONTIGUOUS = "real_model_spec_qwen3_5_moe_vlm_embeds_contiguous"
 
 REAL_MODELS = True  # tests/conftest.py: skipped without the models extra, one xdist group, one pool
 
@@ -69,6 +71,16 @@ def test_vision_features_spliced_detached_fail_on_the_vision_gradients_only(real
     assert failing and all(n.startswith("grad model.visual.") for n in failing), text  # forward and LM right
     assert "grad model.visual.patch_embed.proj.weight" in failing, text
     assert "parameter model.visual." in text and "CP 0" in text.replace("CP -0", "CP 0"), text  # CP's gradient is 0
+    assert not report.problems, text
+
+
+def test_spliced_embeddings_sharded_contiguously_under_round_robin_labels_fail_from_position_4(real_models):
+    case = {**SMOKE[0], "spec": CONTIGUOUS}  # CP 2, 16 tokens: round robin gives rank 0 positions 0-3 and 12-15
+    report = real_models.run(case)
+    text = report_text(report)
+    failing = {c.name.split(" (")[0]: c for c in report.failures()}
+    assert "logits" in failing and failing["logits"].worst_index[1] >= 4, text  # rank 0's first chunk stays right
+    assert "loss" in failing and "grad model.visual.patch_embed.proj.weight" in failing, text
     assert not report.problems, text
 
 
