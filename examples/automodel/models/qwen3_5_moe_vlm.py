@@ -18,6 +18,11 @@ Same interface as ``qwen3_5_moe`` (whose ``build``, ``config``, ``shard`` this s
   ``image_grid_thw`` are flat over the images of all rows, in row order);
 * ``pad_batch`` keeps the images (the padding check appends masked pad tokens after the last text token).
 
+Findings (``docs/models/qwen3_5_moe_vlm.md``): M7, on these batches one device trains the image tokens at 1-D
+positions while CP computes mRoPE's (so every case at CP >= 2 with an image of more than one token fails; the
+``_mrope`` spec gives both sides the loader's positions); M8, the routers' load-balancing loss counts the CP
+divisibility padding (rows not a multiple of ``2 x CP``; router gradients only).
+
 Shapes: ``B`` rows, ``S`` tokens per row, ``S_local = (S padded to 2 x CP) / CP``, ``V`` vocabulary, ``I`` images,
 ``P`` patches.
 """
