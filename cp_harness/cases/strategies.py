@@ -311,3 +311,22 @@ def with_mesh_layout(draw, case: dict, space: CaseSpace | None = None) -> dict:
     case = {k: v for k, v in case.items() if k != "mesh"}
     case[meshes.KEY] = draw(mesh_layouts(int(case["world_size"]), space))
     return case
+
+
+@st.composite
+def row_images(draw, seq_len: int) -> list[list[int]]:
+    """One row's images, ``[start, h, w]`` each (``h x w`` placeholder tokens from ``start``, ``h, w`` in 1..3): one
+    or two, a text token between them and after the last (so the last image's last position has a text target),
+    anywhere in the row, so that images cross the CP shard boundaries of most world sizes."""
+    placed: list[list[int]] = []
+    start = 0
+    for _ in range(draw(st.integers(1, 2))):
+        if start > seq_len - 2:
+            break
+        at = draw(st.integers(start, seq_len - 2))
+        room = seq_len - 1 - at
+        h = draw(st.integers(1, min(3, room)))
+        w = draw(st.integers(1, min(3, room // h)))
+        placed.append([at, h, w])
+        start = at + h * w + 1
+    return placed

@@ -50,7 +50,7 @@ from hypothesis import strategies as st
 
 from cp_harness import standins
 from cp_harness.cases.profiles import current_space
-from cp_harness.cases.strategies import as_space
+from cp_harness.cases.strategies import as_space, row_images
 from cp_harness.checks import Repro, VerifyRow, register
 from cp_harness.checks._readiness import refusal, report_refusal
 from cp_harness.judging.compare import ExcessVerdict, UlpComparison
@@ -476,6 +476,8 @@ def _batches(draw, kinds: tuple[str, ...] = spec_contract.BATCH_KINDS, rows_for=
         if all(max(d) < 2 for d in documents):
             documents[0] = [seq_len]  # one document crossing every shard boundary
         batch["documents"] = documents
+    elif kind == "images":  # a VLM's rows: spec.make_batch(..., images=[[[start, h, w], ...] per row])
+        batch["images"] = [draw(row_images(seq_len)) for _ in range(rows)]
     return batch
 
 

@@ -292,7 +292,10 @@ def _runnable(models: tuple[str, ...], dtype: str, loss: str = "masked") -> tupl
         elif traits.world_sizes is not None and CP not in traits.world_sizes:
             skipped[name] = f"declares WORLD_SIZES {list(traits.world_sizes)}, not the step's CP size {CP}"
         elif not _kinds(traits):
-            skipped[name] = f"no batch kind allows {DP_SHARD} x its rows per micro-batch (BATCH_ROWS)"
+            skipped[name] = (
+                f"no batch kind allows {DP_SHARD} x its rows per micro-batch (BATCH_ROWS), or its kinds are "
+                f"{list(UNSPLIT_KINDS)} (media flat over the images: not split over dp ranks)"
+            )
         else:
             continue
         runnable.remove(name)
@@ -305,8 +308,13 @@ def _global_rows(traits, kind: str) -> tuple[int, ...]:
     return tuple(DP_SHARD * r for r in traits.rows_for(kind))
 
 
+# Batch kinds the step does not split over dp ranks: a VLM's ``images`` batch is flat over its images
+# (``pixel_values``, ``image_grid_thw``), which the row split (``one_device``, the dp ranks' rows) cannot cut by shape.
+UNSPLIT_KINDS = ("images",)
+
+
 def _kinds(traits) -> tuple[str, ...]:
-    return tuple(k for k in traits.batch_kinds if _global_rows(traits, k))
+    return tuple(k for k in traits.batch_kinds if k not in UNSPLIT_KINDS and _global_rows(traits, k))
 
 
 def _skip_reason(dtype: str, loss: str = "masked"):

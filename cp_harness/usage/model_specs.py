@@ -80,7 +80,22 @@ def make_batch(spec: types.ModuleType, description: dict) -> dict:
     return spec.make_batch(keys.pop("kind"), int(keys.pop("seq_len")), **keys)
 
 
-def _row_order(batch: dict, order: list[int]) -> dict:
+# Batch keys flat over the images / videos of all rows (not over rows): only the spec can reorder them with the rows.
+MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+def _row_order(spec: types.ModuleType, batch: dict, order: list[int]) -> dict:
+    """``batch`` with its rows in ``order``: ``spec.reorder_rows(batch, order)`` where the spec has it, else every
+    tensor whose first dimension is the row count. A batch with media (``MEDIA_KEYS``: flat over the images, so a
+    tensor of as many patches as rows would be reordered as if it were rows) needs the spec's ``reorder_rows``."""
+    if hasattr(spec, "reorder_rows"):
+        return spec.reorder_rows(batch, order)
+    media = [k for k in MEDIA_KEYS if batch.get(k) is not None]
+    if media:
+        raise ValueError(
+            f"model spec {spec.NAME!r}: the batch carries {media}, flat over its images, which the reordered reference "
+            "cannot reverse with the rows by shape; give the spec reorder_rows(batch, order)"
+        )
     return {
         k: (v[order] if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == len(order) else v)
         for k, v in batch.items()
@@ -109,7 +124,7 @@ def step(
     rows = batch["input_ids"].shape[0]
     order = list(range(rows))[::-1] if reverse else list(range(rows))
     if reverse:
-        batch = _row_order(batch, order)
+        batch = _row_order(spec, batch, order)
     model.zero_grad(set_to_none=True)
     count = spec.num_label_tokens(batch) if num_label_tokens is None else num_label_tokens
     ctx_factory, local, sharder = spec.shard(model, mesh, batch)

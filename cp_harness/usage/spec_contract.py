@@ -10,7 +10,7 @@ defaults:
 
 - ``WORLD_SIZES``: the CP sizes the tiny config supports (cases at other sizes are not drawn);
 - ``BATCH_KINDS``: the ``make_batch`` kinds it supports, among ``plain``, ``right_padded``, ``packed`` (the
-  default) and ``left_padded``;
+  default), ``left_padded`` and ``images`` (a VLM's rows with images, ``make_batch(..., images=...)``);
 - ``BATCH_ROWS``: the batch sizes (rows) it supports (default ``(1, 2)``), for every kind or per kind
   (``{"packed": (1,)}`` for a model that packs one physical row per micro-batch);
 - ``COVERS``: framework CP callable (dotted path) -> what this spec's CP path does with it (the coverage table);
@@ -25,7 +25,8 @@ defaults:
   it; where the requirement is met (a GPU), the real kernel runs.
 
 Optional functions (``OPTIONAL_FUNCTIONS``, with their arities) enable more checks: ``pad_batch`` +
-``cp_padded_length`` padding sensitivity, ``cp_kernels`` kernel sensitivity (``ModelSpec`` does not list them:
+``cp_padded_length`` padding sensitivity, ``cp_kernels`` kernel sensitivity, ``reorder_rows`` the reordered
+reference of a batch with media (``ModelSpec`` does not list them:
 a protocol cannot say "optional").
 """
 
@@ -43,8 +44,9 @@ import torch
 from cp_harness import standins
 
 BATCH_KINDS = ("plain", "right_padded", "packed")  # a spec that declares none draws these
-# every kind a spec may declare: left padding only where a spec opts in (a chat-template collater's rows)
-KNOWN_BATCH_KINDS = (*BATCH_KINDS, "left_padded")
+# every kind a spec may declare: left padding only where a spec opts in (a chat-template collater's rows), images
+# only where the model is a VLM whose CP path splices them (``make_batch(..., images=[[[start, h, w], ...], ...])``)
+KNOWN_BATCH_KINDS = (*BATCH_KINDS, "left_padded", "images")
 
 
 class SpecError(ValueError):
@@ -100,7 +102,11 @@ REQUIRED_FUNCTIONS: dict[str, int] = {
 # ``cp_padded_length(model, seq_len, cp_size)`` the padding check; ``cp_kernels(model)`` the kernel check: a
 # context manager inside which ``model``'s one-device forward uses the kernels its CP path uses, without CP (its
 # value, a str, names them; its docstring says exactly what changes inside it; docs/extending.md, docs/real_models.md).
-OPTIONAL_FUNCTIONS: dict[str, int] = {"local_labels": 1, "pad_batch": 2, "cp_padded_length": 3, "cp_kernels": 1}
+# ``reorder_rows(batch, order)`` the batch with its rows in ``order`` (the reordered reference), for a batch with
+# tensors that are not per row (a VLM's ``pixel_values`` / ``image_grid_thw``, flat over the images).
+OPTIONAL_FUNCTIONS: dict[str, int] = {
+    "local_labels": 1, "pad_batch": 2, "cp_padded_length": 3, "cp_kernels": 1, "reorder_rows": 2,
+}  # fmt: skip
 REQUIRED_ATTRIBUTES = ("NAME", "DTYPES")
 
 

@@ -7,7 +7,7 @@
 Forks ``max(--cp)`` gloo ranks (no harness). Each rank builds the spec's model, replaces every reference to each
 ``COVERS`` callable (in every loaded module, and on its class for methods) by a counting wrapper, runs one
 training step the spec's way (``spec.shard``, forward in ``ctx_factory()``, local loss over the global label
-count, backward) per batch and CP size, and restores the originals. Rank 0 prints, per callable, the calls per
+count, backward, the logits gathered) per batch and CP size, and restores the originals. Rank 0 prints, per callable, the calls per
 CP size summed over ranks (forward and backward of the step), and how many of them had a ``DeviceMesh`` or
 process-group argument. Exit status 1 when a declared callable was never called under CP.
 
@@ -39,6 +39,9 @@ BATCHES = [
     ("right_padded", 17, {"pad": 4, "batch_size": 2, "seed": 2}),
     ("packed", 21, {"documents": [[1, 9, 6, 5]], "seed": 3}),
     ("packed", 21, {"documents": [[21]], "seed": 4}),
+    # a VLM's images: a 2 x 3 image across the shard boundaries of CP 2 and 3, a 1 x 2 one later (not a multiple of
+    # 2 x CP at CP 3: the round-robin padding)
+    ("images", 17, {"images": [[[2, 2, 3], [11, 1, 2]]], "seed": 5}),
 ]
 
 
@@ -138,10 +141,11 @@ def _rank(rank, world, store, sizes, spec_name, queue):
                     batch = spec.make_batch(kind, seq_len, **keys)
                     model.zero_grad(set_to_none=True)
                     count = spec.num_label_tokens(batch)
-                    ctx_factory, local, _ = spec.shard(model, meshes[n], batch)
+                    ctx_factory, local, sharder = spec.shard(model, meshes[n], batch)
                     with ctx_factory():
                         logits = spec.forward(model, local)
                         spec.loss(logits, spec.local_labels(local), count).backward()
+                    spec.gather_logits(sharder, logits.detach())  # as the harness's step: the logits to global order
         report[n] = (dict(counting.calls), dict(counting.with_group))
         dist.barrier()
     queue.put((rank, report))
