@@ -38,6 +38,8 @@ module, loaded with ``pkgutil``):
   harness itself (faults, the communication meter, per-rank memory).
 * ``_token_layout`` -- shared by the checks: rank outputs in global order, the
   reported layout judged against the contract.
+* ``_real_model_batches`` -- the real-model and training-step rows' batch descriptions (kinds, lengths, packed
+  documents, a VLM's images), drawn with Hypothesis.
 * ``_verb_contract`` -- the contract of the sharder's verbs as ``sharder_verbs``' oracle applies it (the layout
   fields a rank reported, a caller's tensor into the padded stream and back).
 

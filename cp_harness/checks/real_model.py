@@ -52,10 +52,11 @@ from cp_harness import standins
 from cp_harness.cases.profiles import current_space
 from cp_harness.cases.strategies import as_space
 from cp_harness.checks import Repro, VerifyRow, register
+from cp_harness.checks._real_model_batches import _batches, _row_images  # noqa: F401  (the rows' batch strategy)
 from cp_harness.judging.compare import ExcessVerdict, UlpComparison
 from cp_harness.judging.verdicts import CaseReport, ProblemKind
 from cp_harness.repro import real_model as repro_real_model
-from cp_harness.usage import model_specs, spec_contract
+from cp_harness.usage import model_specs
 
 C = 4.0
 FLOOR = {"float32": 1024.0, "bfloat16": 8.0}  # ULPs of the dtype at the tensor's largest value (docs/real_models.md)
@@ -457,62 +458,6 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
         else:
             report.add(_comparison(q, verdict, shape, dtype, "CP vs one device"))
     return report
-
-
-@st.composite
-def _row_images(draw, seq_len: int) -> list[list[int]]:
-    """One row's images, ``[start, h, w]`` each (``h x w`` placeholder tokens from ``start``, ``h, w`` in 1..3): one
-    or two, a text token between them and after the last (so the last image's last position has a text target),
-    anywhere in the row, so that images cross the CP shard boundaries of most world sizes."""
-    placed: list[list[int]] = []
-    start = 0
-    for _ in range(draw(st.integers(1, 2))):
-        if start > seq_len - 2:
-            break
-        at = draw(st.integers(start, seq_len - 2))
-        room = seq_len - 1 - at
-        h = draw(st.integers(1, min(3, room)))
-        w = draw(st.integers(1, min(3, room // h)))
-        placed.append([at, h, w])
-        start = at + h * w + 1
-    return placed
-
-
-@st.composite
-def _batches(draw, kinds: tuple[str, ...] = spec_contract.BATCH_KINDS, rows_for=lambda kind: (1, 2)) -> dict:
-    kind = draw(st.sampled_from(kinds))
-    seq_len = draw(st.integers(2, 24))
-    counts = tuple(rows_for(kind))
-    rows = draw(st.integers(1, 2)) if counts == (1, 2) else draw(st.sampled_from(counts))
-    batch = {"kind": kind, "seq_len": seq_len, "batch_size": rows, "seed": draw(st.integers(0, 999))}
-    if kind in ("right_padded", "left_padded"):
-        batch["pad"] = draw(st.integers(1, seq_len - 2)) if seq_len >= 3 else 0
-        if batch["pad"] == 0:
-            if "plain" not in kinds:
-                batch["seq_len"], batch["pad"] = 3, 1
-            else:
-                batch["kind"] = "plain"
-                del batch["pad"]
-    elif kind == "packed":
-        documents = []
-        for _ in range(rows):
-            lengths: list[int] = []
-            left = seq_len
-            while left > 0 and len(lengths) < 5:
-                length = draw(st.integers(1, left))  # single-token documents included
-                lengths.append(length)
-                left -= length
-                if draw(st.booleans()):
-                    break
-            if max(lengths) < 2:  # every row needs a label
-                lengths[0] += 1 if sum(lengths) < seq_len else 0
-            documents.append(lengths)
-        if all(max(d) < 2 for d in documents):
-            documents[0] = [seq_len]  # one document crossing every shard boundary
-        batch["documents"] = documents
-    elif kind == "images":  # a VLM's rows: spec.make_batch(..., images=[[[start, h, w], ...] per row])
-        batch["images"] = [draw(_row_images(seq_len)) for _ in range(rows)]
-    return batch
 
 
 def _space_models(space) -> tuple[str, ...]:
