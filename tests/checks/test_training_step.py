@@ -195,6 +195,47 @@ def test_m9_text_only_dp_rank_with_the_frameworks_fake_image_differs_under_cp(st
     assert {"logits", "loss"} <= failing and not report.problems, text
 
 
+def test_select_rows_gives_each_dp_rank_its_own_images_and_none_to_text_rows():
+    """No ranks: ``model_specs.select_rows`` (the dp ranks' rows and the one-device micro-batches) takes each row's
+    images with it from the flat media (``pixel_values [P, 12]``, ``image_grid_thw [I, 3]``); rows holding none give a
+    batch without media keys, which the reordered reference can still reverse."""
+    from cp_harness.usage import model_specs
+
+    spec = model_specs.load_spec(VLM)
+    images = [[[2, 2, 3], [10, 1, 2]], [[4, 2, 2]], [], []]
+    batch = model_specs.make_batch(spec, {**IMAGES, "batch_size": 4, "images": images})
+    first, second = (model_specs.select_rows(spec, batch, range(d * 2, d * 2 + 2)) for d in (0, 1))
+    assert first["image_grid_thw"].tolist() == batch["image_grid_thw"].tolist()  # rows 0, 1 hold all three images
+    assert "pixel_values" not in second and "image_grid_thw" not in second, sorted(second)
+    assert second["input_ids"].equal(batch["input_ids"][2:]) and second["labels"].equal(batch["labels"][2:])
+    one = model_specs.select_rows(spec, batch, [1])  # row 1 alone: its 2 x 2 image, patches 8..11 of the flat tensor
+    assert one["image_grid_thw"].tolist() == [[1, 2, 2]] and one["pixel_values"].equal(batch["pixel_values"][8:12])
+    assert model_specs._row_order(spec, second, [1, 0])["input_ids"].equal(batch["input_ids"][[3, 2]])
+
+
+def test_training_rows_draw_images_for_the_vlm_spec_with_a_text_only_dp_rank_carrying_the_fake_image():
+    """The rows draw the ``images`` kind for a spec that declares it; half of the time one dp rank's rows are text
+    only and then carry the framework's fake image (``batch.fake_images``), so every dp rank runs the vision tower."""
+    from hypothesis import HealthCheck, find, settings
+
+    from cp_harness.cases.profiles import CaseSpace
+    from cp_harness.checks.training_step import _image_counts, training_step_cases
+    from cp_harness.usage import model_specs
+
+    space = CaseSpace(world_sizes=(4,), models=(VLM,))
+    quick = settings(max_examples=200, database=None, suppress_health_check=list(HealthCheck))
+    case = find(training_step_cases("float32")(space), lambda c: c["batch"].get("fake_images"), settings=quick)
+    assert case["batch"]["kind"] == "images" and "pad_content" not in case["batch"], case
+    spec = model_specs.load_spec(VLM)
+    batch = model_specs.make_batch(spec, case["batch"])
+    rows = case["batch"]["batch_size"] // 2
+    assert 0 not in _image_counts(batch, spec, 2, rows), case  # the text-only rank holds its fake image
+    assert any(not placed for placed in case["batch"]["images"]), case
+    assert not batch["attention_mask"].all()  # the fake image's placeholders are masked
+    plain = find(training_step_cases("float32")(space), lambda c: not c["batch"].get("fake_images"), settings=quick)
+    assert all(plain["batch"]["images"]), plain  # both are drawn
+
+
 def _labels(batch: dict) -> list[int]:
     """Each dp rank's label count (one row each), read off the batch the spec builds: text targets only."""
     from cp_harness.usage import model_specs

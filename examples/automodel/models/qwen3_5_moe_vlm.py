@@ -257,6 +257,8 @@ def reorder_rows(batch: dict[str, Any], order: list[int]) -> dict[str, Any]:
     of the rows in the new order (their patches stay contiguous per image). ``order`` may name a subset of the rows
     (a data-parallel rank's rows); when those rows hold no image the result has no media keys, as the framework's
     collaters leave a text-only batch."""
+    if batch.get("image_grid_thw") is None:  # a text-only batch (rows without images): rows only
+        return {k: (v[order] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
     per_row = _images_per_row(batch)
     grids = batch["image_grid_thw"]
     sizes = (grids[:, 0] * grids[:, 1] * grids[:, 2]).tolist()

@@ -1,5 +1,7 @@
 """One training step of a model spec as nemo-automodel 0.7.0's ``recipes/llm/train_ft.py`` runs it at CP > 1, on
 the framework's own mesh, parallelizer and clip-grad helper (the driver of ``cp_harness.checks.training_step``).
+A batch with images (a VLM spec's ``images`` kind) is ``recipes/vlm/finetune.py``'s step: the same lines plus its CP
+vision group around the forward (``RecipeStep.vision_group``), each dp rank's rows selected with their images.
 
 What is the framework's own code, called here (nothing of it is copied):
 
