@@ -119,6 +119,7 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
             )
         driver = importlib.import_module(case.get("driver", DRIVER))
         spec, reference_model, batch = rm._prepare(case, ctx.device)
+        _media_on_every_dp_rank(spec, batch, dp, rows)
         context = driver.mesh_context(dp, cp)
         model = _fsdp_model(driver, spec, case, context)
     except Exception as exc:  # noqa: BLE001 - reported by every rank of the case, naming this one
@@ -157,6 +158,7 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
     info = {
         "not_judged": not_judged,
         "dp_label_counts": _label_counts(batch, dp),
+        "dp_image_counts": _image_counts(batch, spec, dp, rows),
         "loss": loss,
         "standins": stood_in.used(),
     }
@@ -175,7 +177,8 @@ def one_device(
     another objective than data parallelism computes; the main loss is the same either way. ``mtp`` (MTP cases:
     the driver's ``one_device_mtp_step(spec, model, part, count, reverse=...)``, the recipe's CP-1 MTP step) runs
     each micro-batch instead of ``model_specs.step``; its spread is the reversed row and micro-batch order only (no
-    chunked backward)."""
+    chunked backward). A batch with media (a VLM's ``pixel_values [P, C]``, ``image_grid_thw [I, 3]``, flat over the
+    images) is cut into micro-batches with their own images (``model_specs.select_rows``), as the dp ranks' rows are."""
     from nemo_automodel.components.moe.megatron.moe_utils import MoEAuxLossAutoScaler
 
     count = spec.num_label_tokens(batch)
@@ -187,10 +190,8 @@ def one_device(
     try:
         order = range(micro_batches)[::-1] if reverse else range(micro_batches)
         for d in order:
-            part = {
-                k: (v[d * rows : (d + 1) * rows] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == n else v)
-                for k, v in batch.items()
-            }
+            # the dp rank's rows with their images (model_specs.select_rows: the spec's reorder_rows for media)
+            part = model_specs.select_rows(spec, batch, range(d * rows, (d + 1) * rows))
             if mtp is not None:
                 parts[d] = mtp(spec, model, part, count, reverse=reverse)
             else:
@@ -209,6 +210,29 @@ def one_device(
     return {"logits": logits, "loss": loss, "grads": {k: v.to(dtypes[k]) for k, v in grads.items()}}
 
 
+def _image_counts(batch: dict, spec, dp: int, rows: int) -> list[int] | None:
+    """Images per dp rank (``image_grid_thw`` rows of its ``select_rows`` batch), ``None`` for a batch without media."""
+    if batch.get("image_grid_thw") is None:
+        return None
+    parts = [model_specs.select_rows(spec, batch, range(d * rows, (d + 1) * rows)) for d in range(dp)]
+    return [0 if p.get("image_grid_thw") is None else int(p["image_grid_thw"].shape[0]) for p in parts]
+
+
+def _media_on_every_dp_rank(spec, batch: dict, dp: int, rows: int) -> None:
+    """Raises (on every rank, before any collective) when the batch carries images but a dp rank's rows hold none:
+    that rank would skip the vision tower, and with it the FSDP2 all-gathers of its units, which the other dp rank's
+    ranks run (measured on gloo: the step aborts with 'Received data size doesn't match expected size'). The
+    framework's VLM datasets avoid it with a fake image in every text-only sample (``inject_fake_images``)."""
+    counts = _image_counts(batch, spec, dp, rows)
+    if counts is not None and 0 in counts:
+        raise ValueError(
+            f"training_step case: dp rank {counts.index(0)}'s rows hold no image (batch.images; images per dp rank "
+            f"{counts}): under FSDP2 its vision-tower units would skip the all-gathers the other ranks run; give "
+            "batch.fake_images true (the framework's data path: a masked fake image in each text-only row) or an "
+            "image in that rank's rows"
+        )
+
+
 def _label_counts(batch: dict, dp: int) -> list[int]:
     labels = batch["labels"]
     return [int((part != -100).sum()) for part in labels.chunk(dp, dim=0)]
@@ -220,6 +244,8 @@ def _evaluate(case: dict, outputs: list) -> CaseReport:
     if report_refusal(report, outputs):
         return report
     report.info["dp_label_counts"] = info.get("dp_label_counts")
+    if info.get("dp_image_counts") is not None:
+        report.info["dp_image_counts"] = info["dp_image_counts"]
     report.info["loss"] = info.get("loss", "masked")
     valid, runs = rm._from_wire(outputs[0].tensors)
     for q, verdict in rm._judged(case, valid, runs).items():
@@ -292,10 +318,7 @@ def _runnable(models: tuple[str, ...], dtype: str, loss: str = "masked") -> tupl
         elif traits.world_sizes is not None and CP not in traits.world_sizes:
             skipped[name] = f"declares WORLD_SIZES {list(traits.world_sizes)}, not the step's CP size {CP}"
         elif not _kinds(traits):
-            skipped[name] = (
-                f"no batch kind allows {DP_SHARD} x its rows per micro-batch (BATCH_ROWS), or its kinds are "
-                f"{list(UNSPLIT_KINDS)} (media flat over the images: not split over dp ranks)"
-            )
+            skipped[name] = f"no batch kind allows {DP_SHARD} x its rows per micro-batch (BATCH_ROWS)"
         else:
             continue
         runnable.remove(name)
@@ -308,13 +331,26 @@ def _global_rows(traits, kind: str) -> tuple[int, ...]:
     return tuple(DP_SHARD * r for r in traits.rows_for(kind))
 
 
-# Batch kinds the step does not split over dp ranks: a VLM's ``images`` batch is flat over its images
-# (``pixel_values``, ``image_grid_thw``), which the row split (``one_device``, the dp ranks' rows) cannot cut by shape.
-UNSPLIT_KINDS = ("images",)
-
-
 def _kinds(traits) -> tuple[str, ...]:
-    return tuple(k for k in traits.batch_kinds if k not in UNSPLIT_KINDS and _global_rows(traits, k))
+    """The spec's batch kinds the step draws: those with a global row count that splits over the dp ranks. A VLM's
+    ``images`` kind is among them: its media are split with the rows by ``model_specs.select_rows``."""
+    return tuple(k for k in traits.batch_kinds if _global_rows(traits, k))
+
+
+@st.composite
+def _images_on_one_dp_rank(draw, batch: dict) -> dict:
+    """An ``images`` batch description, half of the time with one dp rank's rows text only: as the framework's VLM
+    data path hands them over, each with its fake image (``fake_images``: a constant image at the row's start, its
+    placeholders masked by ``attention_mask`` 0; ``inject_fake_images``, on by default, because a rank whose
+    micro-batch has no image would skip the vision tower's FSDP2 all-gathers). ``real_model._batches`` puts one or
+    two real images in every row."""
+    rows = int(batch["batch_size"]) // DP_SHARD
+    if draw(st.booleans()):
+        empty = draw(st.integers(0, DP_SHARD - 1))
+        images = [[] if r // rows == empty else placed for r, placed in enumerate(batch["images"])]
+        if any(images) and batch["seq_len"] >= 6:  # the fake image (4 placeholders) and a text target after it
+            batch = {**batch, "images": images, "fake_images": True}
+    return batch
 
 
 def _skip_reason(dtype: str, loss: str = "masked"):
@@ -345,8 +381,10 @@ def training_step_cases(dtype: str, loss: str = "masked"):
         spec = draw(st.sampled_from(runnable)) if runnable else draw(st.nothing())
         traits = model_specs.spec_traits(spec)
         batch = draw(rm._batches(_kinds(traits), lambda kind: _global_rows(traits, kind)))
-        if draw(st.booleans()):  # the pad id as content: each document's end (an EOS = pad) and middle
-            batch["pad_content"] = True
+        if batch["kind"] == "images":
+            batch = draw(_images_on_one_dp_rank(batch))
+        elif draw(st.booleans()):  # the pad id as content: each document's end (an EOS = pad) and middle
+            batch["pad_content"] = True  # (not for images: the VLM spec's make_batch plants no pad id)
         return {
             "check": "training_step",
             "spec": spec,

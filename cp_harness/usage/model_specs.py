@@ -87,19 +87,30 @@ MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_gr
 def _row_order(spec: types.ModuleType, batch: dict, order: list[int]) -> dict:
     """``batch`` with its rows in ``order``: ``spec.reorder_rows(batch, order)`` where the spec has it, else every
     tensor whose first dimension is the row count. A batch with media (``MEDIA_KEYS``: flat over the images, so a
-    tensor of as many patches as rows would be reordered as if it were rows) needs the spec's ``reorder_rows``."""
+    tensor of as many patches as rows would be reordered as if it were rows) needs the spec's ``reorder_rows``.
+    ``order`` may name a subset of the rows (``select_rows``)."""
     if hasattr(spec, "reorder_rows"):
-        return spec.reorder_rows(batch, order)
+        return spec.reorder_rows(batch, list(order))
     media = [k for k in MEDIA_KEYS if batch.get(k) is not None]
     if media:
         raise ValueError(
             f"model spec {spec.NAME!r}: the batch carries {media}, flat over its images, which the reordered reference "
             "cannot reverse with the rows by shape; give the spec reorder_rows(batch, order)"
         )
+    rows = batch["input_ids"].shape[0]
     return {
-        k: (v[order] if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == len(order) else v)
+        k: (v[list(order)] if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == rows else v)
         for k, v in batch.items()
     }
+
+
+def select_rows(spec: types.ModuleType, batch: dict, rows: range | list[int]) -> dict:
+    """The sub-batch of ``batch``'s rows ``rows`` (in that order; ``[B, ...]`` tensors -> ``[len(rows), ...]``) with
+    their images: a data-parallel rank's rows, or one micro-batch of the one-device reference. Through the spec's
+    ``reorder_rows`` where it has one (the media ``pixel_values [P, C]`` / ``image_grid_thw [I, 3]`` are flat over
+    the images of all rows and cannot be cut by shape); a batch with media and no ``reorder_rows`` raises naming the
+    fix. Rows that hold no image give a batch without media keys, as a collater's text-only batch."""
+    return _row_order(spec, batch, list(rows))
 
 
 def step(

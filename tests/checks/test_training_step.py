@@ -27,6 +27,8 @@ JUDGES = (
     "training:deepseek_v41",
     "training:qwen3_5_moe",
     "training:glm_moe_dsa",
+    "spec:qwen3_5_moe_vlm_mrope",
+    "training:qwen3_5_moe_vlm_mrope",
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -34,6 +36,16 @@ FIXTURES = ROOT / "tests" / "fixtures"
 SPEC = "examples.automodel.models.deepseek_v41"
 QWEN = "examples.automodel.models.qwen3_5_moe"  # NEAT packing (_packed_seq_ids, 4-D mask), a router aux loss
 GLM = "examples.automodel.models.glm_moe_dsa"  # packed THD through process_input_for_thd, bfloat16, a stand-in
+# The VLM recipe's step with images (shard_batch_aux_only, the splice inside the forward); the loader's mRoPE positions
+# in the batch, so that finding M7 (one device drops them) stays out of the smoke.
+VLM = "examples.automodel.models.qwen3_5_moe_vlm_mrope"
+# 16 tokens per row (a multiple of 2 x CP: no divisibility padding, finding M8 stays out), one row per dp rank. dp rank
+# 0's row: a 2 x 3 image at 2-7 crossing CP rank 0's first chunk (0-3) into rank 1's (4-11), a 1 x 2 image at 10-11;
+# dp rank 1's row: a 2 x 2 image at 4-7. Then the same with dp rank 1's row text only (no media in its micro-batch).
+IMAGES = {"kind": "images", "seq_len": 16, "batch_size": 2, "seed": 3, "images": [[[2, 2, 3], [10, 1, 2]], [[4, 2, 2]]]}
+IMAGES_ONE_RANK = {**IMAGES, "images": [[[2, 2, 3], [10, 1, 2]], []]}
+# One 2 x 2 image per dp rank (same sizes: a dp rank handed the other's pixels raises nothing).
+IMAGES_SAME_SIZE = {**IMAGES, "images": [[[2, 2, 2]], [[9, 2, 2]]]}
 # Different label counts on the two dp ranks (15 and 10): a count not summed over dp changes the result.
 UNEVEN = {"kind": "packed", "seq_len": 19, "batch_size": 2, "documents": [[7, 5, 6], [3, 1, 9]], "seed": 1}
 
@@ -57,7 +69,9 @@ def step_runner():
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(FIXTURES), str(ROOT), saved["PYTHONPATH"]) if p)
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
     runner = CaseRunner(
-        PoolConfig(world_size=4, impl="cp_impl", case_timeout=240.0, collective_timeout=120.0, preload=(SPEC, QWEN))
+        PoolConfig(
+            world_size=4, impl="cp_impl", case_timeout=240.0, collective_timeout=120.0, preload=(SPEC, QWEN, VLM)
+        )
     )
     try:
         runner.pool.start()
@@ -133,6 +147,101 @@ def test_glm_moe_dsa_kv_gather_backward_not_reduced_fails_the_step_on_gradients(
     text, failing = _failures(case, step_runner)
     assert any("kv_a_proj_with_mqa" in n for n in failing), text
     assert "loss" not in failing and "logits" not in failing, text  # the forward is untouched
+
+
+def test_smoke_vlm_images_the_vlm_recipes_step(step_runner):
+    """The VLM recipe's step with images on ``dp_shard x cp = 2 x 2``: each dp rank gets its rows *with their images*
+    (``model_specs.select_rows``), the vision tower runs inside the forward and its features are spliced before the
+    round-robin shard, FSDP2 reduces every gradient over ``dp_shard_cp``; one device accumulates the same two
+    micro-batches. The loss, the logits, every gradient (the vision tower's and the embeddings' included) and the norm
+    are judged; the label counts per dp rank are the text targets of its rows (-100 where the target is an image)."""
+    report = step_runner.run(_case(IMAGES, spec=VLM))
+    assert report.ok, report_text(report)
+    names = {c.name.split(" (")[0] for c in report.comparisons}
+    vision = {n for n in names if n.startswith("grad model.visual.")}
+    assert len(vision) >= 15 and "grad model.visual.patch_embed.proj.weight" in vision, sorted(names)
+    assert {"logits", "loss", "grad_norm", "grad model.language_model.embed_tokens.weight"} <= names, names
+    assert report.info["dp_image_counts"] == [2, 1], report.info
+    assert report.info["dp_label_counts"] == _labels(IMAGES), report.info
+
+
+def test_vlm_dp_rank_images_cut_from_the_global_start_fail_on_vision_and_its_rows(step_runner):
+    """The fixture hands dp rank 1 dp rank 0's pixels (the flat media sliced from the start, not by its rows): the
+    loss, the logits and the vision tower's gradients fail; the gradient norm with them."""
+    assert step_runner.run(_case(IMAGES_SAME_SIZE, spec=VLM)).ok  # the same case passes with the right images
+    case = _case(IMAGES_SAME_SIZE, "training_step_driver_vlm_images_from_start", spec=VLM)
+    text, failing = _failures(case, step_runner)
+    assert {"loss", "logits", "grad model.visual.patch_embed.proj.weight"} <= failing, text
+    assert "worst at row 1," in text.split("FAIL logits", 1)[1].split("\n", 1)[0], text  # in dp rank 1's row
+
+
+def test_vlm_dp_rank_without_images_is_refused_on_every_rank_naming_the_fake_image(step_runner):
+    """A dp rank whose rows hold no image would skip the vision tower's FSDP2 all-gathers (measured: gloo aborts
+    the step); the case is refused on every rank before any collective, naming the field and the framework's fix."""
+    report = step_runner.run(_case(IMAGES_ONE_RANK, spec=VLM))
+    text = report_text(report)
+    assert not report.ok and "dp rank 1's rows hold no image" in text and "batch.fake_images" in text, text
+    assert "failed on rank(s) [0, 1, 2, 3]" in text, text
+
+
+def test_m9_text_only_dp_rank_with_the_frameworks_fake_image_differs_under_cp(step_runner):
+    """Finding M9 (examples/automodel/repro/models/qwen3_5_moe_vlm_fake_image_cp.py): dp rank 1's text-only row
+    carries the framework's fake image, masked by attention_mask 0; under CP the mask is dropped, so its text attends
+    to the image: the logits of that row, the loss and the gradients differ from one device."""
+    report = step_runner.run(_case({**IMAGES_ONE_RANK, "fake_images": True}, spec=VLM))
+    failing = {c.name.split(" (")[0] for c in report.failures()}
+    text = report_text(report)
+    assert report.info["dp_image_counts"] == [2, 1], report.info  # dp rank 1: the fake image
+    assert {"logits", "loss"} <= failing and not report.problems, text
+
+
+def test_select_rows_gives_each_dp_rank_its_own_images_and_none_to_text_rows():
+    """No ranks: ``model_specs.select_rows`` (the dp ranks' rows and the one-device micro-batches) takes each row's
+    images with it from the flat media (``pixel_values [P, 12]``, ``image_grid_thw [I, 3]``); rows holding none give a
+    batch without media keys, which the reordered reference can still reverse."""
+    from cp_harness.usage import model_specs
+
+    spec = model_specs.load_spec(VLM)
+    images = [[[2, 2, 3], [10, 1, 2]], [[4, 2, 2]], [], []]
+    batch = model_specs.make_batch(spec, {**IMAGES, "batch_size": 4, "images": images})
+    first, second = (model_specs.select_rows(spec, batch, range(d * 2, d * 2 + 2)) for d in (0, 1))
+    assert first["image_grid_thw"].tolist() == batch["image_grid_thw"].tolist()  # rows 0, 1 hold all three images
+    assert "pixel_values" not in second and "image_grid_thw" not in second, sorted(second)
+    assert second["input_ids"].equal(batch["input_ids"][2:]) and second["labels"].equal(batch["labels"][2:])
+    one = model_specs.select_rows(spec, batch, [1])  # row 1 alone: its 2 x 2 image, patches 8..11 of the flat tensor
+    assert one["image_grid_thw"].tolist() == [[1, 2, 2]] and one["pixel_values"].equal(batch["pixel_values"][8:12])
+    assert model_specs._row_order(spec, second, [1, 0])["input_ids"].equal(batch["input_ids"][[3, 2]])
+
+
+def test_training_rows_draw_images_for_the_vlm_spec_with_a_text_only_dp_rank_carrying_the_fake_image():
+    """The rows draw the ``images`` kind for a spec that declares it; half of the time one dp rank's rows are text
+    only and then carry the framework's fake image (``batch.fake_images``), so every dp rank runs the vision tower."""
+    from hypothesis import HealthCheck, find, settings
+
+    from cp_harness.cases.profiles import CaseSpace
+    from cp_harness.checks.training_step import _image_counts, training_step_cases
+    from cp_harness.usage import model_specs
+
+    space = CaseSpace(world_sizes=(4,), models=(VLM,))
+    quick = settings(max_examples=200, database=None, suppress_health_check=list(HealthCheck))
+    case = find(training_step_cases("float32")(space), lambda c: c["batch"].get("fake_images"), settings=quick)
+    assert case["batch"]["kind"] == "images" and "pad_content" not in case["batch"], case
+    spec = model_specs.load_spec(VLM)
+    batch = model_specs.make_batch(spec, case["batch"])
+    rows = case["batch"]["batch_size"] // 2
+    assert 0 not in _image_counts(batch, spec, 2, rows), case  # the text-only rank holds its fake image
+    assert any(not placed for placed in case["batch"]["images"]), case
+    assert not batch["attention_mask"].all()  # the fake image's placeholders are masked
+    plain = find(training_step_cases("float32")(space), lambda c: not c["batch"].get("fake_images"), settings=quick)
+    assert all(plain["batch"]["images"]), plain  # both are drawn
+
+
+def _labels(batch: dict) -> list[int]:
+    """Each dp rank's label count (one row each), read off the batch the spec builds: text targets only."""
+    from cp_harness.usage import model_specs
+
+    labels = model_specs.make_batch(model_specs.load_spec(VLM), batch)["labels"]
+    return [int((row != -100).sum()) for row in labels]
 
 
 def test_aux_loss_scale_left_at_one_fails_on_the_routers(step_runner):

@@ -138,6 +138,9 @@ def valid_positions(batch: dict[str, Any]) -> torch.Tensor:
     return torch.ones_like(batch["input_ids"], dtype=torch.bool)
 
 
+# The fake image of a text-only row (``fake_images``): [start, h, w], at the row's start as the framework puts it in
+# the first user message (``inject_fake_image_into_conversation``; its 56 x 56 white image, here 2 x 2 patches of 1).
+FAKE_IMAGE = (0, 2, 2)
 MEDIA = ("pixel_values", "image_grid_thw")  # flat over the images of all rows
 PATCH_VALUES = 3 * 1 * 2 * 2  # in_channels x temporal_patch_size x patch_size^2 of ``VISION``
 
@@ -173,12 +176,16 @@ def make_batch(
     batch_size: int = 1,
     seed: int = 0,
     images: list[list[list[int]]] | None = None,
+    fake_images: bool = False,
     **unused: Any,
 ) -> dict[str, Any]:
     """A VLM batch (kind ``"images"``) with shifted labels.
 
     ``images[row]``: ``[start, h, w]`` per image of that row (``h x w`` placeholder tokens from ``start``; default
-    one 2 x 2 image at ``seq_len // 3``). Returns ``input_ids``/``labels``/``attention_mask [B, S]``,
+    one 2 x 2 image at ``seq_len // 3``). ``fake_images``: each row given no image gets the framework's VLM data
+    path's fake image instead (``FAKE_IMAGE``: ``inject_fake_images``, a constant image at the row's start, its
+    placeholders' ``attention_mask`` set to 0 as the framework's ``mask_fake_vision_tokens_batch`` sets it), which the
+    framework injects into text-only samples so that FSDP's vision-tower units run on every rank. Returns ``input_ids``/``labels``/``attention_mask [B, S]``,
     ``pixel_values [P, 12]`` (seeded, float32: the model casts them to its tower's dtype), ``image_grid_thw [I, 3]``.
     """
     if kind != "images":
@@ -186,6 +193,10 @@ def make_batch(
     if images is None:
         images = [[[seq_len // 3, 2, 2]]] * batch_size
     placed = _check_images(images, batch_size, seq_len)
+    fake = [row for row, spans in enumerate(placed) if fake_images and not spans]
+    for row in fake:
+        placed[row] = [FAKE_IMAGE]
+    placed = _check_images(placed, batch_size, seq_len)
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(1, TEXT_VOCAB, (batch_size, seq_len), generator=generator)
     grids = []
@@ -200,15 +211,23 @@ def make_batch(
     labels[labels == IMAGE_TOKEN_ID] = IGNORE_INDEX  # noqa: F405
     if not (labels != IGNORE_INDEX).any():  # noqa: F405
         raise ValueError(f"{NAME}: images {images!r} leave no text target in the batch")
-    patches = sum(h * w for _, h, w in grids)
-    pixel_values = torch.randn(patches, PATCH_VALUES, generator=generator)
-    return {
+    pixel_values = torch.cat(
+        [
+            torch.ones(h * w, PATCH_VALUES) if row in fake else torch.randn(h * w, PATCH_VALUES, generator=generator)
+            for row, spans in enumerate(placed)
+            for _, h, w in spans
+        ]
+    )
+    batch = {
         "input_ids": input_ids,
         "labels": labels,
         "attention_mask": torch.ones_like(input_ids),
         "pixel_values": pixel_values,
         "image_grid_thw": torch.tensor(grids, dtype=torch.long),
     }
+    for row in fake:  # mask_fake_vision_tokens_batch's line, rebuilt: datasets/vlm needs HF datasets (absent here)
+        batch["attention_mask"][row][torch.isin(input_ids[row], torch.tensor(list(MEDIA_IDS.values())))] = 0
+    return batch
 
 
 def _images_per_row(batch: dict[str, Any]) -> list[list[int]]:
@@ -240,7 +259,11 @@ def _images_per_row(batch: dict[str, Any]) -> list[list[int]]:
 def reorder_rows(batch: dict[str, Any], order: list[int]) -> dict[str, Any]:
     """``batch`` with its rows in ``order``, the images with them: ``input_ids``/``labels``/``attention_mask``
     ``[B, S]`` indexed by ``order``; ``image_grid_thw [I, 3]`` and ``pixel_values [P, 12]`` rebuilt from the images
-    of the rows in the new order (their patches stay contiguous per image)."""
+    of the rows in the new order (their patches stay contiguous per image). ``order`` may name a subset of the rows
+    (a data-parallel rank's rows); when those rows hold no image the result has no media keys, as the framework's
+    collaters leave a text-only batch."""
+    if batch.get("image_grid_thw") is None:  # a text-only batch (rows without images): rows only
+        return {k: (v[order] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
     per_row = _images_per_row(batch)
     grids = batch["image_grid_thw"]
     sizes = (grids[:, 0] * grids[:, 1] * grids[:, 2]).tolist()
@@ -249,6 +272,8 @@ def reorder_rows(batch: dict[str, Any], order: list[int]) -> dict[str, Any]:
         starts.append(starts[-1] + size)
     images = [i for row in order for i in per_row[row]]
     out = {k: (v[order] if isinstance(v, torch.Tensor) and k not in MEDIA else v) for k, v in batch.items()}
+    if not images:  # text-only rows: no pixel_values [0, C] / image_grid_thw [0, 3] (torch.cat of nothing)
+        return {k: v for k, v in out.items() if k not in MEDIA}
     out["image_grid_thw"] = grids[images]
     out["pixel_values"] = torch.cat([batch["pixel_values"][starts[i] : starts[i + 1]] for i in images])
     return out

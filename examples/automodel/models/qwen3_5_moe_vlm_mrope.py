@@ -51,7 +51,7 @@ def with_positions(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, A
     positions, _ = get_rope_index(
         batch["input_ids"],
         mm_token_type_ids=token_types,
-        image_grid_thw=batch["image_grid_thw"],
+        image_grid_thw=batch.get("image_grid_thw"),  # absent on text-only rows (a dp rank without images)
         attention_mask=batch.get("attention_mask"),
     )
     inner: Any = model.model  # the framework ships no types

@@ -13,7 +13,7 @@ process-group argument. Exit status 1 when a declared callable was never called 
 
 ``--step training``: the training-step driver's ``COVERS`` (``examples/automodel/training/covers.py``) instead,
 counted over 4 ranks as ``dp_shard x cp = 2 x 2``: the framework's mesh and parallelizer built, then one step of
-``train_ft_step.STEP.run`` per batch of ``TRAINING_BATCHES`` (two rows: one per dp rank).
+``train_ft_step.STEP.run`` per batch of ``TRAINING_BATCHES`` (two rows: one per dp rank), the spec's stand-ins entered.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ TRAINING_BATCHES = [
     ("packed", 19, {"documents": [[7, 5, 6], [3, 1, 9]], "batch_size": 2, "seed": 1}),
     ("right_padded", 13, {"pad": 4, "batch_size": 2, "seed": 4}),
     ("plain", 11, {"batch_size": 2, "seed": 5}),
+    # a VLM's images, one row per dp rank (dp rank 0: a 2 x 3 image across CP 2's shard boundary, a 1 x 2 one; dp
+    # rank 1: a 2 x 2 one), then dp rank 1's row text only with the framework's masked fake image
+    ("images", 16, {"images": [[[2, 2, 3], [10, 1, 2]], [[4, 2, 2]]], "batch_size": 2, "seed": 3}),
+    ("images", 16, {"images": [[[2, 2, 3], [10, 1, 2]], []], "fake_images": True, "batch_size": 2, "seed": 3}),
 ]
 
 
@@ -162,7 +166,7 @@ def _training_rank(rank, world, store, sizes, spec_name, queue, loss="masked"):
     spec = importlib.import_module(spec_name)
     counting = Counting(covers.covers(loss, spec_name.rsplit(".", 1)[-1]))
     overrides = getattr(spec, "MTP_OVERRIDES", {}) if loss == "mtp" else {}
-    with counting:
+    with counting, _standins(spec):
         context = train_ft_step.mesh_context(world // 2, 2)
         model = train_ft_step.parallelized(spec, torch.float32, 0, context, **overrides)
         for kind, seq_len, keys in TRAINING_BATCHES:

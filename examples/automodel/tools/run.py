@@ -59,7 +59,14 @@ SPEC_WORLD_SIZES = (1, 2, 3)  # real models on 2 cores: CP 4 and more where a sp
 # that enter CP on a deep copy of the model (``model_owned_cp.cp_twin``: qwen3_8_flash_next, glm5_next) cannot run
 # under FSDP2 ("FSDP does not support deepcopy"), the forward-only ones have no backward. glm_moe_dsa runs the
 # bfloat16 row only (TRAINING_DTYPES: its TileLang CP path is bfloat16 only).
-TRAINING_STEP_SPECS = ("deepseek_v41", "deepseek_v4", "qwen3_5_moe", "glm_moe_dsa")
+TRAINING_STEP_SPECS = (
+    "deepseek_v41",
+    "deepseek_v4",
+    "qwen3_5_moe",
+    "glm_moe_dsa",
+    "qwen3_5_moe_vlm",
+    "qwen3_5_moe_vlm_mrope",
+)
 TRAINING_STEP_WORLD = 4
 
 

@@ -1,7 +1,8 @@
 """What the training-step driver (``train_ft_step.py``) does with the framework's training-step code: the
 coverage table's entries for the subjects ``training:<spec>`` (``examples/automodel/tools/coverage.py``).
 
-``COVERS`` (every step), ``COVERS_MASKED``, ``COVERS_LINEAR_CE``, ``COVERS_MTP`` (by loss): framework callable -> what the step
+``COVERS`` (every step), ``COVERS_MASKED``, ``COVERS_LINEAR_CE``, ``COVERS_MTP`` (by loss), ``COVERS_BY_SPEC`` (the VLM
+specs: the VLM recipe's step with images): framework callable -> what the step
 does with it; each is called by the framework's own code path or
 the driver on every rank of a step (counted by ``tools/covers_check.py --step training``, which exits 1 when a
 declared callable is never called). ``REBUILT``: the recipe's methods whose CP lines the driver rebuilds with torch
@@ -61,6 +62,22 @@ COVERS_MTP_BY_SPEC: dict[str, dict[str, str]] = {
 }
 """The MTP preparation each spec's model class owns (the recipe calls ``model.prepare_mtp_inputs_for_cp``)."""
 
+_VLM = f"{_D}.models.qwen3_5_moe.model.Qwen3_5MoeForConditionalGeneration"
+COVERS_VLM: dict[str, str] = {
+    f"{_D}.distributed.cp_vision_frame_shard.set_cp_vision_group": "the VLM recipe's CP vision group published around "
+    "the forward (_cp_vision_frame_sharding_context; the recipe's default policy: frame sharding off)",
+    f"{_D}.distributed.cp_vision_frame_shard.reset_cp_vision_group": "the group withdrawn after the forward",
+    f"{_D}.distributed.context_parallel.sharder.shard_batch_aux_only": "each dp rank's rows: labels and mRoPE "
+    "positions round-robin sharded, input_ids and that rank's own images kept global",
+    f"{_VLM}._embed_and_splice_for_cp": "in the FSDP2-wrapped forward: the vision tower (its FSDP2 units) on the dp "
+    "rank's images, features spliced before the round-robin shard",
+}
+"""Called by the VLM recipe's step (a batch with images: ``RecipeStep.vision_group``, the model's CP forward) on top of
+``COVERS`` and the loss's entries."""
+
+COVERS_BY_SPEC: dict[str, dict[str, str]] = {"qwen3_5_moe_vlm": COVERS_VLM, "qwen3_5_moe_vlm_mrope": COVERS_VLM}
+"""What a spec's training step calls whatever its loss (the VLM specs: the VLM recipe's step with images)."""
+
 REBUILT: dict[str, str] = {
     "nemo_automodel.recipes.llm.train_ft.TrainFinetuneRecipeForNextTokenPrediction._forward_backward_step": (
         "rebuilt, not called (the recipe does not import here: torchao, torchdata): RecipeStep.run and "
@@ -76,14 +93,31 @@ REBUILT: dict[str, str] = {
     ),
     "nemo_automodel.recipes.base_recipe.BaseRecipe._dp_allreduce": "rebuilt (RecipeStep.num_label_tokens, "
     "reported_loss)",
+    "nemo_automodel.recipes.vlm.finetune.FinetuneRecipeForVLM._forward_backward_step": (
+        "rebuilt, not called (the recipe does not import here: torchao): RecipeStep.run redoes its ContextParallelSharder "
+        "(invoke_pre_embed, the model's shard_batch_aux_only), the forward under the CP vision group, the loss and "
+        "the backward of local_loss x dp_cp size; its lines are train_ft.py's but for the vision group"
+    ),
+    "nemo_automodel.recipes.vlm.finetune.FinetuneRecipeForVLM._run_train_optim_step": (
+        "rebuilt (RecipeStep.num_label_tokens, aux_loss_scale, reported_loss): label count of the rows' labels summed "
+        "over dp, MoE aux-loss scale cp / microbatches, clip-grad call"
+    ),
+    "nemo_automodel.recipes.vlm.finetune.FinetuneRecipeForVLM._cp_vision_frame_sharding_context": (
+        "rebuilt (RecipeStep.vision_group): the framework's set_cp_vision_group / reset_cp_vision_group on mesh['cp'] "
+        "with the default CpVisionFrameShardingConfig()"
+    ),
 }
 
 NOT_RUN: dict[str, str] = {
     f"{_D}.loss.linear_ce.FusedLinearCrossEntropy": "needs cut_cross_entropy (Triton kernels): not installed on a "
     "CPU runner",
     f"{_D}.loss.te_parallel_ce.TEParallelCrossEntropy": "TransformerEngine's CUDA cross entropy",
-    "nemo_automodel.recipes.vlm.finetune.FinetuneRecipeForVLM._forward_backward_step": "no VLM spec has a training "
-    "step yet (issue 34 item 4)",
+    f"{_D}.distributed.cp_vision_frame_shard.maybe_distribute_visual": "the VLM recipe's vision frame sharding over "
+    "CP (distributed.multimodal.vision.frame_sharding.enabled, off by default): the training step runs the "
+    "default policy, the vision tower replicated on every CP rank",
+    f"{_D}.datasets.vlm.fake_image.mask_fake_vision_tokens_batch": "the fake image of a text-only sample: "
+    "datasets/vlm needs HF datasets (absent here); the VLM spec lays it out and masks it as this function does "
+    "(fake_images, finding M9)",
 }
 
 
@@ -94,4 +128,4 @@ def covers(loss: str = "masked", spec: str | None = None) -> dict[str, str]:
     if loss not in by_loss:
         raise ValueError(f"loss={loss!r}: give one of {list(by_loss)}")
     mtp = COVERS_MTP_BY_SPEC.get(spec or "", {}) if loss == "mtp" else {}
-    return {**COVERS, **by_loss[loss], **mtp}
+    return {**COVERS, **by_loss[loss], **mtp, **COVERS_BY_SPEC.get(spec or "", {})}

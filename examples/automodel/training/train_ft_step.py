@@ -1,5 +1,7 @@
 """One training step of a model spec as nemo-automodel 0.7.0's ``recipes/llm/train_ft.py`` runs it at CP > 1, on
 the framework's own mesh, parallelizer and clip-grad helper (the driver of ``cp_harness.checks.training_step``).
+A batch with images (a VLM spec's ``images`` kind) is ``recipes/vlm/finetune.py``'s step: the same lines plus its CP
+vision group around the forward (``RecipeStep.vision_group``), each dp rank's rows selected with their images.
 
 What is the framework's own code, called here (nothing of it is copied):
 
@@ -122,15 +124,15 @@ class RecipeStep:
 
         return get_flat_mesh(mesh, name)
 
-    def dp_rows(self, mesh, global_batch: dict, rows: int) -> dict:
+    def dp_rows(self, spec, mesh, global_batch: dict, rows: int) -> dict:
         """This dp rank's rows of the global batch (the dataloader's shard: dp rank ``d`` holds rows
-        ``d*rows .. (d+1)*rows-1``; every CP rank of a dp rank holds the same rows, the sharder splits them)."""
+        ``d*rows .. (d+1)*rows-1``; every CP rank of a dp rank holds the same rows, the sharder splits them), through
+        ``model_specs.select_rows``: the spec's ``reorder_rows`` for a batch with media, so that the dp rank gets the
+        images of its rows (``pixel_values [P_d, C]``, ``image_grid_thw [I_d, 3]``) and none when its rows hold none."""
+        from cp_harness.usage import model_specs
+
         d = self.flat(mesh, "dp").get_local_rank()
-        n = global_batch["input_ids"].shape[0]
-        return {
-            k: (v[d * rows : (d + 1) * rows] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == n else v)
-            for k, v in global_batch.items()
-        }
+        return model_specs.select_rows(spec, global_batch, range(d * rows, (d + 1) * rows))
 
     def num_label_tokens(self, mesh, batch: dict) -> int:
         """``_run_train_optim_step``: ``_count_label_tokens`` of the rank's batch, summed over ``dp``
@@ -159,6 +161,18 @@ class RecipeStep:
     def stand_in(self):
         """On gloo, ``gather_backward_as_on_nccl()`` (finding D2, the module docstring); elsewhere nothing."""
         return gather_backward_as_on_nccl() if dist.get_backend() == "gloo" else contextlib.nullcontext()
+
+    def vision_group(self, mesh, global_batch: dict):
+        """``recipes/vlm/finetune.py``'s ``_cp_vision_frame_sharding_context()`` around its forward when the step is
+        the VLM recipe's (the global batch carries media, ``model_specs.MEDIA_KEYS``): the framework's
+        ``set_cp_vision_group(mesh["cp"].get_group(), config=CpVisionFrameShardingConfig())`` (the recipe's default
+        policy, frame sharding disabled: the vision tower runs replicated on every CP rank), reset on exit. A text
+        batch: nothing (``train_ft.py`` has no such context)."""
+        from cp_harness.usage.model_specs import MEDIA_KEYS
+
+        if not any(global_batch.get(k) is not None for k in MEDIA_KEYS):
+            return contextlib.nullcontext()
+        return _cp_vision_group(mesh["cp"].get_group())
 
     def linear_ce_loss_fn(self):
         """The recipe's linear-projection loss that runs on a CPU: ``ChunkedCrossEntropy`` (a ``LinearCrossEntropy``:
@@ -261,7 +275,7 @@ class RecipeStep:
         from torch.distributed.tensor import DTensor
 
         mesh = context.device_mesh
-        batch = self.dp_rows(mesh, global_batch, rows)
+        batch = self.dp_rows(spec, mesh, global_batch, rows)
         count = self.num_label_tokens(mesh, batch)
         previous = MoEAuxLossAutoScaler.main_loss_backward_scale
         MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(self.aux_loss_scale(mesh))
@@ -275,7 +289,8 @@ class RecipeStep:
             mtp_inputs = self.mtp_prepare(model, batch) if loss == "mtp" else None
             ctx_factory, local, sharder = spec.shard(model, mesh["cp"], batch)
             targets = None if mtp_inputs is None else self.mtp_shard(spec, sharder, local, mtp_inputs)
-            with stand_in, ctx_factory(), get_sync_ctx(model, True, defer_fsdp_grad_sync=True):
+            vision = self.vision_group(mesh, global_batch)
+            with stand_in, vision, ctx_factory(), get_sync_ctx(model, True, defer_fsdp_grad_sync=True):
                 labels = spec.local_labels(local) if hasattr(spec, "local_labels") else local["labels"]
                 if loss == "linear_ce":
                     logits = None
@@ -332,6 +347,23 @@ class RecipeStep:
         parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, mine, group=group)
         return torch.cat(parts, dim=0)
+
+
+@contextlib.contextmanager
+def _cp_vision_group(group):
+    """The framework's ``set_cp_vision_group`` / ``reset_cp_vision_group`` pair with the VLM recipe's default
+    ``CpVisionFrameShardingConfig()`` (``distributed.multimodal.vision.frame_sharding``, disabled)."""
+    from nemo_automodel.components.distributed.cp_vision_frame_shard import (
+        CpVisionFrameShardingConfig,
+        reset_cp_vision_group,
+        set_cp_vision_group,
+    )
+
+    token = set_cp_vision_group(group, config=CpVisionFrameShardingConfig())
+    try:
+        yield
+    finally:
+        reset_cp_vision_group(token)
 
 
 STEP = RecipeStep()
