@@ -120,3 +120,12 @@ def framework_adapters(cp_runner):
         yield runner
     finally:
         runner.close()
+        count_pool_starts(runner)
+
+
+def count_pool_starts(runner) -> None:
+    """Add the starts of a pool of a test's own to the session's "rank pool starts" (its cases, deliberately failing
+    ones, are not examples of the gate and stay out of the counts)."""
+    from cp_harness.run_summary import SUMMARY
+
+    SUMMARY.pool_starts += runner.pool.starts

@@ -67,6 +67,9 @@ def _runner_for(cp_runner, cases: list[dict], impls: list[str]):
         yield runner
     finally:
         runner.close()
+        from cp_harness.run_summary import SUMMARY
+
+        SUMMARY.pool_starts += runner.pool.starts  # the session's "rank pool starts" counts this pool's too
 
 
 def export_targets(cp_runner, tmp_path_factory, framework_adapters=None) -> dict[str, Path]:
