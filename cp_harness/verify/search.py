@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, example, find, given, settings
@@ -71,16 +72,18 @@ def cases_built_for(claims: list[str], strategy, space: CaseSpace, seed: int) ->
         deadline=None,
         suppress_health_check=list(HealthCheck),
     )
+
+    def built_for(claim: str) -> Callable[[dict], bool]:
+        def fits(case: dict) -> bool:
+            return claim in _built_for(case, [claim]) and ranks_needed(case) <= space.pool_ranks
+
+        return fits
+
     for claim in claims:
         if claim in found:
             continue
         try:
-            case = find(
-                strategy,
-                lambda c, claim=claim: claim in _built_for(c, [claim]) and ranks_needed(c) <= space.pool_ranks,
-                settings=look,
-                random=random.Random(f"{seed}:{claim}"),
-            )
+            case = find(strategy, built_for(claim), settings=look, random=random.Random(f"{seed}:{claim}"))
         except (NoSuchExample, Unsatisfiable):
             continue
         for reached in _built_for(case, claims):  # one case may be built for several of the claims
