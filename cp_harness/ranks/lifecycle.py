@@ -27,7 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from cp_harness.cases.implementation import impl_names
 from cp_harness.ranks import wire
 from cp_harness.ranks.diagnosis import exits_in_log, start_failure_report, start_timeout_report
 from cp_harness.ranks.outputs import SHUTDOWN, PoolConfig, PoolLost
@@ -79,8 +78,6 @@ class RankProcesses:
         self._rdzv: str | None = None
         self._listen: tuple[str, int] | None = None
         self.lost: str | None = None  # why a pool that cannot restart is gone
-        # Implementations cases named beside the pool's own (``learn_impl``): a fresh start's launcher imports them.
-        self.warm_impls: list[str] = []
 
     @property
     def proc(self) -> subprocess.Popen | None:
@@ -130,13 +127,6 @@ class RankProcesses:
                 raise
             self._start_once()
 
-    def learn_impl(self, name: str | None) -> None:
-        """Remember ``name``, an implementation a case named that the pool's ``impl`` does not list: the ranks load
-        it on first use, and after a restart (a rank that raised, a hang) every rank of the fresh start would load it
-        again on its own; the fork launcher of the next start imports it once before it forks (``--warm-impls``)."""
-        if name and name not in impl_names(self.config.impl) and name not in self.warm_impls:
-            self.warm_impls.append(name)
-
     # ------------------------------------------------------------------ commands
     def worker_args(self, *, local: bool = True) -> list[str]:
         """The worker's arguments (``local``: with the stack and log folder, which ranks elsewhere cannot use)."""
@@ -156,8 +146,6 @@ class RankProcesses:
             args.append(f"--stack-dir={self._workdir}")
         if cfg.preload:
             args.append(f"--preload={','.join(cfg.preload)}")
-        if local and self.warm_impls:
-            args.append(f"--warm-impls={','.join(self.warm_impls)}")
         return args
 
     def node_command(self, node: int, *, local: bool = True) -> list[str]:

@@ -136,7 +136,6 @@ class RankPool:
         the cases sent after it are sent again to the fresh pool, so they get
         outputs of a healthy pool, never a verdict poisoned by the failure.
         """
-        self._processes.learn_impl(case.get("impl"))
         return self._queue.submit(case, self.config.case_timeout if timeout is None else float(timeout))
 
     def collect(self, ticket: Ticket) -> list[RankOutput]:

@@ -59,12 +59,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stack-dir", default=None, help="folder for stack dumps on SIGUSR1")
     parser.add_argument("--preload", default="", help="model spec modules (comma-separated) the launcher imports once")
     parser.add_argument(
-        "--warm-impls",
-        default="",
-        help="implementations earlier cases of the pool named (comma-separated): the fork launcher imports those "
-        "that import before it forks (a case still loads its own on first use; one that fails is left to it)",
-    )
-    parser.add_argument(
         "--ranks",
         type=int,
         default=None,
@@ -131,13 +125,6 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
 
     for name in impl_names(args.impl):
         load_impl(name)  # one that does not import stops the launcher here; the pool shows its traceback
-    for name in [n for n in args.warm_impls.split(",") if n]:
-        # What a fresh start's ranks would otherwise each import again on their first case naming it (an adapter
-        # imports the framework's CP modules: about 4 s of CPU a rank); its failure is the case's to report.
-        try:
-            load_impl(name)
-        except Exception as exc:  # noqa: BLE001 - left to the case that names it, as without this flag
-            print(f"cp_harness.ranks.worker: not preloaded: {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
     load_checks()
     from cp_harness.usage.model_specs import preload
 

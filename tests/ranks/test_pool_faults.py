@@ -327,27 +327,3 @@ def test_a_pool_that_does_not_come_up_names_the_timeout_that_fired_and_where_eac
     while (left := processes_mentioning(str(tmp_path))) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"the failed start left processes behind: {left}"
-
-
-def test_a_restart_imports_what_earlier_cases_loaded_before_it_forks_and_leaves_a_failing_import_to_its_case(faulty):
-    """The ranks load an implementation a case names on first use; after a restart each rank of the fresh start would
-    load it again on its own (an adapter: the framework's CP modules, about 4 s of CPU a rank). The next launcher
-    imports them once before it forks (``--warm-impls``); one that does not import is only noted in its log, and the
-    case that names it still fails saying why."""
-    runner = faulty.runner
-    healthy(runner)
-    warm, missing = "cp_impl.variants.contiguous_2n", "no_such_implementation_module"
-    runner.check({**selftest(), "impl": warm}, timeout=HEALTHY_CASE_TIMEOUT)
-    starts = runner.pool.starts
-    report = runner.run({**selftest(), "impl": missing}, timeout=HEALTHY_CASE_TIMEOUT)
-    assert not report.ok and any(missing in p.message for p in report.problems), report.problems
-    healthy(runner)  # a fresh start, its launcher told of both
-    faulty.record()
-    assert runner.pool.starts == starts + 1
-    cmdline = Path(f"/proc/{runner.pool.launcher_pid}/cmdline").read_bytes().split(b"\0")
-    assert f"--warm-impls={warm},{missing}".encode() in cmdline, cmdline
-    deadline = time.monotonic() + HEALTHY_CASE_TIMEOUT  # the launcher wrote its note before it forked the ranks
-    while f"not preloaded: {missing}" not in runner.pool.log_tail(1 << 20) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert f"not preloaded: {missing}: ModuleNotFoundError" in runner.pool.log_tail(1 << 20), runner.pool.log_tail()
-    assert f"not preloaded: {warm}" not in runner.pool.log_tail(1 << 20)
