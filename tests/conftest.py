@@ -7,6 +7,9 @@ The modules that use it declare ``REAL_MODELS = True``; ``pytest_collection_modi
 tests the real-model header: skipped without transformers and nemo-automodel (the ``models`` extra) and
 ``pytest.mark.xdist_group("real_models")`` (``./scripts/test`` distributes with ``--dist loadgroup``), so one worker
 starts the pool once.
+
+``framework_adapters``: a runner on a pool of its own for the cases of the documented framework defects
+(``examples/automodel/known_defects.json``), whose launcher imports every adapter once before it forks.
 """
 
 from __future__ import annotations
@@ -91,3 +94,48 @@ def real_models():
         yield runner
     finally:
         runner.close()
+
+
+def _framework_importable() -> bool:
+    try:
+        import nemo_automodel.components.distributed.context_parallel.sharder  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure: the framework's tests are skipped or left out
+        return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def framework_adapters(cp_runner):
+    """A ``CaseRunner`` for the documented framework defects' adapter cases (``None`` without the framework): as many
+    ranks as the largest case needs (4), ``cp_impl`` and the adapters of those cases imported by the launcher before it forks.
+
+    Most of these cases fail by a rank raising, after which the pool is started again. On the session's pool (8
+    ranks at the default sizes) each such start forked 8 ranks and each rank then imported its next case's adapter,
+    the framework's CP modules, on its own (about 4 s of CPU a rank); here a start forks 4 ranks that hold them."""
+    if not _framework_importable():
+        yield None
+        return
+    import dataclasses
+
+    from cp_harness.cases.meshes import ranks_needed
+    from cp_harness.runner import CaseRunner
+    from examples.automodel.tools.defects import load_known
+
+    documented = [d for d in load_known() if "adapter" in d]
+    adapters = sorted({f"examples.automodel.adapters.{d['adapter']}" for d in documented})
+    config = dataclasses.replace(cp_runner.config, world_size=max(ranks_needed(d["case"]) for d in documented),
+                                 impl=",".join(["cp_impl", *adapters]), preload=())
+    runner = CaseRunner(config, policy=cp_runner.policy)
+    try:
+        yield runner
+    finally:
+        runner.close()
+        count_pool_starts(runner)
+
+
+def count_pool_starts(runner) -> None:
+    """Add the starts of a pool of a test's own to the session's "rank pool starts" (its cases, deliberately failing
+    ones, are not examples of the gate and stay out of the counts)."""
+    from cp_harness.run_summary import SUMMARY
+
+    SUMMARY.pool_starts += runner.pool.starts

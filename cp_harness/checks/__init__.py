@@ -193,6 +193,10 @@ class Check:
     # the policy, as arithmetic checks' do.
     precision_policy: bool = False
     repro: Repro | None = None  # how a failing case becomes a standalone script (None: it does not)
+    # The documented functions one case is built to reach (None: ``functions``), for a check whose cases reach a
+    # part of them by their keys (a model case: its model's functions); a row's claims are judged by it
+    # (``cp_harness.verify.search``).
+    reaches: Callable[[dict], tuple[str, ...]] | None = None
 
     def case(self, **keys) -> dict:
         """A case description of this check."""

@@ -450,6 +450,7 @@ MODEL = register(
         "sharder.shard_token_tensor",
         "sharder.local_token_global_indices",
     ),
+    reaches=lambda case: _INKLING2 if case["model"] == "inkling2" else _MISTRAL,
     arithmetic=True,
     budgets=BUDGETS,
     golden=GoldenContents(

@@ -170,7 +170,7 @@ SHARDER_ROUNDTRIP = register(
     "sharder_roundtrip",
     rank=_sharder_rank,
     evaluate=_sharder_evaluate,
-    functions=("sharder.shard_token_tensor", "sharder.gather_token_tensor", "sharder.local_token_global_indices"),
+    functions=_SHARDER_VERBS,  # every case shards its batch first (``sharded``), then round-trips the tensor
     rows=(
         VerifyRow(
             "sharder.shard_token_tensor + gather_token_tensor", sharder_cases, _SHARDER_VERBS, PAYLOADS, position=7
