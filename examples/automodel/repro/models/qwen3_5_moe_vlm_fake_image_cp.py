@@ -20,6 +20,7 @@ it matches, 2 when it could not run.
 
 import os
 import sys
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -45,7 +46,9 @@ def _rank(rank: int, results) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from cp_harness import standins
-    from examples.automodel.models import qwen3_5_moe_vlm_mrope as spec  # the tiny config, the loader's positions
+    from examples.automodel.models import qwen3_5_moe_vlm_mrope  # the tiny config, the loader's positions
+
+    spec: Any = qwen3_5_moe_vlm_mrope  # its make_batch takes images= and fake_images= (the VLM spec's own)
 
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
     masked = spec.make_batch("images", LENGTH, seed=3, images=[[]], fake_images=True)
@@ -56,16 +59,16 @@ def _rank(rank: int, results) -> None:
         one_device = _logits(spec, model, None, batch) if rank == 0 else None
         with standins.entered(("ring_sdpa_cpu",), "cpu"):
             cp = _logits(spec, model, mesh, batch)
-        if rank == 0:
+        if one_device is not None:  # rank 0
             results[name] = ((cp - one_device)[0, text].abs().max().item(), one_device[0, text].abs().max().item())
     dist.destroy_process_group()
 
 
 def main() -> int:
     with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank, args=(results,), nprocs=WORLD)
-        results = dict(results)
+        shared = manager.dict()
+        mp.spawn(_rank, args=(shared,), nprocs=WORLD)
+        results = dict(shared)
     print(
         f"one text-only row of {LENGTH} tokens with the framework's fake image (2 x 2 placeholders first), CP {WORLD}"
     )
