@@ -108,7 +108,7 @@ def _with_norm(result: dict) -> dict[rm.Quantity, torch.Tensor]:
 
 
 def _rank(case: dict, ctx) -> tuple[dict, dict]:
-    error = None
+    error, image_counts = None, None
     try:
         dp, cp, rows = _sizes(case)
         if ctx.cp_size != dp * cp or torch.distributed.get_world_size() != dp * cp:
@@ -119,7 +119,7 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
             )
         driver = importlib.import_module(case.get("driver", DRIVER))
         spec, reference_model, batch = rm._prepare(case, ctx.device)
-        _media_on_every_dp_rank(spec, batch, dp, rows)
+        image_counts = _media_on_every_dp_rank(spec, batch, dp, rows)
         context = driver.mesh_context(dp, cp)
         model = _fsdp_model(driver, spec, case, context)
     except Exception as exc:  # noqa: BLE001 - reported by every rank of the case, naming this one
@@ -158,7 +158,7 @@ def _rank(case: dict, ctx) -> tuple[dict, dict]:
     info = {
         "not_judged": not_judged,
         "dp_label_counts": _label_counts(batch, dp),
-        "dp_image_counts": _image_counts(batch, spec, dp, rows),
+        "dp_image_counts": image_counts,
         "loss": loss,
         "standins": stood_in.used(),
     }
@@ -218,11 +218,12 @@ def _image_counts(batch: dict, spec, dp: int, rows: int) -> list[int] | None:
     return [0 if p.get("image_grid_thw") is None else int(p["image_grid_thw"].shape[0]) for p in parts]
 
 
-def _media_on_every_dp_rank(spec, batch: dict, dp: int, rows: int) -> None:
+def _media_on_every_dp_rank(spec, batch: dict, dp: int, rows: int) -> list[int] | None:
     """Raises (on every rank, before any collective) when the batch carries images but a dp rank's rows hold none:
     that rank would skip the vision tower, and with it the FSDP2 all-gathers of its units, which the other dp rank's
     ranks run (measured on gloo: the step aborts with 'Received data size doesn't match expected size'). The
-    framework's VLM datasets avoid it with a fake image in every text-only sample (``inject_fake_images``)."""
+    framework's VLM datasets avoid it with a fake image in every text-only sample (``inject_fake_images``). Returns
+    the images per dp rank (``_image_counts``), which the rank reports."""
     counts = _image_counts(batch, spec, dp, rows)
     if counts is not None and 0 in counts:
         raise ValueError(
@@ -231,6 +232,7 @@ def _media_on_every_dp_rank(spec, batch: dict, dp: int, rows: int) -> None:
             "batch.fake_images true (the framework's data path: a masked fake image in each text-only row) or an "
             "image in that rank's rows"
         )
+    return counts
 
 
 def _label_counts(batch: dict, dp: int) -> list[int]:
