@@ -39,6 +39,8 @@ G2 (the CP path does not depend on it).
 On CPU the twin's FlexAttention runs uncompiled (``_gemma4_cp_compiled_flex_attn``, the framework's per-module
 compile cache; see ``model_owned_cp.flex_attention_eager`` for the two inductor errors) and its backward runs
 through the ``flex_backward_cpu`` stand-in (``STANDINS``; without it: ``FORWARD_ONLY_WITHOUT_STANDIN``).
+``cp_kernels`` (the check's kernel-sensitivity run) computes the one-device attention with that same kernel under
+the one-device mask: finding M5 (G3 bfloat16, G4 a mathematically zero float32 gradient) is reported through it.
 
 Batch keys: plain and right-padded batches are ``_base``'s (``input_ids``, ``labels``, optional
 ``attention_mask`` 1/0). Packed rows (``documents`` per row, concatenated from column 0): ``input_ids``,
@@ -56,7 +58,9 @@ default ``flex``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -170,6 +174,101 @@ def _enter_cp(twin: torch.nn.Module, cp_mesh: Any) -> None:
         for module in twin.modules():
             if hasattr(module, "_gemma4_cp_sliding_backend"):  # set by attach_gemma4_cp_ring_attention
                 module._gemma4_cp_compiled_flex_attn = flex  # type: ignore[assignment]  # a function, not a Module
+
+
+CP_KERNELS = (
+    "attention by FlexAttention's dense path (the kernel of Gemma4's CP ring, _run_gemma4_flex_chunk: float32 scores "
+    "and softmax, natural-log LSE, FlexAttention's backward) under the one-device mask, instead of HF eager attention"
+)
+
+
+def _flex_attention_under_mask(
+    flex: Callable[..., Any],
+    additive_bool: bool,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF's attention-interface signature (``query`` ``[B, Hq, S, D]``, ``key`` / ``value`` ``[B, Hkv, S_kv, D]``,
+    ``attention_mask`` the model's own ``[B or 1, 1, S, S_kv]`` mask) computed as the ring computes each chunk:
+    ``flex`` with ``return_lse``, head dims zero-padded to a power of two, GQA by ``enable_gqa``. The mask acts as
+    the one-device attention function applies it: a float mask is added to the scores (``score_mod``); a boolean
+    one is added too where ``additive_bool`` (HF eager: ``scores + mask``), else it selects keys (SDPA); no mask is
+    causal within ``module.sliding_window`` (SDPA's ``is_causal``). Returns ``([B, S, Hq, D], None)`` as eager."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if dropout or softcap is not None:
+        raise NotImplementedError("gemma4_moe.cp_kernels: attention dropout and softcap are not part of the ring")
+    rows, _, length, dim = query.shape
+    kv_length = key.shape[2]
+    block_mask, score_mod = None, None
+    if attention_mask is None:
+        window = getattr(module, "sliding_window", None) or kv_length + length
+
+        def causal(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+        block_mask = create_block_mask(causal, None, None, length, kv_length, device=query.device)
+    else:
+        mask = attention_mask[:, 0, :, :kv_length].expand(rows, length, kv_length)
+        if mask.dtype == torch.bool and not additive_bool:
+
+            def selected(b, h, q_idx, kv_idx):
+                return mask[b, q_idx, kv_idx]
+
+            block_mask = create_block_mask(selected, rows, None, length, kv_length, device=query.device)
+        else:
+            added = mask.to(query.dtype)
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + added[b, q_idx, kv_idx]
+
+    pad = (1 << (dim - 1).bit_length()) - dim
+    scale = float(module.head_dim) ** -0.5 if scaling is None else scaling  # type: ignore[arg-type]
+    if pad:
+        query, key, value = (torch.nn.functional.pad(t, (0, pad)) for t in (query, key, value))
+    out, _lse = flex(
+        query.contiguous(), key, value, score_mod=score_mod, block_mask=block_mask, scale=scale,
+        enable_gqa=query.shape[1] != key.shape[1], return_lse=True,
+    )  # fmt: skip
+    return out[..., :dim].transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def cp_kernels(model: torch.nn.Module) -> Iterator[str]:
+    """Inside: the one-device forward of ``model`` computes every text attention with the kernel its CP ring uses
+    (``CP_KERNELS``), under the mask the one-device model builds (so one-device masking, findings G1 / G2, stays
+    what it is). What changes, for the duration: HF's attention dispatch (``ALL_ATTENTION_FUNCTIONS.get_interface``)
+    returns, for this model's attention modules only, FlexAttention as the CP twin gets it on this device (on CPU
+    uncompiled, ``model_owned_cp.flex_attention_eager``; its backward needs the ``flex_backward_cpu`` stand-in,
+    which the check enters around kernel runs) instead of eager or SDPA. Queries, keys, values, norms, MoE, the
+    LM head and the batch are untouched. On exit the dispatch is torch's again (the instance attribute removed)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    targets = {id(m) for m in model.modules() if hasattr(m, "sliding_window") and hasattr(m, "o_proj")}
+    original = ALL_ATTENTION_FUNCTIONS.get_interface
+    kernel = model_owned_cp.flex_attention_eager()
+
+    def get_interface(attn_implementation: str, default: Callable[..., Any]) -> Callable[..., Any]:
+        chosen = original(attn_implementation, default)
+        flex = functools.partial(_flex_attention_under_mask, kernel, attn_implementation == "eager")
+
+        def dispatch(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return (flex if id(module) in targets else chosen)(module, *args, **kwargs)
+
+        return dispatch
+
+    ALL_ATTENTION_FUNCTIONS.get_interface = get_interface  # type: ignore[method-assign]
+    try:
+        yield CP_KERNELS
+    finally:
+        del ALL_ATTENTION_FUNCTIONS.get_interface
 
 
 def one_device_batch(batch: dict[str, Any]) -> dict[str, Any]:
