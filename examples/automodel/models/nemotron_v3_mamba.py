@@ -163,7 +163,8 @@ def _mamba_cp_off(model: Any):
 
 CP_KERNELS = (
     "Mamba mixer by its CP path's kernel calls (mamba_split_conv1d_scan_combined with the gate and without the "
-    "RMSNorm / output projection, then rmsnorm_fn and out_proj) instead of the one fused call"
+    "RMSNorm / output projection, then rmsnorm_fn and out_proj) instead of the one fused call; attention by SDPA "
+    "causal without a mask (the CP batch's call) instead of SDPA with the padding mask"
 )
 
 
@@ -179,17 +180,37 @@ class _OneRank:
         return 0
 
 
+def _causal_without_mask(attn_func: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``attn_func`` (the framework's SDPA callable, ``[B, H, S, D]`` in and out) called as the CP batch makes the
+    call: no ``attn_mask`` (``shard_batch_load_balanced`` pops ``attention_mask``), ``is_causal=True``."""
+
+    def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return attn_func(q, k, v, **{**kwargs, "attn_mask": None, "is_causal": True})
+
+    return causal
+
+
 @contextlib.contextmanager
 def cp_kernels(model: Any) -> Iterator[str]:
-    """Inside: the one-device forward of ``model`` computes every Mamba mixer with the kernel calls its CP path
-    makes (the mixer's ``self.cp is not None`` branch: the scan with the gate, the separate ``rmsnorm_fn``, the
-    output projection), through the framework's ``MambaContextParallel`` over a group of one rank (``_OneRank``:
-    no all-to-all, no layout change, whole parameters). Nothing else changes. Its value names the kernels
-    (``CP_KERNELS``); on exit every mixer's own ``cp`` is back."""
+    """Inside: the one-device forward of ``model`` computes with the kernel calls its CP path makes.
+
+    * Every Mamba mixer takes its ``self.cp is not None`` branch (the scan with the gate, the separate
+      ``rmsnorm_fn``, the output projection), through the framework's ``MambaContextParallel`` over a group of one
+      rank (``_OneRank``: no all-to-all, no layout change, whole parameters).
+    * Every attention block calls its SDPA function causal and without a mask, as under CP (the sharder pops
+      ``attention_mask``; each ring step is SDPA's causal CPU flash kernel), instead of with the boolean
+      causal-and-key-padding mask one device passes for padded rows (SDPA's masked path). From every real query of
+      a right-padded row both see the same keys.
+
+    Nothing else changes. Its value names the kernels (``CP_KERNELS``); on exit every mixer's own ``cp`` and every
+    attention block's own ``attn_func`` are back."""
     from nemo_automodel.components.distributed.context_parallel.mamba import MambaContextParallel
 
-    mixers = [layer.mixer for layer in model.model.layers.values() if getattr(layer, "block_type", None) == "mamba"]
+    blocks = list(model.model.layers.values())
+    mixers = [layer.mixer for layer in blocks if getattr(layer, "block_type", None) == "mamba"]
+    attentions = [layer.mixer for layer in blocks if getattr(layer, "block_type", None) == "attention"]
     saved = [mixer.cp for mixer in mixers]
+    saved_funcs = [attention.attn_func for attention in attentions]
     try:
         for mixer in mixers:
             mixer.cp = MambaContextParallel(
@@ -200,10 +221,14 @@ def cp_kernels(model: Any) -> Iterator[str]:
                 d_state=mixer.ssm_state_size,
                 mixer=mixer,
             )
+        for attention in attentions:
+            attention.attn_func = _causal_without_mask(attention.attn_func)
         yield CP_KERNELS
     finally:
         for mixer, cp in zip(mixers, saved):
             mixer.cp = cp
+        for attention, func in zip(attentions, saved_funcs):
+            attention.attn_func = func
 
 
 def shard(

@@ -6,12 +6,20 @@ step in float32. Prints, per Mamba parameter gradient, the largest difference be
 each one's distance from float32 (finding M6, docs/models/nemotron_v3_mamba.md).
 
     PYTHONPATH=. .venv/bin/python examples/automodel/repro/models/nemotron_bf16_mamba_kernels.py --seq-len 21 --batch-size 2 --seed 642
+
+With ``--seeds 790,1,2,...`` (finding M10: one-row batches, here right-padded rows of 7 with pad 2): per seed, only the
+two ``D`` gradients, in ULPs of bfloat16 at the fused run's largest value (the harness's unit): how far the two
+one-device bfloat16 runs are apart and how far each is from float32. Exits 1 when the two one-device runs differ by
+more than 8 ULP (the harness's bfloat16 floor, all a one-row batch's bound is) on some seed.
+
+    PYTHONPATH=. .venv/bin/python examples/automodel/repro/models/nemotron_bf16_mamba_kernels.py --kind right_padded --seq-len 7 --batch-size 1 --pad 2 --seeds 790,1,2,3,4,5,6,7
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 
 import torch
 
@@ -24,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kind", default="plain")
     parser.add_argument("--pad", type=int, default=None, help="right padding (kind right_padded)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--seeds", default=None, help="comma-separated batch seeds: the D-gradient scatter table")
     args = parser.parse_args(argv)
 
     from cp_harness.standins import mamba_kernels_cpu
@@ -37,6 +46,26 @@ def main(argv: list[str] | None = None) -> None:
         model = spec.build(dtype, 0)
         with mamba_kernels_cpu.install(), spec.cp_kernels(model) if kernels else contextlib.nullcontext():
             return model_specs.step(spec, model, None, batch)
+
+    if args.seeds is not None:
+        worst = 0.0
+        print(
+            "seed  D gradient (worst of the Mamba layers), ULP: |fused - CP kernels|  |fused - f32|  |CP kernels - f32|"
+        )
+        for seed in (int(s) for s in args.seeds.split(",")):
+            batch = spec.make_batch(args.kind, args.seq_len, batch_size=args.batch_size, seed=seed, **keywords)
+            truth, fused = run(torch.float32, False)["grads"], run(torch.bfloat16, False)["grads"]
+            split = run(torch.bfloat16, True)["grads"]
+            apart = [0.0, 0.0, 0.0]
+            for name in (n for n in truth if n.endswith("._fp32_params.D")):
+                t, a, b = (g[name].float() for g in (truth, fused, split))
+                unit = float(a.abs().max()) * 2.0**-7
+                for i, (x, y) in enumerate(((a, b), (a, t), (b, t))):
+                    apart[i] = max(apart[i], float((x - y).abs().max()) / unit)
+            worst = max(worst, apart[0])
+            print(f"{seed:5} {apart[0]:43.1f} {apart[1]:13.1f} {apart[2]:18.1f}")
+        print(f"two one-device bfloat16 runs differ by up to {worst:.1f} ULP ({'>' if worst > 8 else '<='} 8)")
+        sys.exit(1 if worst > 8 else 0)
 
     truth = run(torch.float32, False)
     fused, split = run(model_specs.DTYPES[args.dtype], False), run(model_specs.DTYPES[args.dtype], True)
