@@ -123,6 +123,32 @@ def looks_like_timeout(message: str | None) -> bool:
     )
 
 
+_CASE_RUNNER = "cp_harness/ranks/worker.py"  # a frame of the thread that runs the rank's cases
+_COLLECTIVES = "/torch/distributed/"  # where a blocking collective's innermost Python frame lies
+
+
+def collective_wait(stack: str) -> str | None:
+    """Where a rank waits in a collective, from one faulthandler dump (every thread, innermost frame first): the
+    innermost frame of the thread that runs the rank's cases when that frame is in ``torch.distributed``, else
+    None (computing, waiting elsewhere, or no such thread in the dump)."""
+    for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack.strip()):
+        frames = [line.strip() for line in block.splitlines()[1:] if line.strip().startswith("File ")]
+        if frames and any(_CASE_RUNNER in frame for frame in frames):
+            return frames[0] if _COLLECTIVES in frames[0].replace("\\", "/") else None
+    return None
+
+
+def blocked_in_collectives(looks: Sequence[Mapping[int, str]], ranks: Iterable[int]) -> bool:
+    """Whether every rank of ``ranks`` waited in a collective, at the same frame, in each of the stack dumps
+    ``looks`` (two or more, taken in turn while a peer of theirs had already raised): peers that cannot answer
+    without it. One look is not enough (a collective among the peers alone may be completing)."""
+    ranks = list(ranks)
+    if len(looks) < 2 or not ranks:
+        return False
+    waits = [{rank: collective_wait(look.get(rank, "")) for rank in ranks} for look in looks]
+    return all(wait is not None for wait in waits[0].values()) and all(w == waits[0] for w in waits[1:])
+
+
 def format_stacks(stacks: Mapping[int, str], ranks: Sequence[int]) -> str:
     """The stack dumps of ``ranks`` (those that wrote one), the last ``STACK_LINES`` non-blank lines of each."""
     parts = []

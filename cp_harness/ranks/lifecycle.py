@@ -434,9 +434,12 @@ class RankProcesses:
         return {node: code for node, p in self.agents.items() if (code := p.poll()) is not None}
 
     def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
-        """Ask ``ranks`` for their stacks (SIGUSR1) and return each dump that was written (rank -> its text)."""
+        """Ask ``ranks`` for their stacks (SIGUSR1) and return the dump each wrote for this request (rank -> its
+        text; a rank's file holds every dump it wrote since it started, so only what it added now is returned)."""
         if self._workdir is None:
             return {}
+        files = {rank: self._workdir / f"rank{rank}.stack" for rank in ranks}
+        before = {rank: (path.stat().st_size if path.exists() else 0) for rank, path in files.items()}
         for rank in ranks:
             pid = self._pids.get(rank)
             if pid is not None:
@@ -446,9 +449,11 @@ class RankProcesses:
                     pass
         time.sleep(STACK_DUMP_WAIT)
         stacks = {}
-        for rank in ranks:
+        for rank, path in files.items():
             try:
-                stacks[rank] = (self._workdir / f"rank{rank}.stack").read_text(errors="replace")
+                with path.open("rb") as dump:
+                    dump.seek(before[rank])
+                    stacks[rank] = dump.read().decode(errors="replace")
             except OSError:
                 continue
         return stacks

@@ -19,11 +19,16 @@ from typing import Any
 
 from cp_harness.cases import meshes
 from cp_harness.ranks import wire
-from cp_harness.ranks.diagnosis import diagnose, exits_in_log
+from cp_harness.ranks.diagnosis import blocked_in_collectives, diagnose, exits_in_log
 from cp_harness.ranks.lifecycle import RankProcesses
 from cp_harness.ranks.outputs import OffProtocol, RankFailure, RankOutput, decode_reply, mesh_request, run_request
 
 RAISED_GRACE = 5.0  # seconds the peers of a rank that raised get to answer (capped by the case timeout)
+# Within that grace the peers that have not answered are looked at (their stacks dumped) FIRST_LOOK seconds after
+# the raise and every LOOK_EVERY seconds after a look: when two looks in a row find each of them waiting in a
+# collective at the same frame, they cannot answer without the rank that raised, and the grace ends there.
+FIRST_LOOK = 0.2
+LOOK_EVERY = 0.25
 
 
 @dataclasses.dataclass(eq=False)
@@ -186,13 +191,21 @@ class TicketQueue:
         collect_started = time.monotonic()
         deadline = collect_started + timeout
         grace_deadline = None
+        looks: list[dict[int, str]] = []  # stack dumps of the peers that had not answered when a rank raised
+        next_look = deadline
         pending = set(ticket.ranks)
         while pending:
-            limit = deadline if grace_deadline is None else min(deadline, grace_deadline)
+            limit = deadline if grace_deadline is None else min(deadline, grace_deadline, next_look)
             remaining = limit - time.monotonic()
             socks = procs.socks
             ready = select.select([socks[r] for r in pending], [], [], max(remaining, 0))[0] if remaining > 0 else []
             if not ready:
+                if grace_deadline is not None and time.monotonic() < min(deadline, grace_deadline):
+                    looks.append(procs.dump_stacks(sorted(pending)))
+                    if blocked_in_collectives(looks[-2:], pending):
+                        break
+                    next_look = time.monotonic() + LOOK_EVERY
+                    continue
                 break
             for sock in ready:
                 rank = next(r for r in pending if socks[r] is sock)
@@ -233,10 +246,13 @@ class TicketQueue:
                 if not outputs[rank].ok and grace_deadline is None:
                     # Peers of a rank that raised may be waiting in a collective; give them a moment.
                     grace_deadline = time.monotonic() + min(RAISED_GRACE, timeout)
+                    next_look = time.monotonic() + FIRST_LOOK
         stuck = sorted(pending)
-        failure = diagnose(
-            **evidence, replies=outputs, unanswered=stuck, stacks=procs.dump_stacks(stuck) if stuck else {}
-        )
+        if stuck and looks and blocked_in_collectives(looks[-2:], stuck):
+            stacks = {rank: looks[-1][rank] for rank in stuck if rank in looks[-1]}  # the look that ended the grace
+        else:
+            stacks = procs.dump_stacks(stuck) if stuck else {}
+        failure = diagnose(**evidence, replies=outputs, unanswered=stuck, stacks=stacks)
         if failure is not None:
             return self._fail(ticket, failure)
         ticket.outputs = [outputs[r] for r in ticket.ranks]

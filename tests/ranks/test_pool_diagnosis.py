@@ -9,7 +9,14 @@ in milliseconds.
 
 from __future__ import annotations
 
-from cp_harness.ranks.diagnosis import diagnose, exit_line, exits_in_log, format_stacks
+from cp_harness.ranks.diagnosis import (
+    blocked_in_collectives,
+    collective_wait,
+    diagnose,
+    exit_line,
+    exits_in_log,
+    format_stacks,
+)
 from cp_harness.ranks.outputs import OffProtocol, RankFailure, RankFailureKind, RankOutput, decode_reply
 
 CASE = {"check": "pool_selftest", "world_size": 3, "seed": 0, "mode": "x", "fault_rank": 1}
@@ -203,3 +210,35 @@ def test_a_start_that_times_out_names_the_missing_ranks_and_where_the_others_got
                                 launcher="torchrun", nodes=2, last_lines={}, now=0.0)
     assert gone.startswith("rank pool did not start: the torchrun launcher exited (exit code node 1: -9)"), gone
     assert "ranks that never connected: 0-3" in gone and "no rank log here" in gone, gone
+
+
+def dump(innermost: str, runner: bool = True) -> str:
+    """A faulthandler dump of a rank: a watcher thread, then the thread running the case (innermost frame first)."""
+    case_frames = ('  File "/w/cp_harness/checks/pool_selftest.py", line 55 in _rank\n'
+                   + ('  File "/w/cp_harness/ranks/worker.py", line 303 in main\n' if runner else ""))
+    return ('Thread 0x00007f01 (most recent call first):\n'
+            '  File "/w/cp_harness/ranks/startup.py", line 244 in watch\n'
+            '  File "/usr/lib/python3.11/threading.py", line 982 in run\n'
+            'Current thread 0x00007f02 (most recent call first):\n'
+            f'  File "{innermost}", line 3252 in all_reduce\n' + case_frames)
+
+
+C10D = "/venv/site-packages/torch/distributed/distributed_c10d.py"
+
+
+def test_a_rank_waits_in_a_collective_when_its_case_thread_is_inside_torch_distributed():
+    assert collective_wait(dump(C10D)).startswith(f'File "{C10D}", line 3252')
+    assert collective_wait(dump("/w/cp_harness/checks/pool_selftest.py")) is None  # computing, not waiting
+    assert collective_wait(dump(C10D, runner=False)) is None  # no thread of the case runner in the dump
+    assert collective_wait("") is None  # the rank wrote nothing
+
+
+def test_peers_are_blocked_only_when_two_looks_in_a_row_find_each_at_the_same_collective_frame():
+    blocked = {0: dump(C10D), 2: dump(C10D)}
+    assert blocked_in_collectives([blocked, blocked], [0, 2])
+    assert not blocked_in_collectives([blocked], [0, 2])  # one look: a collective among them may be completing
+    computing = {0: dump(C10D), 2: dump("/w/cp_harness/checks/pool_selftest.py")}
+    assert not blocked_in_collectives([computing, computing], [0, 2])  # rank 2 may still reach the collective
+    moved = {0: dump(C10D), 2: dump(C10D).replace("line 3252", "line 4750")}
+    assert not blocked_in_collectives([blocked, moved], [0, 2])  # rank 2 went on to another collective
+    assert not blocked_in_collectives([blocked, {0: dump(C10D)}], [0, 2])  # rank 2 wrote no dump the second time
