@@ -6,13 +6,16 @@ did not answer, a connection that closed, which ranks the launcher saw exit
 the case and its timeout -- and returns the ``RankFailure`` to raise, or
 ``None`` when every rank answered normally. No process is needed to call it,
 so each kind of failure is testable on its own (``tests/ranks/test_pool_diagnosis.py``);
-the pool (``tickets``) gathers the evidence and tears itself down after a failure.
+the pool (``tickets``) gathers the evidence and tears itself down after a failure. The one thing read from
+outside the arguments: whether a stuck rank's innermost line waits on a communication handle
+(``collective_wait``), from the source file (``linecache``; tests pass their own ``source_line``).
 """
 
 from __future__ import annotations
 
+import linecache
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from cp_harness.ranks.outputs import RankFailure, RankFailureKind, RankOutput
 
@@ -125,27 +128,41 @@ def looks_like_timeout(message: str | None) -> bool:
 
 _CASE_RUNNER = "cp_harness/ranks/worker.py"  # a frame of the thread that runs the rank's cases
 _COLLECTIVES = "/torch/distributed/"  # where a blocking collective's innermost Python frame lies
+_FRAME = re.compile(r'^File "(?P<path>[^"]+)", line (?P<line>\d+) in ')
+_WAIT_CALL = re.compile(r"\.wait\(\s*\)")  # ``work.wait()``: a communication handle waited on from Python
 
 
-def collective_wait(stack: str) -> str | None:
-    """Where a rank waits in a collective, from one faulthandler dump (every thread, innermost frame first): the
-    innermost frame of the thread that runs the rank's cases when that frame is in ``torch.distributed``, else
-    None (computing, waiting elsewhere, or no such thread in the dump)."""
+def collective_wait(stack: str, source_line: Callable[[str, int], str] = linecache.getline) -> str | None:
+    """Where a rank waits for communication, from one faulthandler dump (every thread, innermost frame first): the
+    innermost frame of the thread that runs the rank's cases when that frame is in ``torch.distributed`` or its
+    source line (``source_line(path, line)``) waits on a communication handle (``work.wait()``: a C++ call, which
+    the dump shows as the caller's line); else None (computing, waiting elsewhere, or no such thread)."""
     for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack.strip()):
         frames = [line.strip() for line in block.splitlines()[1:] if line.strip().startswith("File ")]
-        if frames and any(_CASE_RUNNER in frame for frame in frames):
-            return frames[0] if _COLLECTIVES in frames[0].replace("\\", "/") else None
+        if not frames or not any(_CASE_RUNNER in frame for frame in frames):
+            continue
+        innermost = frames[0]
+        if _COLLECTIVES in innermost.replace("\\", "/"):
+            return innermost
+        where = _FRAME.match(innermost)
+        if where and _WAIT_CALL.search(source_line(where["path"], int(where["line"])) or ""):
+            return innermost
+        return None
     return None
 
 
-def blocked_in_collectives(looks: Sequence[Mapping[int, str]], ranks: Iterable[int]) -> bool:
-    """Whether every rank of ``ranks`` waited in a collective, at the same frame, in each of the stack dumps
-    ``looks`` (two or more, taken in turn while a peer of theirs had already raised): peers that cannot answer
-    without it. One look is not enough (a collective among the peers alone may be completing)."""
+def blocked_in_collectives(
+    looks: Sequence[Mapping[int, str]],
+    ranks: Iterable[int],
+    source_line: Callable[[str, int], str] = linecache.getline,
+) -> bool:
+    """Whether every rank of ``ranks`` waited for communication (``collective_wait``), at the same frame, in each of
+    the stack dumps ``looks`` (two or more, taken in turn while a peer of theirs had already raised): peers that
+    cannot answer without it. One look is not enough (a collective among the peers alone may be completing)."""
     ranks = list(ranks)
     if len(looks) < 2 or not ranks:
         return False
-    waits = [{rank: collective_wait(look.get(rank, "")) for rank in ranks} for look in looks]
+    waits = [{rank: collective_wait(look.get(rank, ""), source_line) for rank in ranks} for look in looks]
     return all(wait is not None for wait in waits[0].values()) and all(w == waits[0] for w in waits[1:])
 
 

@@ -242,3 +242,17 @@ def test_peers_are_blocked_only_when_two_looks_in_a_row_find_each_at_the_same_co
     moved = {0: dump(C10D), 2: dump(C10D).replace("line 3252", "line 4750")}
     assert not blocked_in_collectives([blocked, moved], [0, 2])  # rank 2 went on to another collective
     assert not blocked_in_collectives([blocked, {0: dump(C10D)}], [0, 2])  # rank 2 wrote no dump the second time
+
+
+def test_a_rank_waiting_on_a_communication_handle_waits_too_as_its_source_line_says():
+    exchange = "/w/cp_impl/_transport.py"
+    lines = {(exchange, 3252): "            work.wait()", ("/w/cp_impl/model.py", 3252): "    out = a @ b"}
+
+    def source_line(path: str, line: int) -> str:
+        return lines.get((path, line), "")
+
+    assert collective_wait(dump(exchange), source_line).startswith(f'File "{exchange}", line 3252')
+    assert collective_wait(dump("/w/cp_impl/model.py"), source_line) is None  # a matmul: computing
+    assert collective_wait(dump("/w/cp_impl/gone.py"), source_line) is None  # a line that cannot be read
+    waiting = {0: dump(exchange), 2: dump(C10D)}
+    assert blocked_in_collectives([waiting, waiting], [0, 2], source_line)
