@@ -25,8 +25,9 @@ from cp_harness.ranks.outputs import OffProtocol, RankFailure, RankOutput, decod
 
 RAISED_GRACE = 5.0  # seconds the peers of a rank that raised get to answer (capped by the case timeout)
 # Within that grace the peers that have not answered are looked at (their stacks dumped) FIRST_LOOK seconds after
-# the raise and every LOOK_EVERY seconds after a look: when two looks in a row find each of them waiting in a
-# collective at the same frame, they cannot answer without the rank that raised, and the grace ends there.
+# the raise and every LOOK_EVERY seconds after a look: when two looks in a row find each of them waiting for
+# communication at the same frame (``diagnosis.collective_wait``), they cannot answer without the rank that raised,
+# and the grace ends there.
 FIRST_LOOK = 0.2
 LOOK_EVERY = 0.25
 
