@@ -245,10 +245,11 @@ def cp_kernels(model: torch.nn.Module) -> Iterator[str]:
     """Inside: the one-device forward of ``model`` computes every text attention with the kernel its CP ring uses
     (``CP_KERNELS``), under the mask the one-device model builds (so one-device masking, findings G1 / G2, stays
     what it is). What changes, for the duration: HF's attention dispatch (``ALL_ATTENTION_FUNCTIONS.get_interface``)
-    returns, for this model's attention modules only, FlexAttention as the CP twin gets it on this device (on CPU
-    uncompiled, ``model_owned_cp.flex_attention_eager``; its backward needs the ``flex_backward_cpu`` stand-in,
-    which the check enters around kernel runs) instead of eager or SDPA. Queries, keys, values, norms, MoE, the
-    LM head and the batch are untouched. On exit the dispatch is torch's again (the instance attribute removed)."""
+    returns, for this model's attention modules only, FlexAttention uncompiled as the CP twin gets it on a CPU
+    (``model_owned_cp.flex_attention_eager``; on a GPU the twin compiles it, which this run does not; on a CPU its
+    backward needs the ``flex_backward_cpu`` stand-in, which the check enters around kernel runs) instead of eager
+    or SDPA. Queries, keys, values, norms, MoE, the LM head and the batch are untouched. On exit the dispatch is
+    transformers' own again (the instance attribute removed)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     targets = {id(m) for m in model.modules() if hasattr(m, "sliding_window") and hasattr(m, "o_proj")}
