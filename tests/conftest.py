@@ -14,6 +14,8 @@ starts the pool once.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 import pathlib
@@ -115,22 +117,38 @@ def framework_adapters(cp_runner):
     if not _framework_importable():
         yield None
         return
-    import dataclasses
-
-    from cp_harness.cases.meshes import ranks_needed
-    from cp_harness.runner import CaseRunner
     from examples.automodel.tools.defects import load_known
 
     documented = [d for d in load_known() if "adapter" in d]
     adapters = sorted({f"examples.automodel.adapters.{d['adapter']}" for d in documented})
-    config = dataclasses.replace(cp_runner.config, world_size=max(ranks_needed(d["case"]) for d in documented),
-                                 impl=",".join(["cp_impl", *adapters]), preload=())
+    with runner_with_own_pool(cp_runner, [d["case"] for d in documented], adapters) as runner:
+        yield runner
+
+
+@contextlib.contextmanager
+def runner_with_own_pool(cp_runner, cases: list[dict], impls: list[str]):
+    """A ``CaseRunner`` on a pool of its own, as small as ``cases`` allow, whose launcher imports ``cp_impl`` and
+    ``impls`` once before it forks the ranks (the session runner's other settings); closed on exit, its starts
+    counted in the session's. For cases that mostly fail by a rank raising: the pool starts again after each."""
+    import dataclasses
+
+    from cp_harness.cases.meshes import ranks_needed
+    from cp_harness.runner import CaseRunner
+
+    config = dataclasses.replace(cp_runner.config, world_size=max(ranks_needed(c) for c in cases),
+                                 impl=",".join(["cp_impl", *impls]), preload=())
     runner = CaseRunner(config, policy=cp_runner.policy)
     try:
         yield runner
     finally:
         runner.close()
         count_pool_starts(runner)
+
+
+@pytest.fixture(scope="session")
+def own_pool_runner(cp_runner):
+    """``own_pool_runner(cases, impls)``: ``runner_with_own_pool`` for the session's runner (a context manager)."""
+    return functools.partial(runner_with_own_pool, cp_runner)
 
 
 def count_pool_starts(runner) -> None:

@@ -28,9 +28,9 @@ def _pip(venv: Path, *args: str) -> None:
                     *args], check=True, timeout=1800)
 
 
-def test_every_repro_runs_in_a_fresh_environment_with_torch_numpy_and_the_code_under_test_only(cp_runner,
-                                                                                              tmp_path_factory):
-    exported = export_targets(cp_runner, tmp_path_factory)
+def test_every_repro_runs_in_a_fresh_environment_with_torch_numpy_and_the_code_under_test_only(
+        cp_runner, own_pool_runner, tmp_path_factory):
+    exported = export_targets(cp_runner, own_pool_runner, tmp_path_factory)
     specs = tmp_path_factory.mktemp("specs")
     from cp_harness import checks, repro
     from cp_harness.judging.policy import STRICT

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import dataclasses
 import filecmp
 import hashlib
 import io
@@ -51,31 +50,10 @@ def _framework() -> bool:
 FRAMEWORK = _framework()
 
 
-@contextlib.contextmanager
-def _runner_for(cp_runner, cases: list[dict], impls: list[str]):
-    """A runner on a pool of its own, as small as ``cases`` allow, whose launcher imports ``impls`` once before it
-    forks the ranks. Most of these cases fail by a rank raising, and the pool is started again after each: on the
-    session's pool (8 ranks) every start forked 8 ranks, and each rank imported the framework adapter of its next
-    case on its own (about 4 s of CPU a rank); here a start forks 4 ranks that already hold it."""
-    from cp_harness.cases.meshes import ranks_needed
-    from cp_harness.runner import CaseRunner
-
-    config = dataclasses.replace(cp_runner.config, world_size=max(ranks_needed(c) for c in cases),
-                                 impl=",".join(["cp_impl", *impls]), preload=())
-    runner = CaseRunner(config, policy=cp_runner.policy)
-    try:
-        yield runner
-    finally:
-        runner.close()
-        from cp_harness.run_summary import SUMMARY
-
-        SUMMARY.pool_starts += runner.pool.starts  # the session's "rank pool starts" counts this pool's too
-
-
-def export_targets(cp_runner, tmp_path_factory, framework_adapters=None) -> dict[str, Path]:
+def export_targets(cp_runner, own_pool_runner, tmp_path_factory, framework_adapters=None) -> dict[str, Path]:
     """Every target exported from its failing case: ``{name: script}``; the documented defects as
     ``examples.automodel.tools.export_repros`` names them (in a folder of their own). The fixtures run on a pool
-    that imported them (``_runner_for``), the documented defects (and the fixtures that need the framework) on
+    that imported them (``own_pool_runner``, tests/conftest.py), the documented defects (and the fixtures that need the framework) on
     ``framework_adapters`` (tests/conftest.py; else one like it); the session's pool is left as it was."""
     out: dict[str, Path] = {}
     directory = tmp_path_factory.mktemp("repros")
@@ -92,7 +70,7 @@ def export_targets(cp_runner, tmp_path_factory, framework_adapters=None) -> dict
             out[name] = Path(result.path)
 
     alone = [name for name in fixtures if name not in NEEDS_FRAMEWORK]
-    with _runner_for(cp_runner, [fixtures[n] for n in alone], alone) as runner:
+    with own_pool_runner([fixtures[n] for n in alone], alone) as runner:
         export(runner, alone)
     if FRAMEWORK:
         from examples.automodel.tools import export_repros
@@ -102,7 +80,7 @@ def export_targets(cp_runner, tmp_path_factory, framework_adapters=None) -> dict
         framed = [name for name in fixtures if name in NEEDS_FRAMEWORK]
         with contextlib.ExitStack() as stack:
             runner = framework_adapters.sharing_pool() if framework_adapters is not None else stack.enter_context(
-                _runner_for(cp_runner, [e["case"] for e in entries], adapters))
+                own_pool_runner([e["case"] for e in entries], adapters))
             export(runner, framed)
             defects = tmp_path_factory.mktemp("defects")
             for name, result in export_repros.export_all(runner, str(defects)).items():
@@ -230,10 +208,10 @@ def _the_committed_repros_of_the_documented_defects_are_current(exported):
 
 @pytest.mark.slow
 def test_every_fixture_and_documented_defect_exports_a_standalone_repro_that_fails_then_passes(
-        cp_runner, framework_adapters, tmp_path_factory):
+        cp_runner, own_pool_runner, framework_adapters, tmp_path_factory):
     """One test, so that pytest-xdist runs the exports once (about 35 s) and the scripts in one interpreter (about
     50 s, 20 of them importing nemo-automodel)."""
-    exported = export_targets(cp_runner, tmp_path_factory, framework_adapters)
+    exported = export_targets(cp_runner, own_pool_runner, tmp_path_factory, framework_adapters)
     _every_fixture_and_documented_defect_has_a_script(exported)
     _a_script_imports_only_torch_numpy_and_the_code_under_test(exported)
     _a_scripts_arrays_are_pickle_free_and_sealed_by_its_digest(exported)
