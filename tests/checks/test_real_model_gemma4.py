@@ -11,6 +11,8 @@ difference, with no kernel line.
 
 from __future__ import annotations
 
+import re
+
 from real_model_cases import real_model_case
 
 from cp_harness.judging.render import report_text
@@ -20,6 +22,7 @@ from cp_harness.judging.verdicts import ProblemKind
 JUDGES = ("spec:gemma4_moe",)
 
 GEMMA4 = "examples.automodel.models.gemma4_moe"
+QUERY_SIDE = re.compile(r"grad model\.language_model\.layers\.[13]\.self_attn\.(q_proj|q_norm|k_norm)\.weight")
 REAL_MODELS = True  # tests/conftest.py: skipped without the models extra, one xdist group, one pool
 
 
@@ -28,11 +31,15 @@ def test_a_mathematically_zero_gradient_with_flex_rounding_noise_is_kernel_sensi
     text = report_text(report)
     assert not report.ok and not report.failures(), text  # every tensor within its bound of some one-device run
     (problem,) = report.problems
-    assert problem.kind is ProblemKind.KERNEL_SENSITIVITY, text
-    assert "layers.3.self_attn.q_proj.weight" in problem.message and "FlexAttention" in problem.message, text
-    q_proj = next(c for c in report.comparisons if "layers.3.self_attn.q_proj.weight" in c.name)
-    assert q_proj.name.endswith("(CP vs one device with the CP path's kernels)"), text
-    assert report.info["explanations"]["kernels"] == ["grad model.language_model.layers.3.self_attn.q_proj.weight"]
+    assert problem.kind is ProblemKind.KERNEL_SENSITIVITY and "FlexAttention" in problem.message, text
+    # Which full layer's query path carries the noise over the floor depends on the CPU's kernel set (layer 3 with
+    # AVX-512, layer 1 under ATEN_CPU_CAPABILITY=default); every explained tensor is one of them.
+    explained = report.info["explanations"]["kernels"]
+    assert explained and all(QUERY_SIDE.fullmatch(name) for name in explained), explained
+    assert any(name in problem.message for name in explained), text
+    for name in explained:
+        (judged,) = (c for c in report.comparisons if c.name.startswith(name + " ("))
+        assert judged.name.endswith("(CP vs one device with the CP path's kernels)") and judged.ok, text
 
 
 def test_the_kernel_run_keeps_the_one_device_packed_masks_so_m2_is_not_explained_away(real_models):
