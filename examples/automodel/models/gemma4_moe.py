@@ -251,8 +251,9 @@ def cp_kernels(model: torch.nn.Module) -> Iterator[str]:
     or SDPA. Queries, keys, values, norms, MoE, the LM head and the batch are untouched. On exit the dispatch is
     transformers' own again (the instance attribute removed)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextAttention
 
-    targets = {id(m) for m in model.modules() if hasattr(m, "sliding_window") and hasattr(m, "o_proj")}
+    targets = {id(m) for m in model.modules() if isinstance(m, Gemma4TextAttention)}
     original = ALL_ATTENTION_FUNCTIONS.get_interface
     kernel = model_owned_cp.flex_attention_eager()
 

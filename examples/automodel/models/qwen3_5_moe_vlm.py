@@ -36,6 +36,7 @@ import torch
 from examples.automodel.models import _base
 from examples.automodel.models import qwen3_5_moe as _qwen
 from examples.automodel.models._base import *  # noqa: F403  (the shared half of the interface)
+from examples.automodel.models.load_balanced_sdpa import CPU_ERROR  # the same ring, the same CPU refusal
 from examples.automodel.models.qwen3_5_moe import BACKEND, VISION, parallelize  # noqa: F401
 
 NAME = "qwen3_5_moe_vlm"
@@ -57,10 +58,6 @@ MEDIA_IDS = dict(
     vision_end_token_id=VISION_END_TOKEN_ID,
 )
 
-CPU_ERROR = (
-    "NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a "
-    "sharding strategy registered."
-)
 REQUIRES: dict[str, str] = {
     "cuda": "the round-robin VLM path runs torch context_parallel's ring SDPA, which has DTensor handlers for the "
     "CUDA SDPA kernels only; on the CPU (gloo, torch 2.13) the forward fails with: " + CPU_ERROR,
