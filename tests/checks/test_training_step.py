@@ -362,7 +362,7 @@ def test_step_option_selects_the_training_rows_only():
         parser.parse_args(["--step", "optimizer"])  # argparse names the choices
 
 
-def test_real_clients_runs_the_training_step_subjects_on_four_ranks(tmp_path, capsys):
+def test_real_clients_runs_the_training_step_subjects_on_four_ranks():
     import argparse
 
     from examples.automodel.tools import run
@@ -371,8 +371,14 @@ def test_real_clients_runs_the_training_step_subjects_on_four_ranks(tmp_path, ca
     assert {f"training:{s}" for s in ("deepseek_v41", "deepseek_v4", "qwen3_5_moe")} <= set(every), every
     assert run._subjects(["training:qwen3_5_moe"]) == ["training:qwen3_5_moe"]
     args = argparse.Namespace(world_sizes="1,2,3", examples=1, seed=0, backend="gloo", shrink_seconds=1.0)
-    assert run.run_training_step("qwen3_5_moe", args, tmp_path / "x.json") == 0  # no pool of 4: not run, said
-    assert "needs --world-sizes with 4" in capsys.readouterr().out and not (tmp_path / "x.json").exists()
+    assert run.subject_settings("training", "qwen3_5_moe", args) is None  # no pool of 4: not run (main says so)
+    settings = run.subject_settings("training", "qwen3_5_moe", argparse.Namespace(**{**vars(args), "world_sizes": "2,4"}))
+    assert (settings.world_sizes, settings.step, settings.model) == ((4,), "training", ("examples.automodel.models.qwen3_5_moe",))
+    # its own pool of exactly 4 ranks, never one a model spec's rows share (FSDP2 wraps the model it builds)
+    assert run.pool_key("training", settings) == ("training", 4)
+    spec = run.subject_settings("spec", "qwen3_5_moe", argparse.Namespace(**{**vars(args), "world_sizes": "1,2,3,4"}))
+    assert run.pool_key("spec", spec) == ("models", 4)
+    assert "--step training" in " ".join(run.command_line(settings, pathlib.Path("x.json")))
 
 
 def test_linear_ce_qwen3_5_moe_passes_without_logits(step_runner):

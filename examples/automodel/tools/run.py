@@ -3,19 +3,21 @@ judge, and print the coverage table.
 
 ``python -m examples.automodel.tools.run [--examples N] [--reports DIR] [SUBJECT ...]`` (``scripts/real_clients``
 installs the pinned framework first, then runs this). Subjects are the adapters of
-``examples.automodel.adapters.ADAPTERS`` (each: ``python -m cp_harness verify --impl examples.automodel.adapters.<adapter>``, on the
-rows and CP sizes the adapter declares) and the model specs of ``examples.automodel.models.SPECS`` (each:
-``verify --model examples.automodel.models.<spec>``; a spec whose ``REQUIRES`` is unmet here is skipped, with its
-reason, and left to the nightly GPU job) and, for the specs of ``TRAINING_STEP_SPECS``, their training step (subject
-``training:<spec>``: ``verify --model ... --step training --world-sizes 4``, ``docs/training_step.md``) and the
-framework's CP attention functions of ``examples.automodel.attention.SUBJECTS`` (subject ``attention:<name>``: the
-``cp_attention`` check on drawn cases, ``tools/attention_gate.py``; docs/real_clients.md, "The EAGLE-3 CP
-attention"). Then the case of every row a documented defect reaches
-(``known_defects.json``, ``examples/automodel/tools/defects.py``) is replayed on one pool, and ``<reports>/summary.json``
+``examples.automodel.adapters.ADAPTERS`` (each: what ``python -m cp_harness verify --impl
+examples.automodel.adapters.<adapter>`` runs, on the rows and CP sizes the adapter declares), the model specs of
+``examples.automodel.models.SPECS`` (each: ``verify --model examples.automodel.models.<spec>``; a spec whose
+``REQUIRES`` is unmet here is skipped, with its reason, and left to the nightly GPU job), for the specs of
+``TRAINING_STEP_SPECS`` their training step (subject ``training:<spec>``: ``verify --model ... --step training
+--world-sizes 4``, ``docs/training_step.md``) and the framework's CP attention functions of
+``examples.automodel.attention.SUBJECTS`` (subject ``attention:<name>``: the ``cp_attention`` check on drawn cases,
+``tools/attention_gate.py``; docs/real_clients.md, "The EAGLE-3 CP attention"). Every subject runs in this process
+on a warm pool it shares with the subjects of its kind and size (``tools/pools.py``); the command that runs one
+alone is printed before it. Then the case of every row a documented defect reaches (``known_defects.json``,
+``examples/automodel/tools/defects.py``) is replayed on its subject's pool, and ``<reports>/summary.json``
 and ``<reports>/summary.md`` get the status, the verdicts, the coverage table (``examples/automodel/tools/coverage.py``:
 every CP function of the installed framework, what exercises it, where it runs) and the verify tables.
-``main(argv, pool=...)`` runs the adapters in this process on a warm ``RankPool`` (the default command's test of
-the gate does).
+``main(argv, pool=...)`` runs the adapters and attention subjects on the caller's warm ``RankPool`` instead (the
+default command's test of the gate does).
 
 Exit status:
 
@@ -36,11 +38,11 @@ import importlib
 import importlib.metadata
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 from examples.automodel.tools.defects import KNOWN, Failure, holds, load_defects, load_known  # noqa: F401 - load_defects re-exported
+from examples.automodel.tools.pools import GatePools
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -123,59 +125,6 @@ def _sizes(declared, wanted: str) -> str:
     return ",".join(str(n) for n in sizes)
 
 
-def run_adapter(adapter: str, args, json_path: Path, pool=None) -> int:
-    """``cp_harness verify`` on one adapter, on the rows (``ROWS``) and CP sizes (``WORLD_SIZES``) it declares:
-    in its own process (its output goes to ours), or, given a warm ``pool``, in this process on that pool."""
-    module = importlib.import_module(f"examples.automodel.adapters.{adapter}")
-    sizes = _sizes(getattr(module, "WORLD_SIZES", None), args.world_sizes)
-    rows = tuple(getattr(module, "ROWS", ()))
-    cmd = [
-        sys.executable,
-        "-m",
-        "cp_harness",
-        "verify",
-        "--impl",
-        f"examples.automodel.adapters.{adapter}",
-        "--examples",
-        str(args.examples),
-        "--seed",
-        str(args.seed),
-        "--world-sizes",
-        sizes,
-        "--backend",
-        args.backend,
-        "--shrink-seconds",
-        str(args.shrink_seconds),
-        "--json",
-        str(json_path),
-    ]
-    if rows:
-        cmd += ["--rows", ",".join(rows)]
-    print(f"\n$ {' '.join(cmd[1:])}", flush=True)
-    if pool is None:
-        return subprocess.run(cmd, cwd=ROOT).returncode
-    from cp_harness.cases.descriptions import parse_world_sizes
-    from cp_harness.verify import VerifySettings, result_text, run_verify
-
-    settings = VerifySettings(
-        impl=f"examples.automodel.adapters.{adapter}",
-        world_sizes=parse_world_sizes(sizes),
-        examples=args.examples,
-        backend=args.backend,
-        seed=args.seed,
-        rows=rows,
-        shrink_seconds=args.shrink_seconds,
-    )
-    with open(os.devnull, "w") as quiet:
-        result = run_verify(settings, pool=pool, progress_stream=quiet)
-    if result.cannot_run is not None:
-        print(f"cp_harness verify: cannot run: {result.cannot_run}", file=sys.stderr)
-        return result.exit_code
-    print(result_text(result))
-    json_path.write_text(json.dumps(result.as_dict(), indent=2, allow_nan=False) + "\n")
-    return result.exit_code
-
-
 def spec_module(spec: str) -> str:
     """The dotted module of model spec ``spec``: one of ``examples.torchtitan.models.SPECS`` (torchtitan 0.3.0, the
     second real client: docs/torchtitan.md), else ``examples.automodel.models.<spec>``."""
@@ -185,68 +134,75 @@ def spec_module(spec: str) -> str:
     return f"{TORCHTITAN}.{spec}" if spec in TORCHTITAN_SPECS else f"examples.automodel.models.{spec}"
 
 
-def run_spec(spec: str, args, json_path: Path) -> int:
-    """``cp_harness verify --model`` on one model spec, at the CP sizes it declares (``WORLD_SIZES``; default
-    1, 2, 3), in its own process (its launcher imports the spec once, before the ranks fork)."""
+def subject_settings(kind: str, name: str, args):
+    """What ``verify`` runs for subject ``kind:name`` (``kind``: adapter, spec or training), as a ``VerifySettings``:
+    an adapter on the rows (``ROWS``) and CP sizes (``WORLD_SIZES``) it declares, a model spec at the CP sizes it
+    declares (default 1, 2, 3), a training step on exactly 4 ranks; ``None`` for a training subject when
+    ``--world-sizes`` leaves 4 out."""
+    from cp_harness.cases.descriptions import parse_world_sizes
     from cp_harness.usage.model_specs import spec_traits
+    from cp_harness.verify import VerifySettings
 
-    traits = spec_traits(spec_module(spec))
-    sizes = _sizes(traits.world_sizes or SPEC_WORLD_SIZES, args.world_sizes)
-    cmd = [
-        sys.executable,
-        "-m",
-        "cp_harness",
-        "verify",
-        "--model",
-        spec_module(spec),
-        "--examples",
-        str(args.examples),
-        "--seed",
-        str(args.seed),
-        "--world-sizes",
-        sizes,
-        "--backend",
-        args.backend,
-        "--shrink-seconds",
-        str(args.shrink_seconds),
-        "--json",
-        str(json_path),
-    ]
-    print(f"\n$ {' '.join(cmd[1:])}", flush=True)
-    return subprocess.run(cmd, cwd=ROOT).returncode
-
-
-def run_training_step(spec: str, args, json_path: Path) -> int:
-    """``cp_harness verify --model <spec> --step training`` on a pool of exactly 4 ranks (the framework's mesh
-    covers the whole default group), in its own process; exit 0 without running when ``--world-sizes`` leaves 4
-    out (the report says so)."""
+    common = dict(examples=args.examples, backend=args.backend, seed=args.seed, shrink_seconds=args.shrink_seconds)
+    if kind == "adapter":
+        module = importlib.import_module(f"examples.automodel.adapters.{name}")
+        sizes = _sizes(getattr(module, "WORLD_SIZES", None), args.world_sizes)
+        return VerifySettings(
+            impl=f"examples.automodel.adapters.{name}",
+            world_sizes=parse_world_sizes(sizes),
+            rows=tuple(getattr(module, "ROWS", ())),
+            **common,
+        )
+    if kind == "spec":
+        sizes = _sizes(spec_traits(spec_module(name)).world_sizes or SPEC_WORLD_SIZES, args.world_sizes)
+        return VerifySettings(world_sizes=parse_world_sizes(sizes), model=(spec_module(name),), **common)
     if str(TRAINING_STEP_WORLD) not in args.world_sizes.split(","):
-        print(f"\nreal clients: training:{spec} needs --world-sizes with {TRAINING_STEP_WORLD}; not run", flush=True)
-        return 0
-    cmd = [
-        sys.executable,
-        "-m",
-        "cp_harness",
-        "verify",
-        "--model",
-        f"examples.automodel.models.{spec}",
-        "--step",
-        "training",
+        return None
+    return VerifySettings(world_sizes=(TRAINING_STEP_WORLD,), model=(spec_module(name),), step="training", **common)
+
+
+def pool_key(kind: str, settings) -> tuple[str, int]:
+    """Which of the run's pools (``tools/pools.py``) a subject's ``settings`` run on."""
+    group = "training" if kind == "training" else "models" if settings.model else "impls"
+    return group, max(settings.world_sizes)
+
+
+def command_line(settings, json_path: Path) -> list[str]:
+    """The ``python -m cp_harness verify`` command that runs ``settings`` alone (printed before each subject)."""
+    what = ["--model", *settings.model] if settings.model else ["--impl", settings.impl]
+    cmd = ["-m", "cp_harness", "verify", *what]
+    if settings.step != "forward-backward":
+        cmd += ["--step", settings.step]
+    cmd += [
         "--examples",
-        str(args.examples),
+        str(settings.examples),
         "--seed",
-        str(args.seed),
+        str(settings.seed),
         "--world-sizes",
-        str(TRAINING_STEP_WORLD),
+        ",".join(str(n) for n in settings.world_sizes),
         "--backend",
-        args.backend,
+        settings.backend,
         "--shrink-seconds",
-        str(args.shrink_seconds),
+        str(settings.shrink_seconds),
         "--json",
         str(json_path),
     ]
-    print(f"\n$ {' '.join(cmd[1:])}", flush=True)
-    return subprocess.run(cmd, cwd=ROOT).returncode
+    return cmd + (["--rows", ",".join(settings.rows)] if settings.rows else [])
+
+
+def run_subject_verify(settings, json_path: Path, pool, progress_stream=None) -> int:
+    """``run_verify`` of ``settings`` on the warm ``pool``, in this process: the result printed as ``verify``
+    prints it and written to ``json_path``; returns ``verify``'s exit status (2 without a report)."""
+    from cp_harness.verify import result_text, run_verify
+
+    print(f"\n$ {' '.join(command_line(settings, json_path))}", flush=True)
+    result = run_verify(settings, pool=pool, progress_stream=progress_stream)
+    if result.cannot_run is not None:
+        print(f"cp_harness verify: cannot run: {result.cannot_run}", file=sys.stderr)
+        return result.exit_code
+    print(result_text(result), flush=True)
+    json_path.write_text(json.dumps(result.as_dict(), indent=2, allow_nan=False) + "\n")
+    return result.exit_code
 
 
 def replay(defect: dict, backend: str, pool=None) -> tuple[bool, str]:
@@ -324,42 +280,26 @@ def judge(subject: str, report: dict, known: list[dict], backend: str) -> list[d
     return verdicts
 
 
-def _replay_all(rows: list[dict], backend: str, pool=None) -> list[dict]:
-    """Replay every documented row's case on one pool (``pool``, else one of the largest world size needed)."""
+def _replay_all(rows: list[dict], backend: str, pool_of) -> list[dict]:
+    """Replay every documented row's case on the pool its subject ran on (``pool_of(row)``: a warm pool with
+    enough ranks for the case, else ``None`` and the case gets a pool of its own)."""
     from cp_harness.cases.meshes import ranks_needed
-    from cp_harness.ranks.pool import PoolConfig, RankPool
 
-    if not rows:
-        return []
-    own = None
-    if pool is None:
-        size = max(ranks_needed(r["case"]) for r in rows)  # a case on a world mesh needs all of the mesh's ranks
-        specs = tuple(sorted({r["case"]["spec"] for r in rows if "spec" in r["case"]}))
-        # verify's rule (VerifySettings.resolved_case_timeout): a model spec's first case builds the model, and with
-        # gradients judged on a stand-in (Gemma4's recomputing ring backward) a loaded machine needs more than 60 s
-        timeout = 300.0 if specs else 60.0
-        own = pool = RankPool(
-            PoolConfig(world_size=size, backend=backend, impl="cp_impl", preload=specs, case_timeout=timeout)
-        )
     out = []
-    try:
-        for row in rows:
-            entry = {"defect": row["id"], "subject": row["subject"], "row": row["row"]}
-            if ranks_needed(row["case"]) > pool.config.world_size:
-                out.append(
-                    {
-                        **entry,
-                        "reproduced": False,
-                        "account": f"not replayed: its case needs {ranks_needed(row['case'])} ranks, the pool "
-                        f"has {pool.config.world_size}",
-                    }
-                )
-                continue
-            reproduced, account = replay(row, backend, pool=pool)
-            out.append({**entry, "reproduced": reproduced, "account": account})
-    finally:
-        if own is not None:
-            own.close()
+    for row in rows:
+        pool = pool_of(row)
+        if pool is not None and ranks_needed(row["case"]) > pool.config.world_size:
+            pool = None
+        reproduced, account = replay(row, backend, pool=pool)
+        out.append(
+            {
+                "defect": row["id"],
+                "subject": row["subject"],
+                "row": row["row"],
+                "reproduced": reproduced,
+                "account": account,
+            }
+        )
     return out
 
 
@@ -388,9 +328,9 @@ def _subjects(names: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None, *, pool=None) -> int:
-    """The gate's command line; returns its exit status. ``pool``: run the adapters' verify and the replays in
-    this process on this warm ``RankPool`` (it needs ``max(--world-sizes)`` ranks) instead of fresh pools (the
-    model specs always run in their own process)."""
+    """The gate's command line; returns its exit status. ``pool``: run the adapters, the attention subjects and
+    their replays on this warm ``RankPool`` (it needs ``max(--world-sizes)`` ranks) instead of the run's own pools
+    (the model specs and training steps always get pools of their own, ``tools/pools.py``)."""
     parser = argparse.ArgumentParser(prog="python -m examples.automodel.tools.run", description=__doc__.split("\n")[0])
     parser.add_argument("subjects", nargs="*", help="adapters or model specs by name (default: all)")
     parser.add_argument("--examples", type=int, default=25, help="examples per verify row (default 25)")
@@ -432,6 +372,9 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
         "replays": [],
     }
     crashed = []
+    pools = GatePools(args.backend, given=pool)
+    planned: list[tuple[str, Path, object]] = []  # (subject, report path, its settings or None for attention)
+    keys: dict[str, tuple[str, int]] = {}
     for subject in subjects:
         kind, name = subject.split(":", 1)
         path = reports / (f"{name}.training_step.json" if kind == "training" else f"{name}.json")
@@ -450,38 +393,64 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
                 print(f"\nreal clients: skipped {subject}: {unmet} ({where})", flush=True)
                 continue
         try:
-            if kind == "adapter":
-                code = run_adapter(name, args, path, pool=pool)
-            elif kind == "attention":
-                from cp_harness.cases.descriptions import parse_world_sizes
-                from examples.automodel.tools.attention_gate import run_subject
-
-                sizes = tuple(parse_world_sizes(args.world_sizes))
-                code = run_subject(name, args.examples, args.seed, sizes, args.backend, path, pool=pool)
-            elif kind == "training":
-                code = run_training_step(name, args, path)
-                if not path.exists() and code == 0:
-                    continue  # --world-sizes without 4: not run, said above
-            else:
-                code = run_spec(name, args, path)
+            settings = None if kind == "attention" else subject_settings(kind, name, args)
         except Exception as exc:  # noqa: BLE001 - a subject that does not import cannot be gated
             crashed.append(f"{subject}: {type(exc).__name__}: {exc}")
             continue
-        if code == 2 or not path.exists():
-            crashed.append(f"{subject}: verify exited {code}" + ("" if path.exists() else " without a report"))
+        if kind == "training" and settings is None:
+            print(f"\nreal clients: {subject} needs --world-sizes with {TRAINING_STEP_WORLD}; not run", flush=True)
             continue
-        report = json.loads(path.read_text())
-        summary["subjects"][subject] = {
-            "verify_exit": code,
-            "report": str(path),
-            "table": markdown_table(report),
-            "failed_rows": report["failed_rows"],
-            "not_judged": {r["name"]: r.get("not_judged") for r in report["rows"] if r.get("not_judged")},
-        }
-        summary["findings"] += judge(subject, report, known, args.backend)
+        if settings is None:
+            from cp_harness.cases.descriptions import parse_world_sizes
 
-    to_replay = [d for d in known if d["subject"] in summary["subjects"] and args.backend in d["backends"]]
-    summary["replays"] = _replay_all(to_replay, args.backend, pool)
+            keys[subject] = ("impls", max(parse_world_sizes(args.world_sizes)))
+        else:
+            keys[subject] = pool_key(kind, settings)
+            pools.plan(keys[subject], settings.model or [settings.impl])
+        planned.append((subject, path, settings))
+
+    # Progress as verify prints it, unless the caller's pool says this runs inside another command (the test).
+    progress = open(os.devnull, "w") if pool is not None else None  # noqa: SIM115 - closed below
+    try:
+        for subject, path, settings in planned:
+            kind, name = subject.split(":", 1)
+            try:
+                warm = pools.pool(keys[subject])
+                if settings is None:
+                    from cp_harness.cases.descriptions import parse_world_sizes
+                    from examples.automodel.tools.attention_gate import run_subject
+
+                    sizes = tuple(parse_world_sizes(args.world_sizes))
+                    code = run_subject(name, args.examples, args.seed, sizes, args.backend, path, pool=warm)
+                else:
+                    code = run_subject_verify(settings, path, warm, progress_stream=progress)
+            except Exception as exc:  # noqa: BLE001 - a subject that does not import (or whose pool does not start)
+                crashed.append(f"{subject}: {type(exc).__name__}: {exc}")
+                continue
+            if code == 2 or not path.exists():
+                crashed.append(f"{subject}: verify exited {code}" + ("" if path.exists() else " without a report"))
+                continue
+            report = json.loads(path.read_text())
+            summary["subjects"][subject] = {
+                "verify_exit": code,
+                "report": str(path),
+                "table": markdown_table(report),
+                "failed_rows": report["failed_rows"],
+                "not_judged": {r["name"]: r.get("not_judged") for r in report["rows"] if r.get("not_judged")},
+            }
+            summary["findings"] += judge(subject, report, known, args.backend)
+
+        to_replay = [d for d in known if d["subject"] in summary["subjects"] and args.backend in d["backends"]]
+        started = pools.started()
+        summary["replays"] = _replay_all(
+            to_replay,
+            args.backend,
+            lambda row: pool if (pool is not None and "adapter" in row) else started.get(keys[row["subject"]]),
+        )
+    finally:
+        pools.close()
+        if progress is not None:
+            progress.close()
 
     new = [f for f in summary["findings"] if f["defect"] is None]
     lost = [r for r in summary["replays"] if not r["reproduced"]]
