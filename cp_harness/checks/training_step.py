@@ -70,6 +70,7 @@ def _sizes(case: dict) -> tuple[int, int, int]:
 
 
 def _fsdp_model(driver, spec, case: dict, context) -> torch.nn.Module:
+    model_specs.one_spec_at_a_time(case["spec"])
     key = (
         case.get("driver", DRIVER),
         case["spec"],

@@ -64,10 +64,28 @@ def spec_traits(name: str) -> SpecTraits:
 
 
 _MODELS: dict[tuple, torch.nn.Module] = {}
+_COMPILED_FOR: list[str] = []  # the spec of the last case this process ran (at most one name)
+
+
+def one_spec_at_a_time(name: str) -> None:
+    """Before a case of spec ``name``: when this process's last case was another spec's, forget what
+    ``torch.compile`` compiled for that one (``torch.compiler.reset()``; the built models stay cached).
+
+    The framework compiles small functions that the models of a family share (MoE activations, FlexAttention and its
+    block masks), and dynamo compiles one function at most ``recompile_limit`` (8) times before a ``fullgraph=True``
+    call fails hard. One spec's cases stay within that, as the framework's own runs do (one model a process); the
+    cases of several specs on the same ranks did not: with every spec of the gate on shared pools
+    (``examples/automodel/tools/pools.py``), glm5_next's and llama3_flex_ptrr's first cases after other specs raised
+    ``FailOnRecompileLimitHit`` (measured; ``tests/usage/test_model_specs.py`` keeps it)."""
+    if _COMPILED_FOR and _COMPILED_FOR[0] != name:
+        torch.compiler.reset()
+    _COMPILED_FOR[:] = [name]
 
 
 def cached_model(name: str, dtype: str, seed: int, overrides: dict | None = None) -> torch.nn.Module:
-    """The spec's model for (``name``, ``dtype``, ``seed``, ``overrides``), built once per process."""
+    """The spec's model for (``name``, ``dtype``, ``seed``, ``overrides``), built once per process; each call is a
+    case of that spec (``one_spec_at_a_time``)."""
+    one_spec_at_a_time(name)
     key = (name, dtype, int(seed), tuple(sorted((overrides or {}).items())))
     if key not in _MODELS:
         _MODELS[key] = load_spec(name).build(DTYPES[dtype], int(seed), **(overrides or {}))
