@@ -1,6 +1,7 @@
 """Run exported repro scripts as their users do, without the harness, several in one interpreter.
 
-``python run_scripts.py < runs.json``: ``runs`` is a list of ``[script path, [argument, ...]]``. Before anything
+``python run_scripts.py < runs``: one run a line, ``[script path, [argument, ...]]`` as JSON, each started as soon as
+its line arrives (the test writes a script's runs while it exports the next one) until stdin closes. Before anything
 else this process makes ``cp_harness``, ``oracle`` and ``hypothesis`` unimportable (a script that reached for
 them fails with ``ImportError``), then imports torch once (and what torch imports lazily on a first ``backward(gradient)``); each script is loaded from its file and its
 ``main(argv + ["--start-method", "fork"])`` runs with this process's and its ranks' output captured (file
@@ -71,7 +72,8 @@ def main() -> int:
     import torch  # noqa: F401 - once, before the ranks are forked
     import torch.fx.experimental.symbolic_shapes  # noqa: F401 - what torch imports on a first backward(gradient): sympy, seconds
 
-    for i, (path, args) in enumerate(json.load(sys.stdin)):
+    for i, line in enumerate(sys.stdin):
+        path, args = json.loads(line)
         started = time.perf_counter()
         spec = importlib.util.spec_from_file_location(f"repro_script_{i}", path)
         module = importlib.util.module_from_spec(spec)

@@ -2,7 +2,8 @@
 under test only.
 
 - Every broken fixture of ``tests/fixtures`` (``targets.FIXTURES``) and every documented framework defect
-  (``known_defects.json``) is exported from a case it fails; each script imports nothing but the standard
+  (``known_defects.json``) is exported from a case it fails (a documented case with its documented signature, as
+  ``scripts/real_clients`` replays it); each script imports nothing but the standard
   library, torch, numpy and the code under test, carries the SHA-256 of its pickle-free ``.npz``, exits 1 on the
   broken code (printing the wrong tensor, its rank and global position) and 0 on the bundled implementation
   (``--impl cp_impl``) or with ``--fixed``; run with ``cp_harness``, ``oracle`` and ``hypothesis`` unimportable
@@ -27,6 +28,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -50,11 +52,13 @@ def _framework() -> bool:
 FRAMEWORK = _framework()
 
 
-def export_targets(cp_runner, own_pool_runner, tmp_path_factory, framework_adapters=None) -> dict[str, Path]:
+def export_targets(cp_runner, own_pool_runner, tmp_path_factory, framework_adapters=None,
+                   on_export=None) -> dict[str, Path]:
     """Every target exported from its failing case: ``{name: script}``; the documented defects as
     ``examples.automodel.tools.export_repros`` names them (in a folder of their own). The fixtures run on a pool
     that imported them (``own_pool_runner``, tests/conftest.py), the documented defects (and the fixtures that need the framework) on
-    ``framework_adapters`` (tests/conftest.py; else one like it); the session's pool is left as it was."""
+    ``framework_adapters`` (tests/conftest.py; else one like it); the session's pool is left as it was.
+    ``on_export(script)``: called with each script as soon as it is written."""
     out: dict[str, Path] = {}
     directory = tmp_path_factory.mktemp("repros")
     fixtures = {name: case for name, (case, _) in FIXTURES.items()
@@ -68,12 +72,15 @@ def export_targets(cp_runner, own_pool_runner, tmp_path_factory, framework_adapt
             result = runner.export_repro({**fixtures[name], "impl": name}, report, str(directory), name=f"{name}-repro")
             assert result.path, f"{name}: {result.why}"
             out[name] = Path(result.path)
+            if on_export is not None:
+                on_export(out[name])
 
     alone = [name for name in fixtures if name not in NEEDS_FRAMEWORK]
     with own_pool_runner([fixtures[n] for n in alone], alone) as runner:
         export(runner, alone)
     if FRAMEWORK:
         from examples.automodel.tools import export_repros
+        from examples.automodel.tools.defects import Failure
 
         entries = export_repros.entries()
         adapters = sorted({f"examples.automodel.adapters.{e['adapter']}" for e in entries})
@@ -83,9 +90,18 @@ def export_targets(cp_runner, own_pool_runner, tmp_path_factory, framework_adapt
                 own_pool_runner([e["case"] for e in entries], adapters))
             export(runner, framed)
             defects = tmp_path_factory.mktemp("defects")
-            for name, result in export_repros.export_all(runner, str(defects)).items():
-                assert result.path, f"{name}: {result.why}"
-                out[name] = Path(result.path)
+            def exported(entry, report, result):
+                # the documented case still fails through the harness, with its documented signature (what
+                # scripts/real_clients replays; this is that replay for every adapter row, on the same run)
+                assert entry["signature"].matches(Failure.of_report(report)), (
+                    f"{entry['id']} ({entry['adapter']} / {entry['row']}) fails differently now: "
+                    + "; ".join([p.message for p in report.problems] + [c.name for c in report.failures()]))
+                assert result.path, f"{entry['name']}: {result.why}"
+                out[entry["name"]] = Path(result.path)
+                if on_export is not None:
+                    on_export(out[entry["name"]])
+
+            export_repros.export_all(runner, str(defects), exported)
     return out
 
 
@@ -156,28 +172,76 @@ def _scripts_are_small(exported):
     print("script lines (all, the harness's own, family):", json.dumps(sizes))
 
 
-def _run(runs: list[tuple[Path, list[str]]]) -> list[dict]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fixtures"), str(ROOT)])}
-    proc = subprocess.run([sys.executable, str(RUNNER)], input=json.dumps([[str(p), a] for p, a in runs]), cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=900)
-    results = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert len(results) == len(runs), proc.stdout[-2000:] + proc.stderr[-4000:]
-    return results
+class ScriptRuns:
+    """Each exported script's command lines, run without the harness (``run_scripts.py``) while the exports go on:
+    a script's runs are sent as soon as it is written. Two interpreters: one for the scripts on a world mesh, whose
+    broken run may wait for its ``--timeout`` (a message sent to the wrong rank is never received), one for the
+    rest; neither that wait nor the interpreters' start adds to the exports' time."""
 
+    def __init__(self, blocked: Path):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "fixtures"), str(ROOT)])}
+        self.lanes = {lane: subprocess.Popen([sys.executable, str(RUNNER)], cwd=ROOT, env=env, text=True,
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                      for lane in ("mesh", "other")}
+        self.out: dict[str, list[str]] = {lane: [] for lane in self.lanes}
+        self.err: dict[str, list[str]] = {lane: [] for lane in self.lanes}
+        self.readers = [threading.Thread(target=sink.extend, args=(stream,), daemon=True)
+                        for lane, proc in self.lanes.items()
+                        for sink, stream in ((self.out[lane], proc.stdout), (self.err[lane], proc.stderr))]
+        for reader in self.readers:
+            reader.start()
+        self.sent: list[tuple[str, Path, list[str]]] = []
+        self._send("other", blocked, [])
 
-def _each_script_fails_on_the_broken_code_and_passes_on_the_fix_without_the_harness(exported, tmp_path):
-    blocked = tmp_path / "uses_the_harness.py"
-    blocked.write_text("import cp_harness\n\n\ndef main(argv):\n    return 0\n")
-    runs: list[tuple[Path, list[str]]] = [(blocked, [])]
-    for name, path in exported.items():
+    def _send(self, lane: str, path: Path, args: list[str]) -> None:
+        self.sent.append((lane, path, args))
+        stdin = self.lanes[lane].stdin
+        assert stdin is not None
+        stdin.write(json.dumps([str(path), args]) + "\n")
+        stdin.flush()
+
+    def script(self, path: Path) -> None:
+        """Send ``path``'s runs: as it is, with ``--impl cp_impl`` and, where it ships one, ``--fixed``."""
+        text = path.read_text()
+        mesh = "MESH = {" in text
         # a message to the wrong rank waits for the script's timeout (120 s by default): a short one here
-        wait = ["--timeout", "20"] if "MESH = {" in path.read_text() else []
-        runs += [(path, wait), (path, ["--impl", "cp_impl", *wait])]
-        if "--fixed" in path.read_text():
-            runs.append((path, ["--fixed", *wait]))
-    results = _run(runs)
-    assert results[0]["exit"] == 3 and "cp_harness is not available" in results[0]["output"], results[0]
-    for (path, args), result in zip(runs[1:], results[1:]):
+        wait = ["--timeout", "20"] if mesh else []
+        for args in ([*wait], ["--impl", "cp_impl", *wait], *([["--fixed", *wait]] if "--fixed" in text else [])):
+            self._send("mesh" if mesh else "other", path, args)
+
+    def results(self) -> list[tuple[Path, list[str], dict]]:
+        """Every run in the order sent: ``(script, args, {"exit", "output", "seconds", ...})``."""
+        for proc in self.lanes.values():
+            assert proc.stdin is not None
+            proc.stdin.close()
+        for lane, proc in self.lanes.items():
+            try:
+                proc.wait(timeout=900)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the {lane} scripts' runner did not finish within 900 s after its last script; its last "
+                            f"run: {self.out[lane][-1:] or 'none'}; stderr: {''.join(self.err[lane])[-2000:]}")
+        for reader in self.readers:
+            reader.join()
+        done = {lane: [json.loads(line) for line in self.out[lane]] for lane in self.lanes}
+        for lane in self.lanes:
+            expected = sum(1 for sent_lane, _, _ in self.sent if sent_lane == lane)
+            assert len(done[lane]) == expected, "".join(self.out[lane])[-2000:] + "".join(self.err[lane])[-4000:]
+        taken = {lane: iter(results) for lane, results in done.items()}
+        return [(path, args, next(taken[lane])) for lane, path, args in self.sent]
+
+    def close(self) -> None:
+        """End the runners that are still running (a check failed before their results were read)."""
+        for proc in self.lanes.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _each_script_fails_on_the_broken_code_and_passes_on_the_fix_without_the_harness(runs):
+    results = runs.results()
+    blocked = results[0][2]
+    assert blocked["exit"] == 3 and "cp_harness is not available" in blocked["output"], blocked
+    for path, args, result in results[1:]:
         name, output = path.stem.removesuffix("-repro"), result["output"]
         if set(args) & {"--impl", "--fixed"}:
             assert result["exit"] == 0, f"{name} {args}:\n{output}"
@@ -188,7 +252,7 @@ def _each_script_fails_on_the_broken_code_and_passes_on_the_fix_without_the_harn
         if "position" in output and "differ" in output:
             assert re.search(r"position -?\d+", output), output
     print("seconds per run:", json.dumps({r["script"].rsplit("/", 1)[-1] + " " + " ".join(r["args"]): r["seconds"]
-                                          for r in results[1:]}))
+                                          for _, _, r in results[1:]}))
 
 
 def _the_committed_repros_of_the_documented_defects_are_current(exported):
@@ -209,16 +273,21 @@ def _the_committed_repros_of_the_documented_defects_are_current(exported):
 @pytest.mark.slow
 def test_every_fixture_and_documented_defect_exports_a_standalone_repro_that_fails_then_passes(
         cp_runner, own_pool_runner, framework_adapters, tmp_path_factory):
-    """One test, so that pytest-xdist runs the exports once (about 35 s) and the scripts in one interpreter (about
-    50 s, 20 of them importing nemo-automodel)."""
-    exported = export_targets(cp_runner, own_pool_runner, tmp_path_factory, framework_adapters)
-    _every_fixture_and_documented_defect_has_a_script(exported)
-    _a_script_imports_only_torch_numpy_and_the_code_under_test(exported)
-    _a_scripts_arrays_are_pickle_free_and_sealed_by_its_digest(exported)
-    _scripts_are_small(exported)
-    _the_committed_repros_of_the_documented_defects_are_current(exported)
-    _each_script_fails_on_the_broken_code_and_passes_on_the_fix_without_the_harness(exported,
-                                                                                     tmp_path_factory.mktemp("run"))
+    """One test, so that pytest-xdist runs the exports once and each script's command lines while the next one is
+    exported (``ScriptRuns``)."""
+    blocked = tmp_path_factory.mktemp("run") / "uses_the_harness.py"
+    blocked.write_text("import cp_harness\n\n\ndef main(argv):\n    return 0\n")
+    runs = ScriptRuns(blocked)
+    try:
+        exported = export_targets(cp_runner, own_pool_runner, tmp_path_factory, framework_adapters, runs.script)
+        _every_fixture_and_documented_defect_has_a_script(exported)
+        _a_script_imports_only_torch_numpy_and_the_code_under_test(exported)
+        _a_scripts_arrays_are_pickle_free_and_sealed_by_its_digest(exported)
+        _scripts_are_small(exported)
+        _the_committed_repros_of_the_documented_defects_are_current(exported)
+        _each_script_fails_on_the_broken_code_and_passes_on_the_fix_without_the_harness(runs)
+    finally:
+        runs.close()
 
 
 def test_verify_export_repros_leaves_one_script_per_failing_row_and_names_it(cp_runner, tmp_path):

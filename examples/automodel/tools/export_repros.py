@@ -20,6 +20,7 @@ import filecmp
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +41,11 @@ def entries() -> list[dict]:
     return [{**e, "name": f"{e['id']}-{e['adapter']}-{ids[e['row']]}"} for e in load_known() if "adapter" in e]
 
 
-def export_all(runner, directory: str) -> dict[str, Any]:
+def export_all(runner, directory: str, on_export: Callable[[dict, Any, Any], None] | None = None) -> dict[str, Any]:
     """Run every documented row's case on ``runner`` (a ``CaseRunner`` whose pool loads the adapters by name) and
-    write its repro into ``directory``: ``{name: Exported}``. A case that no longer fails is an error."""
+    write its repro into ``directory``: ``{name: Exported}``, each also given to ``on_export(entry, report,
+    exported)`` as soon as it is written (``entry``: of ``entries``; ``report``: the case's). A case that no longer
+    fails is an error."""
     out = {}
     for entry in entries():
         case = {**entry["case"], "impl": f"examples.automodel.adapters.{entry['adapter']}"}
@@ -50,6 +53,8 @@ def export_all(runner, directory: str) -> dict[str, Any]:
         if report.ok:
             raise RuntimeError(f"{entry['name']}: the documented case passes now; nothing to export")
         out[entry["name"]] = runner.export_repro(case, report, directory, name=entry["name"])
+        if on_export is not None:
+            on_export(entry, report, out[entry["name"]])
     return out
 
 
