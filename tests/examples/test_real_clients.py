@@ -5,8 +5,9 @@
 - With nemo-automodel importable (``scripts/real_clients`` installs it; skipped otherwise): every
   adapter loads as an implementation, serves exactly the framework callables it names, leaves the rest
   to ``cp_impl``, and translates arguments as documented (checked with a spy in place of the framework);
-  each repro script fails while the defect shows and passes with ``--fixed``; the documented case of D1
-  still fails through the harness.
+  each repro script fails while the defect shows and passes with ``--fixed``. That every documented adapter
+  case still fails through the harness with its signature is asserted where each is exported
+  (``tests/repro/test_repros.py``: one run of each case serves both).
 """
 
 from __future__ import annotations
@@ -278,17 +279,6 @@ def test_repros_fail_and_pass_with_the_fix():
 
 
 @needs_framework
-def test_documented_case_still_fails_through_the_harness(framework_adapters):
-    """Every documented adapter case, replayed on warm ranks that imported the adapters before they were forked
-    (``framework_adapters``, tests/conftest.py: the pool starts again after each case whose rank raised); the model
-    specs' cases replay in scripts/real_clients, on a pool that preloads the specs."""
-    pool = framework_adapters.pool
-    for defect in (d for d in real_clients.load_known() if "adapter" in d):
-        reproduced, account = real_clients.replay(defect, pool.config.backend, pool=pool)
-        assert reproduced, f"{defect['id']}: {account}"
-
-
-@needs_framework
 def test_the_d4_cases_pass_under_the_payload_policy_and_fail_under_strict(framework_adapters):
     """D4 (the framework sums bf16/fp16 gradient slices in the payload's precision) is a contract choice, not a
     wrong gradient: every documented D4 case passes under ``--precision-policy payload`` and fails under
@@ -312,16 +302,22 @@ GATE_ADAPTERS = ("deepseek_v41_gather",)
 
 @needs_framework
 def test_the_gate_on_a_small_budget_calls_only_documented_rows_and_every_documented_row_is_needed(
-        cp_runner, cp_world_sizes, tmp_path):
+        own_pool_runner, cp_world_sizes, tmp_path):
     """``examples.automodel.tools.run`` as CI runs it (verify every row of the adapter, judge, replay), at three
-    examples per row on the session's warm ranks: status 3, and the rows it calls documented are exactly the
+    examples per row on warm ranks: status 3, and the rows it calls documented are exactly the
     rows ``known_defects.json`` lists for the adapter. A row added to a check that a documented defect also
-    reaches, or a documented row dropped from the file, turns this red here rather than in CI's gate."""
+    reaches, or a documented row dropped from the file, turns this red here rather than in CI's gate.
+
+    The ranks are the session's size with the adapter imported by their launcher, as the gate's own pool for the
+    adapters has it (``tools/pools.py``): its documented rows fail by a rank raising, and the pool starts again
+    after each, so each start forks ranks that hold the framework instead of ranks that each import it."""
     if max(cp_world_sizes) < 2:
         pytest.skip("the gate needs a pool of at least two ranks (--cp-world-sizes)")
     sizes = ",".join(str(n) for n in cp_world_sizes)
-    status = real_clients.main([*GATE_ADAPTERS, "--examples", "3", "--shrink-seconds", "0", "--world-sizes", sizes,
-                                "--reports", str(tmp_path), "--no-coverage"], pool=cp_runner.pool)
+    adapters = [f"examples.automodel.adapters.{a}" for a in GATE_ADAPTERS]
+    with own_pool_runner([{"world_size": max(cp_world_sizes)}], adapters) as runner:
+        status = real_clients.main([*GATE_ADAPTERS, "--examples", "3", "--shrink-seconds", "0", "--world-sizes",
+                                    sizes, "--reports", str(tmp_path), "--no-coverage"], pool=runner.pool)
     summary = json.loads((tmp_path / "summary.json").read_text())
     verdicts = "\n".join(summary["verdicts"])
     assert status == real_clients.DOCUMENTED_ONLY, verdicts
