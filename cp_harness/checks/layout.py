@@ -487,6 +487,21 @@ def _golden(cases: dict, token_arrays: set[str]) -> GoldenContents:
 
 
 _SHARDER = ("sharder.shard", "sharder.shard_token_tensor", "sharder.local_token_global_indices")
+
+
+def _inkling2_reaches(case: dict) -> tuple[str, ...]:
+    """``unpack_row_layout`` is called on its own for a THD batch only (``_unpack_directly``)."""
+    thd = case["batch"]["format"] == "thd"
+    return ("inkling2.prepare_cp_inputs", *(("inkling2.unpack_row_layout",) if thd else ()), *_SHARDER)
+
+
+def _mistral_reaches(case: dict) -> tuple[str, ...]:
+    """A case calls one hook: ``prepare_packed_cp_inputs`` when ``direct_packed``, else ``prepare_cp_inputs`` (which
+    hands a THD batch to the packed hook by internal code: not a call through the documented API)."""
+    hook = "prepare_packed_cp_inputs" if case.get("direct_packed") else "prepare_cp_inputs"
+    return (f"mistral_large4.{hook}", *_SHARDER)
+
+
 _TOKEN_ARRAYS = {"keep", "padding_mask", "position_ids", "labels", "input_ids"}
 
 # The two registrations are mostly case descriptions (named examples, golden cases, explicit rows): one case a
@@ -500,6 +515,7 @@ INKLING2_LAYOUT_EXAMPLES = {
 
 INKLING2_LAYOUT = register(
     "inkling2_layout", rank=_inkling2_rank, evaluate=_inkling2_evaluate, expect=expected_layout,
+    reaches=_inkling2_reaches,
     functions=("inkling2.prepare_cp_inputs", "inkling2.unpack_row_layout", "sharder.shard",
                "sharder.local_token_global_indices", "sharder.shard_token_tensor"),
     comm_minimum=comm_minimum.nothing,
@@ -531,6 +547,7 @@ MISTRAL_LARGE4_LAYOUT_EXAMPLES = {
 
 MISTRAL_LARGE4_LAYOUT = register(
     "mistral_large4_layout", rank=_mistral_rank, evaluate=_mistral_evaluate, expect=expected_layout,
+    reaches=_mistral_reaches,
     functions=("mistral_large4.prepare_cp_inputs", "mistral_large4.prepare_packed_cp_inputs", "sharder.shard",
                "sharder.local_token_global_indices", "sharder.shard_token_tensor"),
     comm_minimum=comm_minimum.nothing,

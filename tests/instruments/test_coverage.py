@@ -128,3 +128,21 @@ def test_the_meshes_rows_reach_every_claim_with_one_example_at_cp_1(cp_runner, t
         assert len(row.spec.functions) == claims and not coverage.covered(row.spec.functions, row.tally.called)
         assert not row.tally.not_judged, row.tally.not_judged
         assert 1 < row.tally.examples <= 1 + claims  # the drawn one, then at most one per claim it did not reach
+
+
+def test_the_layout_rows_reach_every_claim_with_one_example_at_cp_1(cp_runner, tmp_path):
+    """Regression of the same kind, found with ``real_clients --examples 1`` (adapter shard_batch_identity, and
+    ``cp_impl`` alike): "the row claims mistral_large4.prepare_packed_cp_inputs, but none of its 2 cases called it".
+    The layout checks named every function as reached by any case, so the case drawn for the packed hook was the
+    first draw, a BSHD or THD batch through ``prepare_cp_inputs``; their ``reaches`` now say which hook a case calls
+    (``direct_packed``) and that only a THD batch calls ``unpack_row_layout`` on its own."""
+    from cp_harness.checks.layout import INKLING2_LAYOUT, MISTRAL_LARGE4_LAYOUT
+
+    for check in (INKLING2_LAYOUT, MISTRAL_LARGE4_LAYOUT):
+        for spec in (r for r in check.rows if r.functions):
+            row = Row(spec)
+            run_row(row, cp_runner, CaseSpace(world_sizes=(1,)), 1, 0, Progress(1, stream=io.StringIO()), "gloo",
+                    str(tmp_path), 3.0)
+            assert row.ok, (spec.name, row.failure)
+            assert not coverage.covered(spec.functions, row.tally.called), (spec.name, row.tally.called)
+            assert not row.tally.not_judged, row.tally.not_judged
