@@ -10,9 +10,10 @@ examples.automodel.adapters.<adapter>`` runs, on the rows and CP sizes the adapt
 ``TRAINING_STEP_SPECS`` their training step (subject ``training:<spec>``: ``verify --model ... --step training
 --world-sizes 4``, ``docs/training_step.md``) and the framework's CP attention functions of
 ``examples.automodel.attention.SUBJECTS`` (subject ``attention:<name>``: the ``cp_attention`` check on drawn cases,
-``tools/attention_gate.py``; docs/real_clients.md, "The EAGLE-3 CP attention"). Every subject runs in this process
-on a warm pool it shares with the subjects of its kind and size (``tools/pools.py``); the command that runs one
-alone is printed before it. Then the case of every row a documented defect reaches (``known_defects.json``,
+``tools/attention_gate.py``; docs/real_clients.md, "The EAGLE-3 CP attention"). Every subject runs on a warm pool
+it shares with the subjects of its kind and size (``tools/pools.py``); the command that runs one alone is printed
+before it. With ``--lanes 2`` (the default) the model specs run in a second process beside the other subjects
+(``tools/lanes.py``), each lane verifying, judging and replaying its own; this process merges their parts. Then the case of every row a documented defect reaches (``known_defects.json``,
 ``examples/automodel/tools/defects.py``) is replayed on its subject's pool, and ``<reports>/summary.json``
 and ``<reports>/summary.md`` get the status, the verdicts, the coverage table (``examples/automodel/tools/coverage.py``:
 every CP function of the installed framework, what exercises it, where it runs) and the verify tables.
@@ -327,50 +328,12 @@ def _subjects(names: list[str]) -> list[str]:
     return chosen
 
 
-def main(argv: list[str] | None = None, *, pool=None) -> int:
-    """The gate's command line; returns its exit status. ``pool``: run the adapters, the attention subjects and
-    their replays on this warm ``RankPool`` (it needs ``max(--world-sizes)`` ranks) instead of the run's own pools
-    (the model specs and training steps always get pools of their own, ``tools/pools.py``)."""
-    parser = argparse.ArgumentParser(prog="python -m examples.automodel.tools.run", description=__doc__.split("\n")[0])
-    parser.add_argument("subjects", nargs="*", help="adapters or model specs by name (default: all)")
-    parser.add_argument("--examples", type=int, default=25, help="examples per verify row (default 25)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--world-sizes", default="1,2,3,4,8")
-    parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
-    parser.add_argument("--shrink-seconds", type=float, default=60.0)
-    parser.add_argument("--reports", default="reports/real_clients", help="folder for the JSON reports and summary")
-    parser.add_argument("--known", default=str(KNOWN), help="the documented defects (default: %(default)s)")
-    parser.add_argument(
-        "--no-coverage",
-        dest="coverage",
-        action="store_false",
-        help="leave out the coverage table (it imports every model spec: tens of seconds)",
-    )
-    args = parser.parse_args(argv)
-    subjects = _subjects(args.subjects)
-    problem = framework_problem()
-    if problem:
-        print(f"real clients: cannot run: {problem}", file=sys.stderr)
-        return CANNOT_RUN
-    try:
-        known = load_known(Path(args.known))
-    except (OSError, ValueError, KeyError) as exc:
-        print(f"real clients: cannot run: {args.known}: {exc}", file=sys.stderr)
-        return CANNOT_RUN
-
+def _gate(subjects: list[str], args, known: list[dict], reports: Path, pool=None) -> dict:
+    """Verify, judge and replay ``subjects`` in this process (``tools/pools.py``); their part of the summary:
+    ``{"subjects", "skipped", "findings", "replays", "crashed"}``."""
     from examples.automodel.tools import coverage
 
-    reports = Path(args.reports)
-    reports.mkdir(parents=True, exist_ok=True)
-    summary: dict = {
-        "framework": f"nemo-automodel=={pinned_version()}",
-        "backend": args.backend,
-        "examples_per_row": args.examples,
-        "subjects": {},
-        "skipped": {},
-        "findings": [],
-        "replays": [],
-    }
+    summary: dict = {"subjects": {}, "skipped": {}, "findings": [], "replays": []}
     crashed = []
     pools = GatePools(args.backend, given=pool)
     planned: list[tuple[str, Path, object]] = []  # (subject, report path, its settings or None for attention)
@@ -451,6 +414,91 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
         pools.close()
         if progress is not None:
             progress.close()
+
+    summary["crashed"] = crashed
+    return summary
+
+
+def main(argv: list[str] | None = None, *, pool=None) -> int:
+    """The gate's command line; returns its exit status. ``pool``: run the adapters, the attention subjects and
+    their replays on this warm ``RankPool`` (it needs ``max(--world-sizes)`` ranks) instead of the run's own pools
+    (the model specs and training steps always get pools of their own, ``tools/pools.py``)."""
+    parser = argparse.ArgumentParser(prog="python -m examples.automodel.tools.run", description=__doc__.split("\n")[0])
+    parser.add_argument("subjects", nargs="*", help="adapters or model specs by name (default: all)")
+    parser.add_argument("--examples", type=int, default=25, help="examples per verify row (default 25)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--world-sizes", default="1,2,3,4,8")
+    parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    parser.add_argument("--shrink-seconds", type=float, default=60.0)
+    parser.add_argument("--reports", default="reports/real_clients", help="folder for the JSON reports and summary")
+    parser.add_argument("--known", default=str(KNOWN), help="the documented defects (default: %(default)s)")
+    parser.add_argument(
+        "--lanes",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="2 (default): the model specs in a process of their own beside the other subjects (tools/lanes.py)",
+    )
+    parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a lane's summary file (tools/lanes.py)
+    parser.add_argument(
+        "--no-coverage",
+        dest="coverage",
+        action="store_false",
+        help="leave out the coverage table (it imports every model spec: tens of seconds)",
+    )
+    args = parser.parse_args(argv)
+    subjects = _subjects(args.subjects)
+    problem = framework_problem()
+    if problem:
+        print(f"real clients: cannot run: {problem}", file=sys.stderr)
+        return CANNOT_RUN
+    try:
+        known = load_known(Path(args.known))
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"real clients: cannot run: {args.known}: {exc}", file=sys.stderr)
+        return CANNOT_RUN
+
+    from examples.automodel.tools import coverage, lanes
+
+    reports = Path(args.reports)
+    reports.mkdir(parents=True, exist_ok=True)
+    parts = lanes.split(subjects, args.lanes if pool is None and args.part is None else 1)
+    if len(parts) > 1:
+        common = [
+            "--examples",
+            str(args.examples),
+            "--seed",
+            str(args.seed),
+            "--world-sizes",
+            args.world_sizes,
+            "--backend",
+            args.backend,
+            "--shrink-seconds",
+            str(args.shrink_seconds),
+            "--known",
+            args.known,
+            "--reports",
+            str(reports),
+        ]
+        done = lanes.run(common, parts, reports)
+    else:
+        done = [_gate(subjects, args, known, reports, pool)]
+    if args.part is not None:  # a lane of another run: that run judges and reports
+        Path(args.part).write_text(json.dumps(done[0]) + "\n")
+        return OK
+    order = {subject: i for i, subject in enumerate(subjects)}
+    summary: dict = {
+        "framework": f"nemo-automodel=={pinned_version()}",
+        "backend": args.backend,
+        "examples_per_row": args.examples,
+        "subjects": dict(
+            sorted((item for part in done for item in part["subjects"].items()), key=lambda kv: order[kv[0]])
+        ),
+        "skipped": {k: v for part in done for k, v in part["skipped"].items()},
+        "findings": sorted((f for part in done for f in part["findings"]), key=lambda f: order[f["subject"]]),
+        "replays": sorted((r for part in done for r in part["replays"]), key=lambda r: order[r["subject"]]),
+    }
+    crashed = [line for part in done for line in part["crashed"]]
 
     new = [f for f in summary["findings"] if f["defect"] is None]
     lost = [r for r in summary["replays"] if not r["reproduced"]]
