@@ -35,7 +35,8 @@ def split(subjects: list[str], lanes: int) -> list[list[str]]:
 def run(common: list[str], parts: list[list[str]], reports: Path) -> list[dict]:
     """Run each of ``parts`` as ``python -m examples.automodel.tools.run COMMON --lanes 1 --part FILE SUBJECTS``, all
     at once, and return each lane's part of the summary (``run._gate``); a lane that wrote none gives one with a
-    ``crashed`` line naming it and its log's tail. Each lane's output is printed whole as it ends."""
+    ``crashed`` line naming it and its log's tail. While they run, each subject a lane starts is printed (its
+    ``verify`` command, headed by the lane); each lane's whole output is printed as it ends."""
     folder = reports / "lanes"
     folder.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -49,10 +50,19 @@ def run(common: list[str], parts: list[list[str]], reports: Path) -> list[dict]:
         lanes.append((i, subjects, proc, part, log))
         print(f"real clients: lane {i}: {len(subjects)} subjects ({', '.join(subjects)}); output: {log}", flush=True)
     done: dict[int, dict] = {}
+    read = {i: 0 for i, *_ in lanes}  # how far each lane's log has been looked at for the subjects it started
     pending = list(lanes)
     while pending:
         for lane in list(pending):
             i, subjects, proc, part, log = lane
+            with log.open("rb") as out:
+                out.seek(read[i])
+                new = out.read()
+            complete = new[: new.rfind(b"\n") + 1]
+            read[i] += len(complete)
+            for line in complete.decode(errors="replace").splitlines():
+                if line.startswith("$ -m cp_harness verify") or line.startswith("real clients: skipped"):
+                    print(f"[lane {i}] {line}", flush=True)
             late = time.monotonic() - started > LANE_TIMEOUT
             if proc.poll() is None and not late:
                 continue
