@@ -49,7 +49,7 @@ def test_uses_the_module_fixture(built_once, i):
     _log("fixture-test")
 
 @pytest.mark.xdist_group("marked")
-@pytest.mark.parametrize("i", range(6))
+@pytest.mark.parametrize("i", range(12))
 def test_marked(i):
     _log("marked")
 
@@ -75,7 +75,9 @@ def test_loadgroup_keeps_each_group_and_each_module_fixture_on_one_worker(tmp_pa
     for line in log.read_text().splitlines():
         worker, name = line.split()
         workers[name].add(worker)
-    assert len(workers["free"]) == 2, (workers, "the small suite must spread over both workers to show anything")
+    # Both workers ran tests (xdist gives each worker work before either asks for more), so a group on one worker
+    # shows something. Which worker runs the free tests depends on load: under load one took them all (CI, measured).
+    assert len(set().union(*workers.values())) == 2, (workers, "the small suite must use both workers to show anything")
     assert len(workers["marked"]) == 1, (workers, "an xdist_group was spread over the workers: pytest and "
                                          "pytest-xdist disagree on node ids (constraints/test.txt)")  # fmt: skip
     assert len(workers["fixture-test"]) == 1 and len(workers["fixture"]) == 1, workers
