@@ -49,6 +49,17 @@ def run(common: list[str], parts: list[list[str]], reports: Path) -> list[dict]:
             proc = subprocess.Popen([*command, *subjects], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         lanes.append((i, subjects, proc, part, log))
         print(f"real clients: lane {i}: {len(subjects)} subjects ({', '.join(subjects)}); output: {log}", flush=True)
+    try:
+        return _wait(lanes, started)
+    finally:  # interrupted (or a bug here): no lane outlives this run
+        for _, _, proc, _, _ in lanes:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _wait(lanes: list, started: float) -> list[dict]:
+    """Wait for every lane of ``run``, printing what it starts, then its output; each lane's part of the summary."""
     done: dict[int, dict] = {}
     read = {i: 0 for i, *_ in lanes}  # how far each lane's log has been looked at for the subjects it started
     pending = list(lanes)
