@@ -64,8 +64,9 @@ class GatePools:
             self._pools[key] = pool
         return self._pools[key]
 
-    def started(self) -> dict[Key, RankPool]:
-        return dict(self._pools)
+    def warm(self, key: Key) -> RankPool | None:
+        """The pool ``key`` names if it is up (the caller's for ``"impls"``), else ``None``: starts nothing."""
+        return self.given if key[0] == "impls" and self.given is not None else self._pools.get(key)
 
     def close(self) -> None:
         for pool in self._pools.values():

@@ -331,10 +331,12 @@ def _subjects(names: list[str]) -> list[str]:
 def _gate(subjects: list[str], args, known: list[dict], reports: Path, pool=None) -> dict:
     """Verify, judge and replay ``subjects`` in this process (``tools/pools.py``); their part of the summary:
     ``{"subjects", "skipped", "findings", "replays", "crashed"}``."""
+    from cp_harness.cases.descriptions import parse_world_sizes
     from examples.automodel.tools import coverage
 
     summary: dict = {"subjects": {}, "skipped": {}, "findings": [], "replays": []}
     crashed = []
+    sizes = tuple(parse_world_sizes(args.world_sizes))  # an attention subject draws its cases over all of them
     pools = GatePools(args.backend, given=pool)
     planned: list[tuple[str, Path, object]] = []  # (subject, report path, its settings or None for attention)
     keys: dict[str, tuple[str, int]] = {}
@@ -364,9 +366,7 @@ def _gate(subjects: list[str], args, known: list[dict], reports: Path, pool=None
             print(f"\nreal clients: {subject} needs --world-sizes with {TRAINING_STEP_WORLD}; not run", flush=True)
             continue
         if settings is None:
-            from cp_harness.cases.descriptions import parse_world_sizes
-
-            keys[subject] = ("impls", max(parse_world_sizes(args.world_sizes)))
+            keys[subject] = ("impls", max(sizes))
         else:
             keys[subject] = pool_key(kind, settings)
             pools.plan(keys[subject], settings.model or [settings.impl])
@@ -380,10 +380,8 @@ def _gate(subjects: list[str], args, known: list[dict], reports: Path, pool=None
             try:
                 warm = pools.pool(keys[subject])
                 if settings is None:
-                    from cp_harness.cases.descriptions import parse_world_sizes
                     from examples.automodel.tools.attention_gate import run_subject
 
-                    sizes = tuple(parse_world_sizes(args.world_sizes))
                     code = run_subject(name, args.examples, args.seed, sizes, args.backend, path, pool=warm)
                 else:
                     code = run_subject_verify(settings, path, warm, progress_stream=progress)
@@ -404,12 +402,7 @@ def _gate(subjects: list[str], args, known: list[dict], reports: Path, pool=None
             summary["findings"] += judge(subject, report, known, args.backend)
 
         to_replay = [d for d in known if d["subject"] in summary["subjects"] and args.backend in d["backends"]]
-        started = pools.started()
-        summary["replays"] = _replay_all(
-            to_replay,
-            args.backend,
-            lambda row: pool if (pool is not None and "adapter" in row) else started.get(keys[row["subject"]]),
-        )
+        summary["replays"] = _replay_all(to_replay, args.backend, lambda row: pools.warm(keys[row["subject"]]))
     finally:
         pools.close()
         if progress is not None:
