@@ -7,6 +7,7 @@
 * ``pool`` -- the persistent pool (``RankPool``): start once, feed one case per request, restart after a fault.
 * ``outputs`` -- plain data (``RankOutput``, ``RankFailure``, ``PoolConfig``) and the pool side of the messages.
 * ``lifecycle`` -- the pool's processes: starting the launcher, the rendezvous, shutdown, log and stack dumps.
+* ``fork_server`` -- the fork launcher's imports kept between a pool's starts: each start forks a launcher from them.
 * ``tickets`` -- the cases in flight: submit, collect in order, send again after a fault, timing.
 * ``diagnosis`` -- which rank failed a case and how, a pure function of what the pool observed.
 """

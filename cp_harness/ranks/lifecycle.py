@@ -29,6 +29,7 @@ from pathlib import Path
 
 from cp_harness.ranks import wire
 from cp_harness.ranks.diagnosis import exits_in_log, start_failure_report, start_timeout_report
+from cp_harness.ranks.fork_server import ForkServer, ForkServerGone, server_key
 from cp_harness.ranks.outputs import SHUTDOWN, PoolConfig, PoolLost
 
 STACK_DUMP_WAIT = 0.5  # seconds the ranks get to write their stacks after SIGUSR1
@@ -78,6 +79,7 @@ class RankProcesses:
         self._rdzv: str | None = None
         self._listen: tuple[str, int] | None = None
         self.lost: str | None = None  # why a pool that cannot restart is gone
+        self.server: ForkServer | None = None  # the fork launcher's imports, kept between starts (fork_server)
 
     @property
     def proc(self) -> subprocess.Popen | None:
@@ -229,12 +231,16 @@ class RankProcesses:
         env["PYTHONUNBUFFERED"] = "1"
         self.starts += 1
         self.progress = {}
+        deadline = time.monotonic() + cfg.start_seconds
         try:
             for node in cfg.local_nodes:
                 name = "launcher.log" if len(cfg.local_nodes) == 1 else f"node{node}.log"
+                env["TORCHELASTIC_ERROR_FILE"] = str(self._workdir / f"error{node}.json")
+                if self.launcher == "fork":
+                    self.agents[node] = self._fork_launcher(self._workdir / name, env, deadline)
+                    continue
                 log = open(self._workdir / name, "wb")  # noqa: SIM115 - closed in shutdown()
                 self._logs.append(log)
-                env["TORCHELASTIC_ERROR_FILE"] = str(self._workdir / f"error{node}.json")
                 self.agents[node] = subprocess.Popen(
                     self.node_command(node),
                     stdout=log,
@@ -243,13 +249,50 @@ class RankProcesses:
                     start_new_session=True,
                     stdin=subprocess.DEVNULL,
                 )
-            self._rendezvous(listener, time.monotonic() + cfg.start_seconds)
+            self._rendezvous(listener, deadline)
             self.generation = self.starts
         except BaseException:
             self.shutdown()
             raise
         finally:
             listener.close()
+
+    def _fork_launcher(self, log: Path, env: dict[str, str], deadline: float):
+        """This start's fork launcher, from the pool's fork server (started, or started again, when the command or
+        environment changed or it is gone). A server that cannot import fails the start as a launcher that cannot:
+        its output in ``log``, the exit code in the report."""
+        command = self.node_command(0)
+        if self.server is not None and (not self.server.alive or self.server.key != server_key(command, env)):
+            self._close_server()
+        if self.server is None:
+            self.server = ForkServer(
+                command, env, Path(tempfile.mkdtemp(prefix="cp-fork-server-", dir=self.config.log_dir))
+            )
+        assert self._listen is not None and self._workdir is not None
+        try:
+            return self.server.spawn(
+                connect=f"{self._listen[0]}:{self._listen[1]}",
+                stack_dir=str(self._workdir),
+                log=str(log),
+                env=env,
+                timeout=max(deadline - time.monotonic(), 0.0),
+            )
+        except (ForkServerGone, TimeoutError) as exc:
+            log.write_text(self.server.log_text() + "\n")
+            exited = {0: exc.code if isinstance(exc, ForkServerGone) else None}
+            self._close_server()
+            raise RuntimeError(self._start_failure({n: c for n, c in exited.items() if c is not None})) from None
+
+    def _close_server(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            shutil.rmtree(self.server.folder, ignore_errors=True)
+            self.server = None
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop every rank and launcher, and the fork server: the pool is closed (``start`` starts all again)."""
+        self.shutdown(graceful)
+        self._close_server()
 
     def _rendezvous(self, listener: socket.socket, deadline: float) -> None:
         """Accept every rank's connection, its phases and its hello before ``deadline``, or raise ``RuntimeError``

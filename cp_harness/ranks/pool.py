@@ -60,7 +60,7 @@ class RankPool:
         dropped: collecting them raises ``RuntimeError``.
         """
         self._queue.drop_all()
-        self._processes.shutdown(graceful)
+        self._processes.close(graceful)
 
     def __enter__(self) -> RankPool:
         self.start()
@@ -99,6 +99,20 @@ class RankPool:
     def launcher_pid(self) -> int | None:
         """Process id of the launcher (torchrun, or the process that forked the ranks; node 0's of several)."""
         return self._processes.launcher_pid
+
+    @property
+    def fork_server_pid(self) -> int | None:
+        """Process id of the fork launcher's server (``cp_harness.ranks.fork_server``), which outlives each start
+        and ends when the pool is closed; ``None``: none runs (another launcher, or the pool is closed)."""
+        server = self._processes.server
+        return server.proc.pid if server is not None and server.alive else None
+
+    @property
+    def _fork_server_pipe(self):
+        """The pipe the fork server reads its requests from (tests close it to play a test process that died)."""
+        server = self._processes.server
+        assert server is not None and server.proc.stdin is not None
+        return server.proc.stdin
 
     @property
     def agents(self) -> dict[int, int]:

@@ -77,6 +77,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("blocked", "cyclic"),
         help="blocked: the launcher's ranks; cyclic: rank r on node r %% nnodes",
     )
+    parser.add_argument(
+        "--fork-server",
+        action="store_true",
+        help="with --ranks: import once, then fork a launcher for each start the pool asks for on stdin "
+        "(cp_harness.ranks.fork_server)",
+    )
     return parser.parse_args(argv)
 
 
@@ -100,6 +106,12 @@ def _write_error(stack_dir: str | None, rank: int, text: str) -> None:
 
 def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
     """Import once, fork ``args.ranks`` ranks, wait for them (see the module docstring); returns the exit status."""
+    import_once(args)
+    return fork_ranks(args, argv)
+
+
+def import_once(args: argparse.Namespace) -> None:
+    """What every rank needs, imported in the launcher before it forks them (each rank then costs no import)."""
     if args.backend == "nccl":
         # Forked ranks must not inherit an initialised CUDA context; nothing here touches CUDA before the fork,
         # but the nccl pool has only ever run under torchrun, which PoolConfig chooses for it.
@@ -110,7 +122,6 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
 
     from cp_harness.cases.implementation import impl_names, load_impl
     from cp_harness.checks import load_checks
-    from cp_harness.ranks.diagnosis import exit_line
 
     torch.set_num_threads(1)  # before any tensor work: no OpenMP pool may exist at the fork
     # What the ranks would otherwise import on their own, each in its own pages: autograd's backward with an
@@ -140,6 +151,13 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
             file=sys.stderr,
             flush=True,
         )
+
+
+def fork_ranks(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """Fork ``args.ranks`` ranks from this (imported) process and wait for them; the first rank that exits abnormally
+    is named on stderr (``diagnosis.exit_line``) and ends the others. Returns this launcher's exit status."""
+    from cp_harness.ranks.diagnosis import exit_line
+
     world = args.ranks
     env = {
         "WORLD_SIZE": str(world),
@@ -184,9 +202,90 @@ def launch(args: argparse.Namespace, argv: list[str] | None) -> int:
     return status
 
 
+def serve_forks(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """``--fork-server``: import once, then start a launcher for each start the pool asks for (``cp_harness.ranks.fork_server``).
+
+    Reads one JSON request a line on stdin (``fork_server.spawn_request``: the start's ``--connect``, ``--stack-dir``,
+    log file and environment); forks a launcher for it, which runs ``fork_ranks`` with its output in that log, in a
+    process group of its own (the pool ends a start with ``killpg``). Answers on what was stdout:
+    ``spawned <pid>`` once the launcher's group exists, ``exit <pid> <code>`` when it ends (``code`` as
+    ``Popen.returncode``: negative for a signal). Leaves when stdin closes (the pool closed, or its process died).
+    """
+    import json
+    import select
+
+    from cp_harness.ranks import fork_server
+
+    replies = os.dup(1)  # the pool's pipe; stdout itself goes to stderr, the server's log, so no print corrupts it
+    os.dup2(2, 1)
+    import_once(args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    wake_read, wake_write = os.pipe()
+    for fd in (wake_read, wake_write):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, not SIG_IGN: ended launchers must stay reapable
+    launchers: set[int] = set()
+    pending = b""
+    while True:
+        ready = select.select([0, wake_read], [], [], 1.0)[0]
+        if wake_read in ready:
+            while True:
+                try:
+                    if not os.read(wake_read, 512):
+                        break
+                except BlockingIOError:
+                    break
+        while launchers:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            if pid in launchers:
+                launchers.discard(pid)
+                os.write(replies, fork_server.exit_line(pid, os.waitstatus_to_exitcode(status)))
+        if 0 not in ready:
+            continue
+        data = os.read(0, 1 << 16)
+        if not data:
+            return 0  # the pool is gone; its launchers' ranks leave when their connections close
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:  # the start's launcher
+                code = 1
+                try:
+                    os.setpgid(0, 0)
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    for fd in (wake_read, wake_write, replies):
+                        os.close(fd)
+                    child_argv = fork_server.launcher_argv(argv or sys.argv[1:], request)
+                    fork_server.enter_start(request)
+                    code = fork_ranks(_parse_args(child_argv), child_argv)
+                except BaseException:  # noqa: BLE001 - the traceback goes to the start's log
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            try:
+                os.setpgid(pid, pid)  # as the child does: whichever runs first, the group exists before the answer
+            except (PermissionError, ProcessLookupError):
+                pass
+            launchers.add(pid)
+            os.write(replies, fork_server.spawned_line(pid))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     forked = args.ranks is not None
+    if args.fork_server:
+        return serve_forks(args, argv)
     if forked and "RANK" not in os.environ:
         return launch(args, argv)
     from cp_harness.ranks import startup

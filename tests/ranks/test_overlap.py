@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -183,20 +185,24 @@ def test_fault_at_submit_time_is_not_blamed_on_the_next_case(fault_runner):
     pool = fault_runner.pool
     ok = [{"check": "pool_selftest", "world_size": 2, "seed": s, "mode": "ok"} for s in range(3)]
     exit_case = {"check": "pool_selftest", "world_size": 2, "seed": 13, "mode": "exit", "fault_rank": 1}
-    first = pool.submit(exit_case)
-    # Wait until the rank has died before the next cases are sent (the sends may then fail).
-    pid = pool.pids[1]
-    for _ in range(1200):  # at most 60 s: the rank exits as soon as it reads the case
-        try:
+    pool.start()
+    # The launcher is stopped until the next cases are sent: it cannot reap the dead rank, end the others or exit,
+    # so the pool still looks alive and they are sent to the broken pool (the sends may then fail), whatever the load.
+    launcher = pool.launcher_pid
+    os.kill(launcher, signal.SIGSTOP)
+    try:
+        first = pool.submit(exit_case)
+        pid = pool.pids[1]
+        for _ in range(1200):  # at most 60 s: the rank exits as soon as it reads the case
             with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":  # dead, its stopped launcher not reaping it
                     break
-        except OSError:  # gone (its launcher reaped it)
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail(f"rank 1 (pid {pid}) still runs 60 s after it was sent a case that makes it exit")
-    tickets = [pool.submit(c) for c in ok]
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"rank 1 (pid {pid}) still runs 60 s after it was sent a case that makes it exit")
+        tickets = [pool.submit(c) for c in ok]
+    finally:
+        os.kill(launcher, signal.SIGCONT)
     with pytest.raises(RankFailure) as failure:
         pool.collect(first)
     assert failure.value.rank == 1 and failure.value.kind is RankFailureKind.EXITED

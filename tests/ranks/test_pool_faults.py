@@ -111,9 +111,12 @@ class Tracker:
             self.pids[pool.launcher_pid] = "launcher"
 
     def survivors(self, pids: dict[int, str] | None = None) -> list[str]:
+        """What is left of the starts in ``pids`` (default: every start recorded), and any process of the pool's
+        but its fork server while the pool is open (it outlives a start by design; closing the pool ends it)."""
         pids = self.pids if pids is None else pids
         left = [f"{what} (pid {pid}, state {proc_state(pid)})" for pid, what in pids.items() if proc_state(pid)]
-        left += [f"pid {pid}: {cmd}" for pid, cmd in processes_mentioning(self.marker)]
+        server = self.runner.pool.fork_server_pid
+        left += [f"pid {pid}: {cmd}" for pid, cmd in processes_mentioning(self.marker) if pid != server]
         return left
 
     def wait_gone(self, pids: dict[int, str] | None = None, timeout: float = 10.0) -> list[str]:
@@ -238,8 +241,12 @@ def test_pool_exits_by_itself_when_its_owner_disappears(faulty):
     faulty.record()
     pool = runner.pool
     pids = {pid: f"rank {rank}" for rank, pid in pool.pids.items()} | {pool.launcher_pid: "launcher"}
-    for sock in pool._socks.values():  # what the kernel does to the sockets of a killed process
+    server = pool.fork_server_pid
+    assert server is not None
+    pids[server] = "fork server"
+    for sock in pool._socks.values():  # what the kernel does to the sockets and pipes of a killed process
         sock.close()
+    pool._fork_server_pipe.close()
     left = faulty.wait_gone(pids, timeout=15.0)
     runner.close()  # reaps the launcher (our child) and forgets the pool
     assert not left, f"an abandoned pool left processes behind: {left}"
