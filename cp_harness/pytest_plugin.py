@@ -280,8 +280,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     if SUMMARY.empty:
         return
     terminalreporter.section("cp_harness")
+    kernels = ""
+    if values["backend"] == "gloo":  # the float kernels the ranks ran (ATEN_CPU_CAPABILITY picks another set)
+        import torch
+
+        kernels = f" (CPU kernels: {torch.backends.cpu.get_cpu_capability().lower()})"
     terminalreporter.write_line(
-        f"implementation: {values['impl']}, backend: {values['backend']}, "
+        f"implementation: {values['impl']}, backend: {values['backend']}{kernels}, "
         f"precision policy: {values['precision_policy']}"
     )
     for line in SUMMARY.lines():
