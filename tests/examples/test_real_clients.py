@@ -357,20 +357,16 @@ def test_every_model_subject_says_whether_it_can_run_here():
         assert unmet is None or unmet.startswith("needs "), (name, unmet)
 
 
-def test_lanes_claim_each_group_once_largest_first_and_name_a_lane_that_wrote_no_summary(tmp_path):
-    """``--lanes 2``: each group of subjects that share a pool goes to the lane that claims it first, in order of
-    estimated cost; a lane that ends without writing its part of the summary is named with what it had claimed and
-    its log."""
+def test_lanes_put_the_model_specs_beside_the_other_subjects_and_name_a_lane_that_wrote_no_summary(tmp_path):
+    """``--lanes 2``: the model specs in one process, every other subject in the other (their pools differ anyway);
+    a lane that ends without writing its part of the summary is a subject that could not run, named with its log."""
     from examples.automodel.tools import lanes
 
-    groups = {("impls", 8): ["adapter:a", "adapter:b", "attention:e"], ("models", 3): ["spec:s", "spec:t"],
-              ("training", 4): ["training:s"], ("models", 8): ["spec:u"]}
-    assert lanes.group_order(groups) == [("models", 3), ("training", 4), ("models", 8), ("impls", 8)]
-    folder = tmp_path / "claims"
-    folder.mkdir()
-    assert lanes.claim(folder, "models-3", 0) and not lanes.claim(folder, "models-3", 1)
-    assert lanes.claim(folder, "training-4", 1) and lanes.claimed_by(folder, 1) == ["training-4"]
-    done = lanes.run(["--no-such-option"], ["adapter:a"], tmp_path, lanes=1)  # the lane's argparse exits 2
+    subjects = ["adapter:a", "spec:s", "training:s", "spec:t", "attention:e"]
+    assert lanes.split(subjects, 2) == [["spec:s", "spec:t"], ["adapter:a", "training:s", "attention:e"]]
+    assert lanes.split(subjects, 1) == [subjects]
+    assert lanes.split(["adapter:a"], 2) == [["adapter:a"]]
+    done = lanes.run(["--no-such-option"], [["adapter:a"]], tmp_path)  # the lane's argparse exits 2
     assert len(done) == 1 and not done[0]["subjects"], done
-    assert done[0]["crashed"][0].startswith("lane 0 (claimed: nothing): exited 2 without its summary"), done
+    assert done[0]["crashed"][0].startswith("lane 0 (adapter:a): exited 2 without its summary"), done
     assert "--no-such-option" in done[0]["crashed"][0]

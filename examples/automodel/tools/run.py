@@ -12,9 +12,8 @@ examples.automodel.adapters.<adapter>`` runs, on the rows and CP sizes the adapt
 ``examples.automodel.attention.SUBJECTS`` (subject ``attention:<name>``: the ``cp_attention`` check on drawn cases,
 ``tools/attention_gate.py``; docs/real_clients.md, "The EAGLE-3 CP attention"). Every subject runs on a warm pool
 it shares with the subjects of its kind and size (``tools/pools.py``); the command that runs one alone is printed
-before it. With ``--lanes 2`` (the default) two processes run the subjects, each taking the next group of subjects
-that share a pool, largest first (``tools/lanes.py``), each lane verifying, judging and replaying what it took; this
-process merges their parts. Then the case of every row a documented defect reaches (``known_defects.json``,
+before it. With ``--lanes 2`` (the default) the model specs run in a second process beside the other subjects
+(``tools/lanes.py``), each lane verifying, judging and replaying its own; this process merges their parts. Then the case of every row a documented defect reaches (``known_defects.json``,
 ``examples/automodel/tools/defects.py``) is replayed on its subject's pool, and ``<reports>/summary.json``
 and ``<reports>/summary.md`` get the status, the verdicts, the coverage table (``examples/automodel/tools/coverage.py``:
 every CP function of the installed framework, what exercises it, where it runs) and the verify tables.
@@ -331,13 +330,9 @@ def _subjects(names: list[str]) -> list[str]:
 
 def _gate(subjects: list[str], args, known: list[dict], reports: Path, pool=None) -> dict:
     """Verify, judge and replay ``subjects`` in this process (``tools/pools.py``); their part of the summary:
-    ``{"subjects", "skipped", "findings", "replays", "crashed"}``. With ``args.claims`` (a lane of
-    ``tools/lanes.py``): only the groups of subjects, and the subjects skipped or not importable, this lane claims."""
+    ``{"subjects", "skipped", "findings", "replays", "crashed"}``."""
     from cp_harness.cases.descriptions import parse_world_sizes
-    from examples.automodel.tools import coverage, lanes
-
-    def mine(what: str) -> bool:
-        return args.claims is None or lanes.claim(Path(args.claims), what, args.lane)
+    from examples.automodel.tools import coverage
 
     summary: dict = {"subjects": {}, "skipped": {}, "findings": [], "replays": []}
     crashed = []
@@ -348,6 +343,8 @@ def _gate(subjects: list[str], args, known: list[dict], reports: Path, pool=None
     for subject in subjects:
         kind, name = subject.split(":", 1)
         path = reports / (f"{name}.training_step.json" if kind == "training" else f"{name}.json")
+        if path.exists():
+            path.unlink()
         if kind in ("spec", "training", "attention"):
             if kind == "attention":
                 from examples.automodel.tools.attention_gate import unmet as attention_unmet
@@ -356,8 +353,6 @@ def _gate(subjects: list[str], args, known: list[dict], reports: Path, pool=None
             else:
                 unmet = coverage.spec_unmet(spec_module(name))
             if unmet:
-                if not mine(subject):
-                    continue
                 summary["skipped"][subject] = unmet
                 where = "install flash-attn 2.8 beside it" if kind == "attention" else "the nightly GPU job runs it"
                 print(f"\nreal clients: skipped {subject}: {unmet} ({where})", flush=True)
@@ -365,12 +360,9 @@ def _gate(subjects: list[str], args, known: list[dict], reports: Path, pool=None
         try:
             settings = None if kind == "attention" else subject_settings(kind, name, args)
         except Exception as exc:  # noqa: BLE001 - a subject that does not import cannot be gated
-            if mine(subject):
-                crashed.append(f"{subject}: {type(exc).__name__}: {exc}")
+            crashed.append(f"{subject}: {type(exc).__name__}: {exc}")
             continue
         if kind == "training" and settings is None:
-            if not mine(subject):
-                continue
             print(f"\nreal clients: {subject} needs --world-sizes with {TRAINING_STEP_WORLD}; not run", flush=True)
             continue
         if settings is None:
@@ -379,17 +371,12 @@ def _gate(subjects: list[str], args, known: list[dict], reports: Path, pool=None
             keys[subject] = pool_key(kind, settings)
             pools.plan(keys[subject], settings.model or [settings.impl])
         planned.append((subject, path, settings))
-    groups: dict[tuple[str, int], list] = {}
-    for entry in planned:
-        groups.setdefault(keys[entry[0]], []).append(entry)
-    order = lanes.group_order({key: [e[0] for e in group] for key, group in groups.items()})
 
     # Progress as verify prints it, unless the caller's pool says this runs inside another command (the test).
     progress = open(os.devnull, "w") if pool is not None else None  # noqa: SIM115 - closed below
     try:
-        for subject, path, settings in (e for key in order if mine(f"{key[0]}-{key[1]}") for e in groups[key]):
+        for subject, path, settings in planned:
             kind, name = subject.split(":", 1)
-            path.unlink(missing_ok=True)
             try:
                 warm = pools.pool(keys[subject])
                 if settings is None:
@@ -443,11 +430,9 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
         type=int,
         choices=(1, 2),
         default=2,
-        help="2 (default): two processes, each taking the next group of subjects that share a pool (tools/lanes.py)",
+        help="2 (default): the model specs in a process of their own beside the other subjects (tools/lanes.py)",
     )
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a lane's summary file (tools/lanes.py)
-    parser.add_argument("--claims", default=None, help=argparse.SUPPRESS)  # the lanes' shared claims (tools/lanes.py)
-    parser.add_argument("--lane", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument(
         "--no-coverage",
         dest="coverage",
@@ -470,7 +455,8 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
 
     reports = Path(args.reports)
     reports.mkdir(parents=True, exist_ok=True)
-    if args.lanes > 1 and pool is None and args.part is None:
+    parts = lanes.split(subjects, args.lanes if pool is None and args.part is None else 1)
+    if len(parts) > 1:
         common = [
             "--examples",
             str(args.examples),
@@ -487,7 +473,7 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
             "--reports",
             str(reports),
         ]
-        done = lanes.run(common, subjects, reports, args.lanes)
+        done = lanes.run(common, parts, reports)
     else:
         done = [_gate(subjects, args, known, reports, pool)]
     if args.part is not None:  # a lane of another run: that run judges and reports
