@@ -422,7 +422,13 @@ def main(argv: list[str] | None = None, *, pool=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--world-sizes", default="1,2,3,4,8")
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
-    parser.add_argument("--shrink-seconds", type=float, default=60.0)
+    parser.add_argument(
+        "--shrink-seconds",
+        type=float,
+        default=20.0,
+        help="how long a failing row may shrink its failure (default %(default)s s, as verify's; it was 60 s before "
+        "a pool restart forked from an imported launcher: docs/benchmarks.md)",
+    )
     parser.add_argument("--reports", default="reports/real_clients", help="folder for the JSON reports and summary")
     parser.add_argument("--known", default=str(KNOWN), help="the documented defects (default: %(default)s)")
     parser.add_argument(
