@@ -86,7 +86,8 @@ def enter_start(request: dict) -> None:
 
 
 # ---------------------------------------------------------------------- the pool's side
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie has exited: only its exit status waits for its parent)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -192,7 +193,7 @@ class ForkServer:
         self.read()
         if pid in self._exits:
             return self._exits[pid]
-        if not self.alive and not _alive(pid):
+        if not self.alive and not process_alive(pid):
             self.read()
             return self._exits.get(pid, 1)
         return None

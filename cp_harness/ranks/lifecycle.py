@@ -29,7 +29,7 @@ from pathlib import Path
 
 from cp_harness.ranks import wire
 from cp_harness.ranks.diagnosis import exits_in_log, start_failure_report, start_timeout_report
-from cp_harness.ranks.fork_server import ForkServer, ForkServerGone, server_key
+from cp_harness.ranks.fork_server import ForkServer, ForkServerGone, process_alive, server_key
 from cp_harness.ranks.outputs import SHUTDOWN, PoolConfig, PoolLost
 
 STACK_DUMP_WAIT = 0.5  # seconds the ranks get to write their stacks after SIGUSR1
@@ -39,20 +39,6 @@ def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie has exited (only its exit status waits for its parent)
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -384,7 +370,7 @@ class RankProcesses:
                     pass
         if graceful and not self.agents and self.socks:  # ranks started elsewhere: they leave on the message
             deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and any(_alive(pid) for pid in self._local_pids()):
+            while time.monotonic() < deadline and any(process_alive(pid) for pid in self._local_pids()):
                 time.sleep(0.1)
         self._kill_tree()
         for sock in self.socks.values():
