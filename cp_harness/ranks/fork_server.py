@@ -103,10 +103,14 @@ def process_alive(pid: int) -> bool:
 
 def server_key(command: list[str], env: dict[str, str]) -> tuple:
     """What a server must have been started with to serve a start of ``command`` in ``env`` (see module docstring)."""
+    try:
+        folder = os.getcwd()
+    except FileNotFoundError:  # the working folder was deleted: a launcher started now would inherit it as it is
+        folder = None
     return (
         tuple(a for a in command if not a.startswith(PER_START_ARGS)),
         tuple(sorted((k, v) for k, v in env.items() if k not in PER_START_ENV)),
-        os.getcwd(),
+        folder,
     )
 
 
