@@ -36,11 +36,12 @@ PER_START_ARGS = ("--connect=", "--stack-dir=")
 
 
 class ForkServerGone(RuntimeError):
-    """The server exited (``code``; its log says why: most often an implementation that does not import)."""
+    """The server exited (``code``; its log, ``ForkServer.log_text``, says why: most often an implementation that
+    does not import)."""
 
-    def __init__(self, code: int | None, log: str):
+    def __init__(self, code: int | None):
         super().__init__(f"the fork launcher's server exited (exit code {code})")
-        self.code, self.log = code, log
+        self.code = code
 
 
 # ---------------------------------------------------------------------- the messages
@@ -212,14 +213,14 @@ class ForkServer:
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             self.proc.wait()
-            raise ForkServerGone(self.proc.returncode, self.log_text()) from None
+            raise ForkServerGone(self.proc.returncode) from None
         deadline = time.monotonic() + timeout
         while not self._spawned:
             if not self.alive:
                 self.read()
                 if self._spawned:
                     break
-                raise ForkServerGone(self.proc.returncode, self.log_text())
+                raise ForkServerGone(self.proc.returncode)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"the fork launcher's server did not start a launcher within {timeout:.0f} s")

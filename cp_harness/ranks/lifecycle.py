@@ -265,9 +265,9 @@ class RankProcesses:
             )
         except (ForkServerGone, TimeoutError) as exc:
             log.write_text(self.server.log_text() + "\n")
-            exited = {0: exc.code if isinstance(exc, ForkServerGone) else None}
+            code = exc.code if isinstance(exc, ForkServerGone) else None  # None: still importing at the deadline
             self._close_server()
-            raise RuntimeError(self._start_failure({n: c for n, c in exited.items() if c is not None})) from None
+            raise RuntimeError(self._start_failure({} if code is None else {0: code})) from None
 
     def _close_server(self) -> None:
         if self.server is not None:
