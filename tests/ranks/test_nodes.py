@@ -6,6 +6,9 @@ ranks each) as two "nodes".
 - killing one agent mid-case (SIGKILL, as a node is lost) fails that case within the case timeout, naming the node,
   its agent and its ranks; the pool, whose agents all run here, starts again and the next case passes.
 
+The two-agent tests run in the nightly job (marked ``nightly``: they cost the most CPU of any pair in the default
+command and catch no defect fixture); the ``srun`` play and the layout errors run in every command.
+
 What only a real cluster shows (other hosts, NCCL, SLURM) has never run: ``docs/meshes.md``.
 """
 
@@ -34,6 +37,12 @@ ARGS = {"nnodes": 2, "world_sizes": (4,), "case_timeout": CASE_TIMEOUT, "example
         "rows": ("gather_sequence", "convolution_history", "shifted_cp_loss")}
 
 
+# Each start of the two agents is six interpreters that import torch (two agents, four ranks): about 20 s of the
+# 2-core CPU for the two tests, the most any pair of tests in the default command cost (issue 36). They catch no
+# defect fixture (tests/project/test_nightly_scope.py), so they run in the nightly job, beside its two-node run.
+TWO_AGENTS = pytest.mark.nightly(reason="two torchrun agents as two nodes (about 20 s of CPU)")
+
+
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
     values = options.resolve(ARGS, environ={})
@@ -48,6 +57,7 @@ def two_nodes(tmp_path_factory):
         pool.cleanup_workdir()
 
 
+@TWO_AGENTS
 def test_verify_across_two_torchrun_agents_passes_three_cheap_rows_at_cp_4(two_nodes):
     settings, pool = two_nodes
     result = run_verify(settings, pool=pool, progress_stream=io.StringIO())
@@ -64,6 +74,7 @@ def test_verify_across_two_torchrun_agents_passes_three_cheap_rows_at_cp_4(two_n
     runner.check(MESH_IDENTITY.case(world_size=2, seed=0, mesh_layout={"dims": ["cp", "dp"], "shape": [2, 2]}))
 
 
+@TWO_AGENTS
 def test_a_killed_agent_fails_the_case_naming_its_node_and_the_pool_starts_again(two_nodes):
     _, pool = two_nodes
     pool.start()
