@@ -14,6 +14,10 @@ _LOSS_ON_GROUP_1 = {"check": "shifted_cp_loss", "world_size": 2, "seed": 204, "m
                     "mesh_layout": {"dims": ["dp", "cp"], "shape": [2, 2], "run": [1]}}
 
 # fixture -> (a case it fails, what its script must print while the defect is there)
+# The fixtures whose broken script ends only when its ``--timeout`` fires (a message sent to the wrong rank is never
+# received, and the rank waiting for it raises): their documented failure is that raise, so a short timeout there
+# decides nothing a long one would, while their passing runs keep the long one.
+WAITS_FOR_A_MESSAGE = frozenset({"broken_mesh_loss_peer_cp_rank"})
 FIXTURES = {
     "broken_gate_docs_full_length": ({
         "check": "mistral_large4_layout", "world_size": 3, "seed": 2, "model": "mistral_large4", "num_chunks": 1,
@@ -55,6 +59,7 @@ FIXTURES = {
                                   "shape": [2, 3, 2], "width": 3, "mesh_layout": {"dims": ["cp", "dp"], "shape": [2, 2]}},
                                  "is not part of group"),
     "broken_mesh_loss_peer_cp_rank": (_LOSS_ON_GROUP_1, "raised"),  # the label goes to rank 0: its peer waits
+    # (in WAITS_FOR_A_MESSAGE)
     "broken_mesh_rank_from_world": (_LOSS_ON_GROUP_1, "is not part of group"),
     "broken_mesh_gather_world": ({"check": "gather_tokens", "world_size": 3, "seed": 203, "dtype": "bfloat16",
                                   "shape": [2, 3], "differentiable": True,
