@@ -71,6 +71,17 @@ def test_spec_declares_what_the_harness_reads(name):
         assert callable(_resolve(dotted)), dotted
 
 
+def test_needs_cuda_reads_from_each_specs_source_what_importing_it_gives():
+    """``needs_cuda`` reads ``REQUIRES`` from the source (collection imported no spec for it), following the imports
+    that carry it from another spec; it must agree with the imported modules for every spec."""
+    from examples.automodel.models import SPECS, _declared_requirements, needs_cuda
+
+    for name in SPECS:
+        imported = set(getattr(importlib.import_module(f"{PACKAGE}.{name}"), "REQUIRES", {}))
+        assert _declared_requirements(name) == imported, name
+        assert needs_cuda(name) == ("cuda" in imported), name
+
+
 def test_load_balanced_sdpa_quotes_the_cpu_error_it_was_seen_with():
     spec = _spec("load_balanced_sdpa")
     assert "_scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered" in (

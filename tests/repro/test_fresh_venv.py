@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from targets import SPECS
-from test_repros import FRAMEWORK, ROOT, export_targets
+from test_repros import ROOT, export_targets, framework
 
 pytestmark = pytest.mark.nightly
 
@@ -35,7 +35,7 @@ def test_every_repro_runs_in_a_fresh_environment_with_torch_numpy_and_the_code_u
     from cp_harness import checks, repro
     from cp_harness.judging.policy import STRICT
 
-    if FRAMEWORK:
+    if framework():
         for name, (case, _) in SPECS.items():
             exported[name] = Path(repro.write(checks.check_of(case).repro.plan(repro.Request(case, "cp_impl", STRICT)),
                                               str(specs), f"{name}-repro"))
@@ -43,7 +43,7 @@ def test_every_repro_runs_in_a_fresh_environment_with_torch_numpy_and_the_code_u
     venv, code = base / "venv", base / "code"
     subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(venv)], check=True)
     _pip(venv, "-c", str(ROOT / "constraints" / "cpu.txt"), "torch", "numpy")
-    if FRAMEWORK:
+    if framework():
         _pip(venv, "--no-deps", "-r", str(ROOT / "constraints" / "framework.txt"),
              "-r", str(ROOT / "constraints" / "models.txt"))
     for folder in ("cp_impl", "examples", "tests/fixtures"):

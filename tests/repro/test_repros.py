@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import filecmp
+import functools
 import hashlib
 import io
 import json
@@ -41,15 +42,15 @@ EXPORTED = ROOT / "examples" / "automodel" / "repro" / "exported"
 ALLOWED = set(sys.stdlib_module_names) | {"numpy", "torch", "nemo_automodel"}
 
 
-def _framework() -> bool:
+@functools.cache
+def framework() -> bool:
+    """Whether the framework's sharder imports; asked by the tests that use it, not at collection (the import costs
+    each pytest worker over a second, and only the worker that runs the exports needs it)."""
     try:
         import nemo_automodel.components.distributed.context_parallel.sharder  # noqa: F401
     except Exception:  # noqa: BLE001
         return False
     return True
-
-
-FRAMEWORK = _framework()
 
 
 def export_targets(cp_runner, own_pool_runner, tmp_path_factory, framework_adapters=None,
@@ -62,7 +63,7 @@ def export_targets(cp_runner, own_pool_runner, tmp_path_factory, framework_adapt
     out: dict[str, Path] = {}
     directory = tmp_path_factory.mktemp("repros")
     fixtures = {name: case for name, (case, _) in FIXTURES.items()
-                if (FRAMEWORK or name not in NEEDS_FRAMEWORK) and int(case["world_size"]) <= cp_runner.config.world_size}
+                if (framework() or name not in NEEDS_FRAMEWORK) and int(case["world_size"]) <= cp_runner.config.world_size}
 
     def export(runner, names: list[str]) -> None:
         for name in names:
@@ -78,7 +79,7 @@ def export_targets(cp_runner, own_pool_runner, tmp_path_factory, framework_adapt
     alone = [name for name in fixtures if name not in NEEDS_FRAMEWORK]
     with own_pool_runner([fixtures[n] for n in alone], alone) as runner:
         export(runner, alone)
-    if FRAMEWORK:
+    if framework():
         from examples.automodel.tools import export_repros
         from examples.automodel.tools.defects import Failure
 
@@ -106,9 +107,9 @@ def export_targets(cp_runner, own_pool_runner, tmp_path_factory, framework_adapt
 
 
 def _every_fixture_and_documented_defect_has_a_script(exported):
-    expected = {n for n, (c, _) in FIXTURES.items() if FRAMEWORK or n not in NEEDS_FRAMEWORK}
+    expected = {n for n, (c, _) in FIXTURES.items() if framework() or n not in NEEDS_FRAMEWORK}
     assert expected <= set(exported), sorted(expected - set(exported))
-    if FRAMEWORK:
+    if framework():
         from examples.automodel.tools import export_repros
 
         assert {e["name"] for e in export_repros.entries()} <= set(exported)
@@ -258,7 +259,7 @@ def _each_script_fails_on_the_broken_code_and_passes_on_the_fix_without_the_harn
 
 
 def _the_committed_repros_of_the_documented_defects_are_current(exported):
-    if not FRAMEWORK:
+    if not framework():
         return
     from examples.automodel.tools import export_repros
 

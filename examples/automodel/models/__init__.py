@@ -39,6 +39,55 @@ SPECS: tuple[str, ...] = tuple(
 )
 
 
+def _sibling(node: ast.ImportFrom) -> str | None:
+    """The module of this package that ``from <module> import ...`` names, or ``None`` for any other module."""
+    if node.level == 1 and node.module:
+        return node.module
+    if node.level == 0 and node.module and node.module.startswith(f"{PACKAGE}."):
+        return node.module[len(PACKAGE) + 1 :]
+    return None
+
+
+def _declared_requirements(name: str, depth: int = 0) -> set[str] | None:
+    """The keys of module ``name``'s ``REQUIRES`` read from the source, not imported: its one top-level dict
+    literal, or what it takes from another module of this package (``from .x import REQUIRES`` or ``*``); ``set()``
+    when neither gives it one; ``None`` when only importing it can tell (a computed or modified ``REQUIRES``)."""
+    path = Path(__file__).with_name(f"{name}.py")
+    if depth > 4 or not path.is_file():
+        return None
+    tree = ast.parse(path.read_text())
+    assigned: list[ast.expr | None] = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        for target in targets:
+            if isinstance(target, ast.Subscript):
+                target = target.value  # REQUIRES[...] = ...
+            if getattr(target, "id", None) == "REQUIRES":
+                assigned.append(getattr(node, "value", None))
+    if assigned:
+        literal = assigned[0]
+        if len(assigned) > 1 or not isinstance(literal, ast.Dict):
+            return None
+        keys = [k.value if isinstance(k, ast.Constant) and isinstance(k.value, str) else None for k in literal.keys]
+        return None if None in keys else {str(k) for k in keys}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and any(a.name in ("REQUIRES", "*") for a in node.names):
+            sibling = _sibling(node)
+            if sibling is None:
+                return None
+            found = _declared_requirements(sibling, depth + 1)
+            if found != set() or any(a.name == "REQUIRES" for a in node.names):
+                return found
+    return set()
+
+
 def needs_cuda(name: str) -> bool:
-    """Whether spec ``name`` declares ``"cuda"`` in its ``REQUIRES`` (imports the spec)."""
+    """Whether spec ``name`` declares ``"cuda"`` in its ``REQUIRES``: read from its source where that is one dict
+    literal (importing a spec imports the framework's model code: over 6 s for every spec on a 2-core machine, which
+    each pytest worker paid while collecting ``tests/examples/test_real_model_gpu_specs.py``), imported otherwise."""
+    declared = _declared_requirements(name)
+    if declared is not None:
+        return "cuda" in declared
     return "cuda" in getattr(importlib.import_module(f"{PACKAGE}.{name}"), "REQUIRES", {})
