@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import platform
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from cp_harness.cases.descriptions import canonical
@@ -28,7 +28,12 @@ class VerifySettings:
     (``model``: then the real-model rows run), the CP sizes, examples per row, seed, the payload dtypes and
     row names it keeps (``None`` / empty: all), the judging policy, how the ranks start, where error maps go
     (``None``: a temporary folder), the shrinking budget in seconds and where standalone repros go (``None``:
-    none are written)."""
+    none are written).
+
+    ``known_failure`` (a caller's, not a command-line option): ``(row label, case, CaseReport) -> reason or None``,
+    asked about a row's first failing case; a reason means the failure is already accounted for (the real-client
+    gate: a documented defect of the subject, whose own case it replays), so the row reports that case as found,
+    not shrunk, and says why (``RowFailure.not_shrunk``)."""
 
     impl: str = "cp_impl"
     world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES
@@ -47,6 +52,9 @@ class VerifySettings:
     # Where the ranks run (``cp_harness.ranks.outputs.PoolConfig``): nodes, the rendezvous, this process's address.
     pool: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     export_repros: str | None = None  # where each failing row's standalone repro is written (None: nowhere)
+    known_failure: Callable[[str, dict, Any], str | None] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
 
     @property
     def resolved_case_timeout(self) -> float:
@@ -151,6 +159,8 @@ COLUMNS = {
     "standins": "kernel stand-ins some of the row's cases computed with instead of a device kernel (name -> what "
     "ran instead, cp_harness.standins); {}: none",
     "skipped": "why the row did not run here at all (e.g. every model spec it draws needs CUDA); null: it ran",
+    "not_shrunk": "why failing_case is the first failing case found rather than a shrunk one (the caller already "
+    "accounts for that failure: VerifySettings.known_failure); null: shrunk within shrink_seconds",
 }
 
 
@@ -221,6 +231,8 @@ def result_text(result: VerifyResult) -> str:
             continue
         if f.case is not None:
             lines.append(f"  case: {canonical(f.case)}\n  reproduce: {f.reproduce}")
+        if f.not_shrunk is not None:
+            lines.append(f"  not shrunk: {f.not_shrunk}")
         lines.append(condensed_text(f.report) if f.report is not None else f.text)
         lines += [f"  error map: {path}" for path in f.error_maps]
         if f.repro is not None:

@@ -78,6 +78,7 @@ class RowFailure:
     report: CaseReport | None = dataclasses.field(default=None, repr=False)
     error_maps: list[str] = dataclasses.field(default_factory=list)
     repro: Any = None  # the standalone repro written for it (``runner.Exported``), with --export-repros
+    not_shrunk: str | None = None  # why the case is the first failing one found, not a shrunk one
 
 
 @dataclasses.dataclass
@@ -139,6 +140,7 @@ class Row:
             "failure": f.text if f is not None else None,
             "failing_case": f.case if f is not None else None,
             "reproduce": f.reproduce if f is not None else None,
+            "not_shrunk": f.not_shrunk if f is not None else None,
             "error_maps": f.error_maps if f is not None else [],
             "repro_script": f.repro.path if f is not None and f.repro is not None else None,
             "repro_script_note": (f.repro.why or f.repro.note) if f is not None and f.repro is not None else None,

@@ -169,6 +169,7 @@ def run_verify(
                 result.error_map_dir,
                 s.shrink_seconds,
                 s.export_repros,
+                s.known_failure,
             )
     finally:
         progress.finish()

@@ -1,5 +1,6 @@
 """Running one row: Hypothesis draws its cases (the ``verify`` profile, seeded), the pool runs them, the
-row's tally counts them; a failure is shrunk for at most ``shrink_seconds`` and the smallest one kept."""
+row's tally counts them; a failure is shrunk for at most ``shrink_seconds`` and the smallest one kept (not at all
+when the caller already accounts for it: ``VerifySettings.known_failure``)."""
 
 from __future__ import annotations
 
@@ -102,15 +103,18 @@ def run_row(
     error_dir: str | None,
     shrink_seconds: float,
     repro_dir: str | None = None,
+    known_failure: Callable[[str, dict, Any], str | None] | None = None,
 ) -> None:
     """Draw, run and judge ``examples`` cases of ``row`` (its explicit cases first, then a case built for each claim
     that none of them reached: ``cases_built_for``) into its tally; on a failure
     record the smallest failing case (``row.failure``), its reproduction command, its error maps and, with
-    ``repro_dir``, its standalone repro written there (``CaseRunner.export_repro``)."""
+    ``repro_dir``, its standalone repro written there (``CaseRunner.export_repro``). A first failure that
+    ``known_failure`` (``VerifySettings.known_failure``) accounts for is recorded as found, without shrinking."""
     tally = row.tally
     failing: dict[str, Any] = {}  # canonical case -> its report, for every case seen failing
     last_failure: dict[str, Any] = {}
     shrink_started: list[float] = []
+    not_shrunk: list[str] = []  # the reason known_failure gave for the first failure: no shrinking runs
     in_flight: dict[str, Any] = {}  # the case being run, and whether it was counted yet (a crash names it)
 
     def judge(case):
@@ -118,8 +122,9 @@ def run_row(
         key = canonical(case)
         report = failing.get(key)  # seen failing already (e.g. Hypothesis' final replay): not run again
         if report is None:
-            if shrink_started and time.perf_counter() - shrink_started[0] > shrink_seconds:
-                # Shrinking budget spent: the smallest failure found so far is reported (it really failed).
+            if not_shrunk or (shrink_started and time.perf_counter() - shrink_started[0] > shrink_seconds):
+                # Shrinking budget spent (or the failure is accounted for): the smallest failure found so far is
+                # reported (it really failed); Hypothesis' remaining shrink candidates pass without running.
                 return
             report = runner.run(case)
             tally.add(case, report)
@@ -129,6 +134,9 @@ def run_row(
                 return
             if not shrink_started:
                 shrink_started.append(time.perf_counter())
+                known = known_failure(row.name, case, report) if known_failure is not None else None
+                if known is not None:
+                    not_shrunk.append(known)
                 first = (
                     report.problems[0].message
                     if report.problems
@@ -138,7 +146,11 @@ def run_row(
                 )
                 progress.note(
                     f"FAILED {row.name}: {first[:160]}\n  case: {key}\n"
-                    f"  (shrinking it for up to {shrink_seconds:g} s; the smallest failure is printed at the end)"
+                    + (
+                        f"  (not shrunk: {known})"
+                        if known is not None
+                        else f"  (shrinking it for up to {shrink_seconds:g} s; the smallest failure is printed at the end)"
+                    )
                 )
             failing[key] = report
         last_failure["case"], last_failure["report"] = case, report
@@ -196,6 +208,7 @@ def run_row(
             reproduce=repro_command(case, runner.impl, backend),
             report=report,
             error_maps=write_error_maps(report, error_dir),
+            not_shrunk=not_shrunk[0] if not_shrunk else None,
         )
         if repro_dir is not None:
             row.failure.repro = runner.export_repro(case, report, repro_dir)

@@ -17,6 +17,7 @@ import json
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,35 @@ def test_the_tensor_and_problem_signatures_match_only_their_failures():
     said = [_entry(defects.ProblemSaid(("rank 0 raised ValueError",)))]
     assert real_clients.judge("adapter:a", {"rows": [_row("model: M", [], problem=True)]}, said, "gloo")[0]["defect"] == "D9"
     assert real_clients.judge("adapter:a", {"rows": [_row("model: M", ["grad wk"])]}, said, "gloo")[0]["defect"] is None
+
+
+class _Report:
+    """What ``known_failure`` reads of a ``CaseReport``: its failing comparisons and its problems."""
+
+    def __init__(self, failing: list[str], problem: bool = False):
+        row = _row("model: M", failing, problem)
+        self._tensors = row["failing_tensors"]
+        self.problems = [types.SimpleNamespace(message=p["message"], detail=p["detail"]) for p in row["problems"]]
+
+    def failures(self):
+        return [types.SimpleNamespace(as_dict=lambda t=t: t) for t in self._tensors]
+
+
+def test_a_failure_a_documented_defect_explains_is_not_shrunk_and_any_other_is():
+    """The gate's ``VerifySettings.known_failure``: the same entry and signature as ``judge``, asked about a row's
+    first failing case; a reason (not shrunk) only where ``judge`` would call the row documented."""
+    explained = real_clients.known_failure("adapter:a", KNOWN, "gloo")
+    reason = explained("model: M", {}, _Report(["grad wk"]))
+    assert reason is not None and "D9" in reason and "replayed" in reason, reason
+    assert explained("model: M", {}, _Report(["logits", "grad wk"])) is None  # another signature: shrunk
+    assert explained("model: M", {}, _Report([], problem=True)) is None
+    assert explained("inkling2.gather_sequence", {}, _Report(["grad wk"])) is None  # another row
+    assert real_clients.known_failure("adapter:b", KNOWN, "gloo")("model: M", {}, _Report(["grad wk"])) is None
+    assert real_clients.known_failure("adapter:a", KNOWN, "nccl")("model: M", {}, _Report(["grad wk"])) is None
+    packed = [_entry(defects.GradientsWrong(), when={"batch.kind": "packed"})]
+    only_packed = real_clients.known_failure("adapter:a", packed, "gloo")
+    assert only_packed("model: M", {"batch": {"kind": "packed"}}, _Report(["grad wk"])) is not None
+    assert only_packed("model: M", {"batch": {"kind": "plain"}}, _Report(["grad wk"])) is None
 
 
 def test_passing_rows_give_no_verdict_and_the_table_marks_failures():
@@ -327,6 +357,9 @@ def test_the_gate_on_a_small_budget_calls_only_documented_rows_and_every_documen
     assert documented == listed, verdicts
     assert all(r["reproduced"] for r in summary["replays"]) and len(summary["replays"]) == len(listed), verdicts
     assert "status 3" in (tmp_path / "summary.md").read_text()
+    for subject, row in listed:  # each documented row reports its first failing case, and says why
+        rows = json.loads((tmp_path / f"{subject.split(':', 1)[1]}.json").read_text())["rows"]
+        assert "replayed" in next(r for r in rows if r["name"] == row)["not_shrunk"], (subject, row)
     # The same run judged with any one documented row left out of the file: that row becomes a new finding.
     known = real_clients.load_known()
     for key in listed:

@@ -75,3 +75,43 @@ def test_local_tensors_in_another_order_than_the_index_map_are_called_so(order):
     assert not report.ok
     assert ("rank 1: the local tensors hold the tokens of its index map in another order" in said) == \
         (order == "permuted"), said
+
+
+def _history_row() -> Row:
+    from cp_harness.checks.transport import CONVOLUTION_HISTORY
+
+    return Row(VerifyRow("halo", lambda space: CONVOLUTION_HISTORY.rows[0].cases(space),
+                         ("inkling2.convolution_history",), id="halo"))
+
+
+def test_a_failure_the_caller_accounts_for_is_reported_as_found_and_any_other_is_shrunk(cp_runner):
+    """``VerifySettings.known_failure``: the real-client gate's documented defects are not shrunk (their own cases
+    are replayed); a failure it does not account for shrinks as before. ``broken_gate_halo`` fails every case at
+    CP > 1, so the first failing case is drawn at once and shrinking has something to do."""
+    if cp_runner.config.world_size < 3:
+        pytest.skip("needs 3 ranks (--cp-world-sizes)")
+    asked: list[tuple[str, dict, bool]] = []
+
+    def documented(row: str, case: dict, report) -> str | None:
+        asked.append((row, case, report.ok))
+        return "documented defect X explains it"
+
+    def run(known_failure):
+        result = run_verify(VerifySettings(impl="broken_gate_halo", world_sizes=(2, 3), examples=6,
+                                           shrink_seconds=60.0, known_failure=known_failure),
+                            rows=[_history_row()], pool=cp_runner.pool, progress_stream=io.StringIO())
+        return result, result_text(result), json.loads(json.dumps(result.as_dict()))["rows"][0]
+
+    result, text, row = run(documented)
+    assert result.exit_code == 1, text
+    assert len(asked) == 1 and asked[0][0] == "halo" and asked[0][2] is False, asked  # asked once, on a failure
+    assert row["failed"] == 1 and row["examples"] == row["passed"] + 1, row  # not one shrinking run
+    assert row["failing_case"] == asked[0][1], row  # the case it was asked about is the one reported
+    assert row["not_shrunk"] == "documented defect X explains it", row
+    assert "  not shrunk: documented defect X explains it" in text, text
+
+    unexplained: list[dict] = []
+    result, text, shrunk = run(lambda row, case, report: unexplained.append(case))  # returns None: not accounted
+    assert result.exit_code == 1 and len(unexplained) == 1, text
+    assert shrunk["not_shrunk"] is None and "not shrunk" not in text, text
+    assert shrunk["failed"] > 1, shrunk  # Hypothesis' shrinking ran the implementation again

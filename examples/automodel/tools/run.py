@@ -35,6 +35,7 @@ Exit status:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.metadata
 import json
@@ -243,6 +244,36 @@ def replay(defect: dict, backend: str, pool=None) -> tuple[bool, str]:
     ) + ")"
 
 
+def documented_entry(subject: str, row: str, case: dict | None, known: list[dict], backend: str) -> dict | None:
+    """The entry of ``known`` (``load_known``) that documents a failure of ``subject``'s row labelled ``row`` on
+    ``case`` under ``backend`` (its ``when`` holds for the case), or ``None``; whether the failure shows the
+    entry's signature is the caller's question."""
+    return next(
+        (
+            d
+            for d in known
+            if d["subject"] == subject and d["row"] == row and backend in d["backends"] and holds(d.get("when"), case)
+        ),
+        None,
+    )
+
+
+def known_failure(subject: str, known: list[dict], backend: str):
+    """``VerifySettings.known_failure`` for ``subject``: a failing case that a documented defect of the subject's
+    row explains (the entry's ``when`` holds for it and the failure shows its signature, as ``judge`` decides) is
+    not shrunk. Its row is judged documented whatever the shrink would have ended on, and the defect's own case
+    is replayed after the subjects (``_replay_all``): the shrinking runs would only spend the row's budget on a
+    failure the gate already accounts for. Any other failure shrinks as before."""
+
+    def explained(row: str, case: dict, report) -> str | None:
+        match = documented_entry(subject, row, case, known, backend)
+        if match is None or not match["signature"].matches(Failure.of_report(report)):
+            return None
+        return f"documented {match['classification']} {match['id']} explains it (its documented case is replayed)"
+
+    return explained
+
+
 def judge(subject: str, report: dict, known: list[dict], backend: str) -> list[dict]:
     """One verdict per failing row of ``subject`` (``adapter:X`` / ``spec:X``):
     ``{"subject", "row", "defect" (id or None), "why"}``."""
@@ -251,17 +282,7 @@ def judge(subject: str, report: dict, known: list[dict], backend: str) -> list[d
         if row["ok"]:
             continue
         failure = Failure.of_row(row)
-        match = next(
-            (
-                d
-                for d in known
-                if d["subject"] == subject
-                and d["row"] == row["name"]
-                and backend in d["backends"]
-                and holds(d.get("when"), row.get("failing_case"))
-            ),
-            None,
-        )
+        match = documented_entry(subject, row["name"], row.get("failing_case"), known, backend)
         if match is not None and match["signature"].matches(failure):
             verdicts.append(
                 {
@@ -365,6 +386,8 @@ def _gate(subjects: list[str], args, known: list[dict], reports: Path, pool=None
         if kind == "training" and settings is None:
             print(f"\nreal clients: {subject} needs --world-sizes with {TRAINING_STEP_WORLD}; not run", flush=True)
             continue
+        if settings is not None:
+            settings = dataclasses.replace(settings, known_failure=known_failure(subject, known, args.backend))
         if settings is None:
             keys[subject] = ("impls", max(sizes))
         else:
