@@ -13,8 +13,8 @@ examples.automodel.adapters.<adapter>`` runs, on the rows and CP sizes the adapt
 ``tools/attention_gate.py``; docs/real_clients.md, "The EAGLE-3 CP attention"). Every subject runs on a warm pool
 it shares with the subjects of its kind and size (``tools/pools.py``); the command that runs one alone is printed
 before it. With ``--lanes 2`` (the default) the model specs run in a second process beside the other subjects
-(``tools/lanes.py``), each lane verifying, judging and replaying its own; this process merges their parts. Then the case of every row a documented defect reaches (``known_defects.json``,
-``examples/automodel/tools/defects.py``) is replayed on its subject's pool, and ``<reports>/summary.json``
+(``tools/lanes.py``), each lane verifying, judging and replaying its own; this process merges their parts. Right after each subject, the case of every row of it a documented defect reaches
+(``known_defects.json``, ``examples/automodel/tools/defects.py``) is replayed on its pool; then ``<reports>/summary.json``
 and ``<reports>/summary.md`` get the status, the verdicts, the coverage table (``examples/automodel/tools/coverage.py``:
 every CP function of the installed framework, what exercises it, where it runs) and the verify tables.
 ``main(argv, pool=...)`` runs the adapters and attention subjects on the caller's warm ``RankPool`` instead (the
@@ -262,7 +262,7 @@ def known_failure(subject: str, known: list[dict], backend: str):
     """``VerifySettings.known_failure`` for ``subject``: a failing case that a documented defect of the subject's
     row explains (the entry's ``when`` holds for it and the failure shows its signature, as ``judge`` decides) is
     not shrunk. Its row is judged documented whatever the shrink would have ended on, and the defect's own case
-    is replayed after the subjects (``_replay_all``): the shrinking runs would only spend the row's budget on a
+    is replayed after its subject (``_replay_all``): the shrinking runs would only spend the row's budget on a
     failure the gate already accounts for. Any other failure shrinks as before."""
 
     def explained(row: str, case: dict, report) -> str | None:
@@ -423,9 +423,10 @@ def _gate(subjects: list[str], args, known: list[dict], reports: Path, pool=None
                 "not_judged": {r["name"]: r.get("not_judged") for r in report["rows"] if r.get("not_judged")},
             }
             summary["findings"] += judge(subject, report, known, args.backend)
-
-        to_replay = [d for d in known if d["subject"] in summary["subjects"] and args.backend in d["backends"]]
-        summary["replays"] = _replay_all(to_replay, args.backend, lambda row: pools.warm(keys[row["subject"]]))
+            # The subject's documented rows are replayed now, on its pool while the ranks still hold what its cases
+            # compiled: a rank that runs another spec's case forgets it (``model_specs.one_spec_at_a_time``).
+            to_replay = [d for d in known if d["subject"] == subject and args.backend in d["backends"]]
+            summary["replays"] += _replay_all(to_replay, args.backend, lambda row, pool=warm: pool)
     finally:
         pools.close()
         if progress is not None:
