@@ -141,6 +141,8 @@ def import_once(args: argparse.Namespace) -> None:
 
     for problem in preload(args.preload):  # the real models' specs (and transformers), once
         print(f"cp_harness.ranks.worker: {problem}", file=sys.stderr, flush=True)
+    if args.preload:
+        _probe_vector_isa()
     import threading
 
     if threading.active_count() > 1:  # a fork carries only this thread over; the others' locks may be held
@@ -151,6 +153,18 @@ def import_once(args: argparse.Namespace) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def _probe_vector_isa() -> None:
+    """Inductor's check of the CPU's vector instructions, answered once here for every rank of a model pool.
+
+    The real models' compiled functions (the framework's ``torch.compile``) ask it on a rank's first compile. It
+    loads a probe library in a child interpreter (about 0.2 s of CPU) and each process keeps the answer
+    (``functools.cache``), so without this every forked rank ran its own child: 64 of them in ``real_clients
+    --examples 10``. The answer is the same: the ranks run on this machine with this environment."""
+    from torch._inductor import cpu_vec_isa
+
+    bool(cpu_vec_isa.pick_vec_isa())
 
 
 def fork_ranks(args: argparse.Namespace, argv: list[str] | None) -> int:
