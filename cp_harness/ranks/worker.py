@@ -158,10 +158,12 @@ def import_once(args: argparse.Namespace) -> None:
 def _probe_vector_isa() -> None:
     """Inductor's check of the CPU's vector instructions, answered once here for every rank of a model pool.
 
-    The real models' compiled functions (the framework's ``torch.compile``) ask it on a rank's first compile. It
-    loads a probe library in a child interpreter (about 0.2 s of CPU) and each process keeps the answer
-    (``functools.cache``), so without this every forked rank ran its own child: 64 of them in ``real_clients
-    --examples 10``. The answer is the same: the ranks run on this machine with this environment."""
+    The real models' compiled functions (the framework's ``torch.compile``) ask it whenever inductor generates C++
+    (a shape its cache does not hold: every compile on a clean machine). It loads a probe library in child
+    interpreters (0.85 s of CPU here, once per process: ``functools.cache``), so without this every forked rank that
+    compiled ran its own: 64 children, 12.5 CPU-s in a warm ``real_clients --examples 10``. A pool whose ranks only
+    hit the cache pays the 0.85 s for nothing (the default command's two model pools on a warm machine). The answer
+    is the same: the ranks run on this machine with this environment."""
     from torch._inductor import cpu_vec_isa
 
     bool(cpu_vec_isa.pick_vec_isa())

@@ -32,13 +32,14 @@ def _defect_names() -> set[str]:
     }
 
 
-def _modules_with_nightly_tests() -> list[Path]:
-    return sorted(
-        path
-        for folder in (ROOT / "tests", ROOT / "cp_harness" / "tests")
-        for path in folder.rglob("test_*.py")
-        if path != Path(__file__).resolve() and NIGHTLY.search(path.read_text())
-    )
+def _test_modules() -> tuple[list[Path], list[Path]]:
+    """``(modules holding a nightly test, modules whose tests all run in the default command)``, each file read once."""
+    nightly, default = [], []
+    for folder in (ROOT / "tests", ROOT / "cp_harness" / "tests"):
+        for path in sorted(folder.rglob("test_*.py")):
+            if path != Path(__file__).resolve():
+                (nightly if NIGHTLY.search(path.read_text()) else default).append(path)
+    return nightly, default
 
 
 def _named(text: str, names: set[str]) -> list[str]:
@@ -46,27 +47,16 @@ def _named(text: str, names: set[str]) -> list[str]:
     return sorted(names & set(re.findall(r"\w+", text)))
 
 
-def _default_modules() -> list[Path]:
-    """The test modules with no nightly test: every test in them runs in the default command."""
-    nightly = set(_modules_with_nightly_tests())
-    return [
-        path
-        for folder in (ROOT / "tests", ROOT / "cp_harness" / "tests")
-        for path in folder.rglob("test_*.py")
-        if path not in nightly and path != Path(__file__).resolve()
-    ]
-
-
 def test_every_defect_a_nightly_module_names_is_named_by_a_test_the_default_command_runs():
     names = _defect_names()
     assert len(names) > 40, names  # the folders moved: this test would check nothing
-    modules = _modules_with_nightly_tests()
+    modules, default = _test_modules()
     assert {m.relative_to(ROOT).as_posix() for m in modules} >= {
         "tests/ranks/test_nodes.py",
         "tests/project/test_platforms.py",
     }, modules
     judged = set()
-    for path in _default_modules():
+    for path in default:
         judged.update(_named(path.read_text(), names))
     for module in modules:
         text = module.read_text()

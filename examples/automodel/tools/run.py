@@ -13,9 +13,10 @@ examples.automodel.adapters.<adapter>`` runs, on the rows and CP sizes the adapt
 ``tools/attention_gate.py``; docs/real_clients.md, "The EAGLE-3 CP attention"). Every subject runs on a warm pool
 it shares with the subjects of its kind and size (``tools/pools.py``); the command that runs one alone is printed
 before it. With ``--lanes 2`` (the default) the model specs run in a second process beside the other subjects
-(``tools/lanes.py``), each lane verifying, judging and replaying its own; this process merges their parts. Right after each subject, the case of every row of it a documented defect reaches
-(``known_defects.json``, ``examples/automodel/tools/defects.py``) is replayed on its pool; then ``<reports>/summary.json``
-and ``<reports>/summary.md`` get the status, the verdicts, the coverage table (``examples/automodel/tools/coverage.py``:
+(``tools/lanes.py``), each lane verifying, judging and replaying its own; this process merges their parts. Right
+after each subject, the case of every row of it a documented defect reaches (``known_defects.json``,
+``examples/automodel/tools/defects.py``) is replayed on its pool; then ``<reports>/summary.json`` and
+``<reports>/summary.md`` get the status, the verdicts, the coverage table (``examples/automodel/tools/coverage.py``:
 every CP function of the installed framework, what exercises it, where it runs) and the verify tables.
 ``main(argv, pool=...)`` runs the adapters and attention subjects on the caller's warm ``RankPool`` instead (the
 default command's test of the gate does).
