@@ -303,16 +303,14 @@ def judge(subject: str, report: dict, known: list[dict], backend: str) -> list[d
     return verdicts
 
 
-def _replay_all(rows: list[dict], backend: str, pool_of) -> list[dict]:
-    """Replay every documented row's case on the pool its subject ran on (``pool_of(row)``: a warm pool with
-    enough ranks for the case, else ``None`` and the case gets a pool of its own)."""
+def _replay_all(rows: list[dict], backend: str, warm) -> list[dict]:
+    """Replay every documented row's case (rows of one subject) on ``warm``, the pool its subject ran on; a case
+    that needs more ranks than it has gets a pool of its own."""
     from cp_harness.cases.meshes import ranks_needed
 
     out = []
     for row in rows:
-        pool = pool_of(row)
-        if pool is not None and ranks_needed(row["case"]) > pool.config.world_size:
-            pool = None
+        pool = warm if ranks_needed(row["case"]) <= warm.config.world_size else None
         reproduced, account = replay(row, backend, pool=pool)
         out.append(
             {
@@ -427,7 +425,7 @@ def _gate(subjects: list[str], args, known: list[dict], reports: Path, pool=None
             # The subject's documented rows are replayed now, on its pool while the ranks still hold what its cases
             # compiled: a rank that runs another spec's case forgets it (``model_specs.one_spec_at_a_time``).
             to_replay = [d for d in known if d["subject"] == subject and args.backend in d["backends"]]
-            summary["replays"] += _replay_all(to_replay, args.backend, lambda row, pool=warm: pool)
+            summary["replays"] += _replay_all(to_replay, args.backend, warm)
     finally:
         pools.close()
         if progress is not None:
